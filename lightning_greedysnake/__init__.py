@@ -1,0 +1,30 @@
+"""lightning-greedysnake: GreedySnake's vertical schedule as a PyTorch Lightning strategy.
+
+``import lightning_greedysnake`` registers the strategy names ``"greedysnake"`` (vertical) and
+``"greedysnake_horizontal"`` (the baseline order on the same engine).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.models import GPT, GPTConfig, LayerChain, LayeredModel
+from lightning_greedysnake.precision import GreedySnakePrecision
+from lightning_greedysnake.schedule import ScheduleKind, build_horizontal_plan, build_vertical_plan
+from lightning_greedysnake.strategy import GreedySnakeStrategy
+
+GreedySnakeStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "GreedySnakeConfig",
+    "GreedySnakePrecision",
+    "GreedySnakeStrategy",
+    "LayerChain",
+    "LayeredModel",
+    "ScheduleKind",
+    "build_horizontal_plan",
+    "build_vertical_plan",
+]

@@ -1,0 +1,380 @@
+"""Runs one accumulation window's Plan on a layered model.
+
+The engine is driven from outside in segments, because the fused ops belong to the caller (Lightning's
+``training_step`` and ``backward``):
+
+    begin_window(M)
+    for m in 0..M-1:
+        set_inputs(...) for every micro-batch in inputs_needed_until_fused(m)
+        run_until_fused(m)          # F ops (and, horizontally, nothing else)
+        out = fused_forward(m, ...)  # called from inside the user's training_step
+        <caller back-propagates its loss through ``out``>
+        fused_backward_done(m)      # B and O ops that follow, up to the next F or L op
+    finish_window()
+
+Synchronous on CPU; this is the only part that will know about time (threads, streams) once the
+offloaded tiers arrive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.models import LayerChain, Unit
+from lightning_greedysnake.offload import TensorStore
+from lightning_greedysnake.schedule import Op, OpKind, Plan, build_plan
+
+
+class InputMismatchError(RuntimeError):
+    """The training_step fed the model different inputs than when the window was planned."""
+
+
+@dataclass
+class _RngState:
+    """Global RNG state before a unit's forward, so its recomputation draws the same dropout masks."""
+
+    cpu: Tensor
+    cuda: Tensor | None
+    device: torch.device
+
+    @classmethod
+    def capture(cls, device: torch.device) -> _RngState:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), cuda, device)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the body with this state, then put the current global state back: recomputation must not
+        change what later code draws."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+@dataclass
+class _Microbatch:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    ctx: Any = None
+    act_grad: Tensor | None = None
+    """Gradient w.r.t. the output of the unit whose backward runs next for this micro-batch; None when
+    the loss did not depend on it (then the earlier units get no gradient from this micro-batch)."""
+
+
+@dataclass
+class _Window:
+    plan: Plan
+    microbatches: list[_Microbatch | None]
+    cursor: int = 0
+    rng: dict[tuple[int, int], _RngState] = field(default_factory=dict)
+    graphs: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = field(default_factory=dict)
+    fused_leaf: dict[int, Tensor | None] = field(default_factory=dict)
+    fused_pending: int | None = None
+
+    @property
+    def next_op(self) -> Op | None:
+        return self.plan.ops[self.cursor] if self.cursor < len(self.plan.ops) else None
+
+
+def _check_hidden(value: Any, where: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"{where} returned a {type(value).__name__}; greedysnake passes a single tensor between units. "
+            "Fix: make each block return its hidden state as one tensor (put extras in the chain's ctx)."
+        )
+    return value
+
+
+def same_inputs(a: tuple[tuple, dict], b: tuple[tuple, dict]) -> bool:
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b):
+        if isinstance(x, Tensor) or isinstance(y, Tensor):
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
+                return False
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.detach().cpu(), y.detach().cpu()):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+class WindowEngine:
+    def __init__(
+        self,
+        chain: LayerChain,
+        units: list[Unit],
+        config: GreedySnakeConfig,
+        store: TensorStore,
+        device: torch.device,
+    ) -> None:
+        self.chain = chain
+        self.units = units
+        self.config = config
+        self.store = store
+        self.device = device
+        self._window: _Window | None = None
+        self._held_unit: int | None = None
+
+    # -- window lifecycle ---------------------------------------------------------------------------
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    @property
+    def window_active(self) -> bool:
+        return self._window is not None
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._window.plan if self._window is not None else None
+
+    def begin_window(self, num_microbatches: int) -> Plan:
+        assert self._window is None, "begin_window while another window is active"
+        plan = build_plan(self.config.schedule, self.num_units, num_microbatches)
+        self._window = _Window(plan, [None] * num_microbatches)
+        return plan
+
+    def abort_window(self) -> None:
+        """Forget the current window (nothing was stepped for it)."""
+        self._release_held()
+        self._window = None
+        self.store.end_window()
+
+    def finish_window(self) -> None:
+        w = self._require_window()
+        assert w.cursor == len(w.plan.ops), (
+            f"window finished after {w.cursor} of {len(w.plan.ops)} ops; next is {w.next_op}"
+        )
+        self.abort_window()
+
+    @property
+    def window_complete(self) -> bool:
+        w = self._window
+        return w is not None and w.cursor == len(w.plan.ops)
+
+    # -- inputs ---------------------------------------------------------------------------------------
+    def has_inputs(self, microbatch: int) -> bool:
+        return self._require_window().microbatches[microbatch] is not None
+
+    def set_inputs(self, microbatch: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        w = self._require_window()
+        assert w.microbatches[microbatch] is None, f"inputs of micro-batch {microbatch} set twice"
+        w.microbatches[microbatch] = _Microbatch(args, kwargs)
+
+    def inputs_needed_until_fused(self, microbatch: int) -> list[int]:
+        """Micro-batches whose model inputs the ops up to and including ``L.microbatch`` read."""
+        w = self._require_window()
+        needed: list[int] = []
+        for op in w.plan.ops[w.cursor :]:
+            reads_inputs = op.kind is OpKind.FORWARD and op.unit == 0
+            reads_inputs |= op.kind is OpKind.FUSED and op.unit == 0
+            if reads_inputs and op.microbatch not in needed:
+                needed.append(op.microbatch)
+            if op.kind is OpKind.FUSED and op.microbatch == microbatch:
+                break
+        return needed
+
+    # -- driving ---------------------------------------------------------------------------------------
+    def run_until_fused(self, microbatch: int) -> None:
+        w = self._require_window()
+        assert w.fused_pending is None, f"fused op of micro-batch {w.fused_pending} still awaits backward"
+        while True:
+            op = w.next_op
+            assert op is not None, f"plan ended before L.{microbatch}"
+            if op.kind is OpKind.FUSED:
+                assert op.microbatch == microbatch, f"next fused op is {op}, caller is at micro-batch {microbatch}"
+                return
+            self._run(op)
+            w.cursor += 1
+
+    def fused_forward(self, microbatch: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The last unit, head and loss inputs for ``microbatch``, with autograd on."""
+        w = self._require_window()
+        op = w.next_op
+        assert op is not None and op.kind is OpKind.FUSED and op.microbatch == microbatch
+        if w.fused_pending is not None:
+            raise RuntimeError(
+                "training_step called the layered model twice for one micro-batch; greedysnake runs the model "
+                "unit by unit and needs exactly one call per training_step."
+            )
+        mb = self._inputs(microbatch)
+        if not same_inputs((args, kwargs), (mb.args, mb.kwargs)):
+            raise InputMismatchError(
+                f"training_step called the model with different inputs for micro-batch {microbatch} than when "
+                "greedysnake planned the window (it runs training_step once ahead of time, up to the model "
+                "call, to collect every micro-batch's inputs). Fix: make everything before the model call in "
+                "training_step deterministic (e.g. no random augmentation there; do it in the dataloader)."
+            )
+        unit = self.units[op.unit]
+        self._ensure_unit(op.unit)
+        with torch.enable_grad():
+            if op.unit == 0:
+                hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
+                hidden = _check_hidden(hidden, "pre")
+                mb.ctx = ctx
+                leaf = None
+            else:
+                stored = self.store.load_checkpoint(op.unit, microbatch)
+                leaf = stored.detach().requires_grad_(stored.is_floating_point())
+                hidden = leaf
+            hidden = self._blocks(unit, hidden, mb.ctx)
+            out = self.chain.post(hidden, mb.ctx)
+        w.fused_leaf[microbatch] = leaf
+        w.fused_pending = microbatch
+        return out
+
+    def fused_backward_done(self, microbatch: int) -> None:
+        """The caller's backward through ``fused_forward``'s output is done (or there was no loss): run the
+        ops that follow up to the next forward-side op."""
+        w = self._require_window()
+        op = w.next_op
+        assert op is not None and op.kind is OpKind.FUSED and op.microbatch == microbatch, (
+            f"fused_backward_done({microbatch}) but the next op is {op}"
+        )
+        mb = self._inputs(microbatch)
+        leaf = w.fused_leaf.pop(microbatch, None)
+        mb.act_grad = leaf.grad if leaf is not None else None
+        if op.unit > 0:
+            self.store.drop_checkpoint(op.unit, microbatch)
+        w.fused_pending = None
+        w.cursor += 1
+        while (nxt := w.next_op) is not None and nxt.kind in (OpKind.BACKWARD, OpKind.OPTIMIZER):
+            self._run(nxt)
+            w.cursor += 1
+
+    @property
+    def fused_pending(self) -> int | None:
+        return self._window.fused_pending if self._window is not None else None
+
+    # -- evaluation -------------------------------------------------------------------------------------
+    def eval_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward, unit by unit through the store (outside any training window's state)."""
+        hidden: Any = None
+        ctx: Any = None
+        for unit in self.units:
+            self.store.acquire_unit(unit.index)
+            try:
+                if unit.index == 0:
+                    hidden, ctx = self.chain.pre(*args, **kwargs)
+                    hidden = _check_hidden(hidden, "pre")
+                hidden = self._blocks(unit, hidden, ctx)
+                if unit.index == self.num_units - 1:
+                    hidden = self.chain.post(hidden, ctx)
+            finally:
+                self.store.release_unit(unit.index)
+        return hidden
+
+    def close(self) -> None:
+        if self._window is not None:
+            self.abort_window()
+        self._release_held()
+
+    # -- ops ----------------------------------------------------------------------------------------------
+    def _run(self, op: Op) -> None:
+        if op.kind is OpKind.FORWARD:
+            self._forward(op.unit, op.microbatch)
+        elif op.kind is OpKind.BACKWARD:
+            self._backward(op.unit, op.microbatch)
+        elif op.kind is OpKind.OPTIMIZER:
+            self.store.gradient_ready(op.unit)
+        else:  # pragma: no cover - fused ops are run by the caller
+            raise AssertionError(f"engine cannot run {op} itself")
+
+    def _forward(self, u: int, m: int) -> None:
+        w = self._require_window()
+        mb = self._inputs(m)
+        unit = self.units[u]
+        self._ensure_unit(u)
+        recompute = self.config.recompute
+        if recompute:
+            w.rng[(u, m)] = _RngState.capture(self.device)
+        # Recompute mode: no graph now, backward rebuilds it. Otherwise keep the graph until B u.m.
+        with torch.no_grad() if recompute else torch.enable_grad():
+            if u == 0:
+                hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
+                hidden = _check_hidden(hidden, "pre")
+                mb.ctx = ctx
+                leaf = None
+            else:
+                leaf = self.store.load_checkpoint(u, m)
+                hidden = leaf
+            out = self._blocks(unit, hidden, mb.ctx)
+        if recompute:
+            self.store.save_checkpoint(u + 1, m, out)
+        else:
+            nxt = out.detach().requires_grad_(out.is_floating_point())
+            w.graphs[(u, m)] = (leaf, out)
+            self.store.save_checkpoint(u + 1, m, nxt)
+
+    def _backward(self, u: int, m: int) -> None:
+        w = self._require_window()
+        mb = self._inputs(m)
+        grad = mb.act_grad
+        if grad is None:  # nothing flows back from this micro-batch: zero gradient, nothing to do
+            w.rng.pop((u, m), None)
+            w.graphs.pop((u, m), None)
+            if u > 0:
+                self.store.drop_checkpoint(u, m)
+            return
+        unit = self.units[u]
+        self._ensure_unit(u)
+        leaf: Tensor | None
+        if self.config.recompute:
+            with w.rng.pop((u, m)).replay(), torch.enable_grad():
+                if u == 0:
+                    hidden, _ = self.chain.pre(*mb.args, **mb.kwargs)
+                    leaf = None
+                else:
+                    stored = self.store.load_checkpoint(u, m)
+                    leaf = stored.detach().requires_grad_(stored.is_floating_point())
+                    hidden = leaf
+                out = self._blocks(unit, hidden, mb.ctx)
+        else:
+            leaf, out = w.graphs.pop((u, m))
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)
+        mb.act_grad = leaf.grad if leaf is not None else None
+        if u > 0:
+            self.store.drop_checkpoint(u, m)
+
+    def _blocks(self, unit: Unit, hidden: Tensor, ctx: Any) -> Tensor:
+        for i in unit.block_indices:
+            hidden = _check_hidden(self.chain.block_forward(self.chain.blocks[i], hidden, ctx), f"block {i}")
+        return hidden
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _ensure_unit(self, u: int) -> None:
+        """Consecutive ops on one unit share one acquisition of its weights."""
+        if self._held_unit == u:
+            return
+        self._release_held()
+        self.store.acquire_unit(u)
+        self._held_unit = u
+
+    def _release_held(self) -> None:
+        if self._held_unit is not None:
+            self.store.release_unit(self._held_unit)
+            self._held_unit = None
+
+    def _inputs(self, m: int) -> _Microbatch:
+        mb = self._require_window().microbatches[m]
+        assert mb is not None, f"inputs of micro-batch {m} were never set"
+        return mb
+
+    def _require_window(self) -> _Window:
+        assert self._window is not None, "no active window"
+        return self._window

@@ -1,0 +1,25 @@
+"""Layered models: the protocol, this package's GPT, and adapters for other model families."""
+
+from lightning_greedysnake.models.discovery import (
+    LayeredModelNotFound,
+    Unit,
+    check_parameter_ownership,
+    find_layered_model,
+    make_units,
+)
+from lightning_greedysnake.models.gpt import GPT, GPTConfig
+from lightning_greedysnake.models.protocol import LayerChain, LayeredModel, chain_of, sequential_chain
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "LayerChain",
+    "LayeredModel",
+    "LayeredModelNotFound",
+    "Unit",
+    "chain_of",
+    "check_parameter_ownership",
+    "find_layered_model",
+    "make_units",
+    "sequential_chain",
+]

@@ -1,0 +1,89 @@
+"""The layered-model seam: what the engine needs to know about a model to run it unit by unit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+PreFn = Callable[..., tuple[Tensor, Any]]
+"""``pre(*args, **kwargs) -> (hidden, ctx)``: the model's input processing (e.g. embeddings). ``ctx`` is
+anything the blocks or the head need besides the hidden state (masks, positions, targets); it must not
+require grad, since it is computed once per micro-batch and shared by all units."""
+
+BlockFn = Callable[[nn.Module, Tensor, Any], Tensor]
+"""``block_forward(block, hidden, ctx) -> hidden``."""
+
+PostFn = Callable[[Tensor, Any], Any]
+"""``post(hidden, ctx) -> output``: final norm, head; its result is what the model's ``forward`` returns."""
+
+
+@dataclass(frozen=True)
+class LayerChain:
+    """A model seen as ``pre -> blocks[0..L-1] -> post``.
+
+    ``pre_modules`` and ``post_modules`` list the modules whose parameters ``pre`` and ``post`` use, so the
+    engine can assign every parameter to exactly one unit.
+    """
+
+    pre_modules: Sequence[nn.Module]
+    blocks: Sequence[nn.Module]
+    post_modules: Sequence[nn.Module]
+    pre: PreFn
+    block_forward: BlockFn
+    post: PostFn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole chain, in memory: equal to the model's own forward by contract."""
+        hidden, ctx = self.pre(*args, **kwargs)
+        for block in self.blocks:
+            hidden = self.block_forward(block, hidden, ctx)
+        return self.post(hidden, ctx)
+
+
+@runtime_checkable
+class LayeredModel(Protocol):
+    """Implement this on an ``nn.Module`` to train it with greedysnake.
+
+    The chain's forward must compute exactly what the module's ``forward`` computes for the same inputs.
+    """
+
+    def layer_chain(self) -> LayerChain: ...
+
+
+def _call_block(block: nn.Module, hidden: Tensor, ctx: Any) -> Tensor:
+    return block(hidden)
+
+
+def sequential_chain(model: nn.Sequential) -> LayerChain:
+    """``nn.Sequential``: every child is one block; no pre or post (identity)."""
+    if len(model) == 0:
+        raise ValueError("greedysnake found an empty nn.Sequential; it needs at least one child layer")
+
+    def pre(*args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        if kwargs or len(args) != 1:
+            raise TypeError(
+                "an nn.Sequential takes exactly one positional input; the training_step called it with "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        return args[0], None
+
+    return LayerChain(
+        pre_modules=(),
+        blocks=tuple(model.children()),
+        post_modules=(),
+        pre=pre,
+        block_forward=_call_block,
+        post=lambda hidden, ctx: hidden,
+    )
+
+
+def chain_of(module: nn.Module) -> LayerChain | None:
+    """The chain of ``module`` if it is a layered model or a built-in adapter knows it, else None."""
+    if isinstance(module, LayeredModel):
+        return module.layer_chain()
+    if isinstance(module, nn.Sequential):
+        return sequential_chain(module)
+    return None

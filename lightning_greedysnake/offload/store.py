@@ -1,0 +1,78 @@
+"""The tensor manager seam: the engine asks it for each unit's weights and activation checkpoints, and
+hands it each unit's finished gradient. The in-memory implementation keeps everything where it is; the
+SSD tier plugs in behind the same Protocol."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@runtime_checkable
+class TensorStore(Protocol):
+    def acquire_unit(self, unit: int) -> None:
+        """Make ``unit``'s compute weights usable on the compute device until ``release_unit``."""
+
+    def release_unit(self, unit: int) -> None:
+        """The engine is done with ``unit``'s weights for now."""
+
+    def save_checkpoint(self, unit: int, microbatch: int, hidden: Tensor) -> None:
+        """Keep the input of ``unit`` for ``microbatch`` (the output of ``unit - 1``)."""
+
+    def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
+        """The tensor saved by ``save_checkpoint``; it stays stored until ``drop_checkpoint``."""
+
+    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
+        """The checkpoint will not be read again in this window."""
+
+    def gradient_ready(self, unit: int) -> None:
+        """``unit``'s parameter gradient for this window is complete (the optimizer may step it)."""
+
+    def end_window(self) -> None:
+        """The window is over (finished or abandoned): forget its checkpoints."""
+
+    def close(self) -> None:
+        """Release every resource (buffers, files, threads). Idempotent."""
+
+
+class InMemoryTensorStore:
+    """Everything stays on the compute device; counts what an offloading store would have to move."""
+
+    def __init__(self) -> None:
+        self._checkpoints: dict[tuple[int, int], Tensor] = {}
+        self.weight_loads: Counter[int] = Counter()
+        """Times each unit's weights were acquired, since construction."""
+        self.gradient_ready_order: list[int] = []
+        """Units in the order their gradients completed, since construction."""
+
+    def acquire_unit(self, unit: int) -> None:
+        self.weight_loads[unit] += 1
+
+    def release_unit(self, unit: int) -> None:
+        pass
+
+    def save_checkpoint(self, unit: int, microbatch: int, hidden: Tensor) -> None:
+        key = (unit, microbatch)
+        assert key not in self._checkpoints, f"checkpoint {key} saved twice in one window"
+        self._checkpoints[key] = hidden
+
+    def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
+        return self._checkpoints[(unit, microbatch)]
+
+    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
+        self._checkpoints.pop((unit, microbatch), None)
+
+    def gradient_ready(self, unit: int) -> None:
+        self.gradient_ready_order.append(unit)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._checkpoints)
+
+    def end_window(self) -> None:
+        self._checkpoints.clear()
+
+    def close(self) -> None:
+        self._checkpoints.clear()

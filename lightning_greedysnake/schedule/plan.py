@@ -1,0 +1,196 @@
+"""Schedules as data: the order in which one accumulation window runs, as a list of ops.
+
+This module is pure Python (no torch) so that the orders can be built, printed and checked in isolation.
+
+Vocabulary. A model is a chain ``pre -> blocks -> post`` grouped into ``num_units`` units; unit 0 also owns
+``pre`` and the last unit also owns ``post``. A window is ``num_microbatches`` micro-batches that share one
+optimizer step. Ops:
+
+- ``F u.m``: forward of unit ``u`` (never the last unit) on micro-batch ``m``; its output is the checkpoint
+  that unit ``u + 1`` starts from, and the input of ``u`` is kept for recomputation.
+- ``L u.m``: the *fused* last-unit op: forward of the last unit, head and loss on micro-batch ``m`` with
+  autograd on, immediately followed by its backward. It produces the activation gradient that the
+  backward of unit ``u - 1`` starts from. This is where the user's ``training_step`` runs.
+- ``B u.m``: backward of unit ``u`` on micro-batch ``m``, recomputing the unit from its checkpoint.
+- ``O u``: unit ``u``'s parameter gradient is complete: hand it to the optimizer.
+
+The vertical ("greedy snake") order runs every micro-batch through unit ``u`` before unit ``u + 1`` and
+alternates direction between neighbouring units. The snake is anchored at the fused ops, which run in
+micro-batch order ``0..M-1`` (Lightning hands the strategy its micro-batches in that order, and each
+fused op is one ``training_step``): so unit ``U-2``'s forward runs ``M-1..0`` and ends on micro-batch 0,
+the first fused op; the backward of unit ``U-2`` starts at micro-batch ``M-1``, the last fused op. At every
+turn the micro-batch that finished one unit starts the next, so its activation is still at hand.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class OpKind(str, enum.Enum):
+    FORWARD = "F"
+    FUSED = "L"
+    BACKWARD = "B"
+    OPTIMIZER = "O"
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    unit: int
+    microbatch: int | None = None  # None only for OPTIMIZER ops
+
+    def __str__(self) -> str:
+        if self.kind is OpKind.OPTIMIZER:
+            return f"O{self.unit}"
+        return f"{self.kind.value}{self.unit}.{self.microbatch}"
+
+
+class ScheduleKind(str, enum.Enum):
+    VERTICAL = "vertical"
+    HORIZONTAL = "horizontal"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One window's ops in execution order."""
+
+    schedule: ScheduleKind
+    num_units: int
+    num_microbatches: int
+    ops: tuple[Op, ...]
+
+    def text(self) -> str:
+        return " ".join(str(op) for op in self.ops)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+def _check_sizes(num_units: int, num_microbatches: int) -> None:
+    if num_units < 1:
+        raise ValueError(f"num_units must be >= 1, got {num_units}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+
+
+def _snake_order(unit: int, num_units: int, num_microbatches: int) -> list[int]:
+    """Micro-batch order for ``unit``'s forward and backward: descending on the unit just before the last
+    one, alternating from there towards unit 0."""
+    ascending = list(range(num_microbatches))
+    descending = ascending[::-1]
+    return descending if (num_units - 2 - unit) % 2 == 0 else ascending
+
+
+def build_vertical_plan(num_units: int, num_microbatches: int) -> Plan:
+    """GreedySnake's layer-major order for one window."""
+    _check_sizes(num_units, num_microbatches)
+    last = num_units - 1
+    ops: list[Op] = []
+    for unit in range(last):
+        ops += [Op(OpKind.FORWARD, unit, m) for m in _snake_order(unit, num_units, num_microbatches)]
+    ops += [Op(OpKind.FUSED, last, m) for m in range(num_microbatches)]
+    ops.append(Op(OpKind.OPTIMIZER, last))
+    for unit in range(last - 1, -1, -1):
+        ops += [Op(OpKind.BACKWARD, unit, m) for m in _snake_order(unit, num_units, num_microbatches)]
+        ops.append(Op(OpKind.OPTIMIZER, unit))
+    plan = Plan(ScheduleKind.VERTICAL, num_units, num_microbatches, tuple(ops))
+    check_plan(plan)
+    return plan
+
+
+def build_horizontal_plan(num_units: int, num_microbatches: int) -> Plan:
+    """The usual (ZeRO-Infinity) order: each micro-batch through all units, forward then backward; every
+    unit's gradient is complete only after the last micro-batch."""
+    _check_sizes(num_units, num_microbatches)
+    last = num_units - 1
+    ops: list[Op] = []
+    for m in range(num_microbatches):
+        ops += [Op(OpKind.FORWARD, unit, m) for unit in range(last)]
+        ops.append(Op(OpKind.FUSED, last, m))
+        ops += [Op(OpKind.BACKWARD, unit, m) for unit in range(last - 1, -1, -1)]
+    ops += [Op(OpKind.OPTIMIZER, unit) for unit in range(last, -1, -1)]
+    plan = Plan(ScheduleKind.HORIZONTAL, num_units, num_microbatches, tuple(ops))
+    check_plan(plan)
+    return plan
+
+
+def build_plan(schedule: ScheduleKind | str, num_units: int, num_microbatches: int) -> Plan:
+    kind = ScheduleKind(schedule)
+    if kind is ScheduleKind.VERTICAL:
+        return build_vertical_plan(num_units, num_microbatches)
+    return build_horizontal_plan(num_units, num_microbatches)
+
+
+class PlanError(AssertionError):
+    """A plan breaks an invariant: a bug in a plan builder, never a user error."""
+
+
+def check_plan(plan: Plan) -> None:
+    """Checks the data dependencies every executor relies on.
+
+    - every (unit, micro-batch) pair has exactly one forward-side op (F, or L for the last unit) and, below
+      the last unit, exactly one B;
+    - F u.m comes after F u-1.m; L m after F U-2.m; B U-2.m after L m; B u.m after B u+1.m;
+    - every unit has exactly one O, after all of its unit's backward-side ops (L for the last unit, B else).
+    """
+    last = plan.num_units - 1
+    position: dict[tuple[OpKind, int, int | None], int] = {}
+    for i, op in enumerate(plan.ops):
+        key = (op.kind, op.unit, op.microbatch)
+        if key in position:
+            raise PlanError(f"op {op} appears twice")
+        if not 0 <= op.unit <= last:
+            raise PlanError(f"op {op} names a unit outside 0..{last}")
+        if op.kind is OpKind.FUSED and op.unit != last:
+            raise PlanError(f"fused op {op} is not on the last unit {last}")
+        if op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and op.unit == last:
+            raise PlanError(f"op {op} runs the last unit outside a fused op")
+        position[key] = i
+
+    def at(kind: OpKind, unit: int, m: int | None) -> int:
+        try:
+            return position[(kind, unit, m)]
+        except KeyError:
+            raise PlanError(f"missing op {Op(kind, unit, m)}") from None
+
+    for m in range(plan.num_microbatches):
+        for u in range(last):
+            f = at(OpKind.FORWARD, u, m)
+            if u > 0 and f < at(OpKind.FORWARD, u - 1, m):
+                raise PlanError(f"F{u}.{m} runs before F{u - 1}.{m}")
+            b = at(OpKind.BACKWARD, u, m)
+            upstream = at(OpKind.FUSED, last, m) if u == last - 1 else at(OpKind.BACKWARD, u + 1, m)
+            if b < upstream:
+                raise PlanError(f"B{u}.{m} runs before the backward of unit {u + 1}")
+        fused = at(OpKind.FUSED, last, m)
+        if last > 0 and fused < at(OpKind.FORWARD, last - 1, m):
+            raise PlanError(f"L{last}.{m} runs before F{last - 1}.{m}")
+    for u in range(plan.num_units):
+        o = at(OpKind.OPTIMIZER, u, None)
+        kind = OpKind.FUSED if u == last else OpKind.BACKWARD
+        for m in range(plan.num_microbatches):
+            if o < at(kind, u, m):
+                raise PlanError(f"O{u} runs before {Op(kind, u, m)} completed unit {u}'s gradient")
+    expected = plan.num_microbatches * (2 * plan.num_units - 1) + plan.num_units
+    if len(plan.ops) != expected:
+        raise PlanError(f"plan has {len(plan.ops)} ops, expected {expected}")
+
+
+def weight_loads_per_window(plan: Plan) -> dict[int, int]:
+    """How many times each unit's weights must be brought in, when consecutive ops on the same unit share
+    one load. Vertical: 2 per unit (forward pass, backward pass; 1 for the last unit, whose forward and
+    backward are fused); horizontal: 2 per micro-batch. This is what the SSD tier will pay."""
+    loads = {u: 0 for u in range(plan.num_units)}
+    previous_unit: int | None = None
+    for op in plan.ops:
+        if op.kind is OpKind.OPTIMIZER:
+            continue
+        if op.unit != previous_unit:
+            loads[op.unit] += 1
+        previous_unit = op.unit
+    return loads

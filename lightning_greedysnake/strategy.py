@@ -1,0 +1,397 @@
+"""Lightning glue: turns Lightning's per-micro-batch hooks into engine calls. Owns no tensor logic.
+
+How a window of K micro-batches maps onto Lightning (automatic optimization, accumulate_grad_batches=K):
+
+- micro-batch m's ``training_step`` -> the engine runs the plan up to the fused op ``L.m`` (vertically at
+  m=0: every unit but the last, for all K micro-batches, read ahead through :class:`LookaheadLoader`),
+  then the user's own ``training_step`` runs with the layered model's ``forward`` answered by the fused
+  op: the last unit and head, from the checkpoint. The user's loss and ``self.log`` calls are real.
+- micro-batch m's ``backward`` -> the loss is back-propagated through the fused op; the engine then runs
+  the backward ops that follow (vertically after the last micro-batch: unit by unit, recomputing).
+- the optimizer step -> the precision plugin makes sure the window's backward is complete, then
+  Lightning's own path runs: ``on_before_optimizer_step``, gradient clipping, ``optimizer.step()``,
+  LR schedulers, ``global_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor, nn
+
+from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.engine import WindowEngine
+from lightning_greedysnake.lookahead import LookaheadLoader
+from lightning_greedysnake.models import check_parameter_ownership, find_layered_model, make_units
+from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
+from lightning_greedysnake.precision import GreedySnakePrecision
+
+
+class _CapturedInputs(BaseException):
+    """Raised from the layered model's forward to stop a look-ahead training_step at the model call.
+
+    A BaseException, so that a user's ``except Exception`` around the model call does not swallow it."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.args = args
+        self.kwargs = kwargs
+
+
+def _loss_of(output: Any) -> Tensor | None:
+    """What Lightning will back-propagate from a training_step output (mirrors ClosureResult)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        return loss if isinstance(loss, Tensor) else None
+    return None
+
+
+class GreedySnakeStrategy(SingleDeviceStrategy):
+    """Trains a layered model with GreedySnake's vertical schedule and recompute backward.
+
+    Args:
+        config: a full :class:`GreedySnakeConfig`; keyword settings below override its fields.
+        checkpoint_io: Lightning's checkpoint IO plugin.
+        precision_plugin: usually left out; ``Trainer(precision=...)`` decides.
+        **settings: any :class:`GreedySnakeConfig` field, e.g. ``schedule="horizontal"``,
+            ``layers_per_unit=2``.
+    """
+
+    strategy_name = "greedysnake"
+
+    def __init__(
+        self,
+        config: GreedySnakeConfig | Mapping[str, Any] | None = None,
+        *,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        **settings: Any,
+    ) -> None:
+        if isinstance(config, Mapping):
+            settings = {**config, **settings}
+            config = None
+        # validate first: bad settings fail at construction, before Lightning does anything
+        self.config = GreedySnakeConfig.from_kwargs(config, **settings)
+        super().__init__(device="cpu", checkpoint_io=checkpoint_io)
+        # Lightning's accelerator connector fills this from Trainer(accelerator=..., devices=...)
+        self.parallel_devices: list[torch.device] | None = None
+        self._gs_precision: GreedySnakePrecision | None = None
+        if precision_plugin is not None:
+            self.precision_plugin = precision_plugin
+        self._engine: WindowEngine | None = None
+        self._store: TensorStore | None = None
+        self._layered: nn.Module | None = None
+        self._layered_path: str | None = None
+        self._train_loader: LookaheadLoader | None = None
+        self._seen_iterator: object | None = None
+        self._iterator_offset = 0
+        self._window_start = 0
+        self._warned_hooks: set[str] = set()
+
+    # -- Lightning plumbing ------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        if self.parallel_devices:
+            return torch.device(self.parallel_devices[0])
+        return torch.device("cpu")
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> GreedySnakePrecision:
+        if self._gs_precision is None:
+            self._gs_precision = GreedySnakePrecision()
+        return self._gs_precision
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning installs a plain plugin built from Trainer(precision=...) after constructing a
+        # strategy chosen by name; keep ours (translated) instead, or refuse what we cannot honour.
+        self._gs_precision = GreedySnakePrecision.from_plugin(plugin)
+        self._precision_plugin = self._gs_precision
+
+    @property
+    def engine(self) -> WindowEngine:
+        assert self._engine is not None, "the strategy is not set up"
+        return self._engine
+
+    @property
+    def store(self) -> TensorStore:
+        assert self._store is not None, "the strategy is not set up"
+        return self._store
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        presets = {
+            "greedysnake": ("GreedySnake vertical schedule", {"schedule": "vertical"}),
+            "greedysnake_horizontal": (
+                "the horizontal (ZeRO-Infinity) order on the greedysnake engine",
+                {"schedule": "horizontal"},
+            ),
+        }
+        for name, (description, params) in presets.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **params)
+
+    # -- setup and teardown ------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"strategy='greedysnake' runs on one device for now; got devices={len(self.parallel_devices)}. "
+                "Fix: Trainer(devices=1)."
+            )
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_module_for_training(module)
+        path, layered, chain = find_layered_model(module, self.config.layered_module)
+        units = make_units(chain, self.config.layers_per_unit)
+        if fitting:
+            check_parameter_ownership(module, path, units)
+        super().setup(trainer)  # model to device, optimizers, precision plugin
+        if fitting:
+            self._check_optimizers()
+        self._layered, self._layered_path = layered, path
+        self._store = InMemoryTensorStore()
+        self._engine = WindowEngine(chain, units, self.config, self._store, self.root_device)
+        self.precision_plugin.attach(self._finish_window)
+
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        if self._store is not None:
+            self._store.close()
+        self.precision_plugin.attach(None)
+        self._engine = None
+        self._store = None
+        self._train_loader = None
+        super().teardown()
+
+    def _check_module_for_training(self, module: LightningModule) -> None:
+        if not module.automatic_optimization:
+            raise ValueError(
+                "strategy='greedysnake' owns backward and the optimizer step, so it needs "
+                "automatic_optimization=True (found False). Fix: remove `self.automatic_optimization = False` "
+                "and return the loss from training_step."
+            )
+        if type(module).backward is not LightningModule.backward:
+            raise ValueError(
+                f"{type(module).__name__} overrides `backward`, which strategy='greedysnake' cannot honour: it "
+                "back-propagates unit by unit itself. Fix: remove the override (use on_before_backward or "
+                "on_before_optimizer_step for custom logic)."
+            )
+        if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+            raise ValueError(
+                "training_step(dataloader_iter) is not supported by strategy='greedysnake': it reads a window "
+                "of batches ahead. Fix: take `batch` (and optionally `batch_idx`) as arguments."
+            )
+        if type(module).on_after_backward is not LightningModule.on_after_backward:
+            self._warn_once(
+                "on_after_backward",
+                f"{type(module).__name__}.on_after_backward runs after each micro-batch's backward through the "
+                "last unit only; with strategy='greedysnake' the earlier units' gradients are complete only "
+                "in on_before_optimizer_step. Inspect gradients there.",
+            )
+
+    def _check_optimizers(self) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"strategy='greedysnake' needs exactly one optimizer from configure_optimizers (got "
+                f"{len(self.optimizers)}). Fix: return one optimizer, with several param groups if needed."
+            )
+        if isinstance(self.optimizers[0], torch.optim.LBFGS):
+            raise ValueError(
+                "torch.optim.LBFGS re-evaluates the closure several times per step, which strategy='greedysnake' "
+                "cannot do. Fix: use AdamW, Adam or SGD."
+            )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned_hooks:
+            self._warned_hooks.add(key)
+            rank_zero_warn(message)
+
+    # -- data ---------------------------------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if isinstance(dataloader, LookaheadLoader):
+            dataloader = dataloader.loader
+        keep = max(2 * trainer.accumulate_grad_batches + 2, 4)
+        self._train_loader = LookaheadLoader(dataloader, keep=keep)  # type: ignore[arg-type]
+        return self._train_loader
+
+    def _raw_batch(self, position: int) -> Any:
+        """The raw batch at epoch-local ``position`` (None past the end of the data)."""
+        loader = self._train_loader
+        if loader is None or loader.iterator is None:
+            raise RuntimeError(
+                "greedysnake could not read the training data ahead: the train dataloader was not set up "
+                "through the strategy (several train dataloaders are not supported). Fix: return a single "
+                "DataLoader from train_dataloader()."
+            )
+        return loader.iterator.get(position - self._iterator_offset)
+
+    def _sync_iterator(self, position: int) -> None:
+        loader = self._train_loader
+        iterator = loader.iterator if loader is not None else None
+        if iterator is not self._seen_iterator:
+            # first batch of a fresh iterator (new epoch): it is this iterator's batch 0
+            self._seen_iterator = iterator
+            self._iterator_offset = position
+
+    def _window_size(self, start: int, position: int, k: int) -> int:
+        """Micro-batches in the window that ``position`` opens (Lightning's own windows: aligned to
+        multiples of K within the epoch, the last one cut by the end of the data)."""
+        trainer = self.lightning_module.trainer
+        end = start + k
+        limit = trainer.num_training_batches
+        if limit != float("inf"):
+            end = min(end, int(limit))
+        size = 1
+        for p in range(position + 1, end):
+            if self._raw_batch(p) is None:
+                break
+            size += 1
+        return size
+
+    def _step_args(self, raw: Any, position: int) -> tuple[Any, ...]:
+        """Prepare a read-ahead batch exactly as Lightning prepares the batch it hands to training_step."""
+        trainer = self.lightning_module.trainer
+        module = self.lightning_module
+        batch = trainer.precision_plugin.convert_input(raw)
+        batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+        batch = self.batch_to_device(batch, dataloader_idx=0)
+        if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2):
+            return (batch, position)
+        return (batch,)
+
+    # -- the training step ------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        trainer = self.lightning_module.trainer
+        position = trainer.fit_loop.epoch_loop.batch_idx
+        k = trainer.accumulate_grad_batches
+        self._sync_iterator(position)
+        start = position - position % k
+        if engine.window_active and (position % k == 0 or position < self._window_start):
+            # the previous window never reached its optimizer step (the epoch was cut short): Lightning
+            # discards its gradients too; drop our state for it
+            self._warn_once("abandoned", "greedysnake: an accumulation window ended without an optimizer step.")
+            engine.abort_window()
+        if not engine.window_active:
+            self._window_start = position
+            engine.begin_window(self._window_size(start, position, k))
+        microbatch = position - self._window_start
+        for needed in engine.inputs_needed_until_fused(microbatch):
+            if engine.has_inputs(needed):
+                continue
+            if needed == microbatch:
+                step_args, step_kwargs = args, kwargs
+            else:
+                raw = self._raw_batch(self._window_start + needed)
+                step_args, step_kwargs = self._step_args(raw, self._window_start + needed), {}
+            engine.set_inputs(needed, *self._capture_inputs(step_args, step_kwargs))
+        engine.run_until_fused(microbatch)
+        with self._forward_replaced(lambda *a, **kw: engine.fused_forward(microbatch, a, kw)):
+            output = super().training_step(*args, **kwargs)
+        if engine.fused_pending != microbatch:
+            raise ValueError(self._no_model_call_message())
+        if _loss_of(output) is None:
+            # Lightning skips backward when training_step returns no loss: this micro-batch adds nothing
+            engine.fused_backward_done(microbatch)
+        return output
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        engine = self.engine
+        microbatch = engine.fused_pending
+        assert microbatch is not None, "backward called without a fused forward"
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        engine.fused_backward_done(microbatch)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _finish_window(self) -> None:
+        self.engine.finish_window()
+
+    def _capture_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        """Run training_step up to its model call and return the model's inputs (logging muted)."""
+
+        def capture(*a: Any, **kw: Any) -> Any:
+            raise _CapturedInputs(a, kw)
+
+        with self._forward_replaced(capture), self._logging_muted():
+            try:
+                with self.precision_plugin.train_step_context():
+                    self.lightning_module.training_step(*args, **kwargs)
+            except _CapturedInputs as captured:
+                return captured.args, captured.kwargs
+        raise ValueError(self._no_model_call_message())
+
+    def _no_model_call_message(self) -> str:
+        where = self._layered_path or "the LightningModule itself"
+        return (
+            f"training_step did not call the layered model ({where}: {type(self._layered).__name__}). "
+            "strategy='greedysnake' runs that model unit by unit and needs training_step to call it exactly "
+            "once per micro-batch. Fix: call it in training_step, or point layered_module at the module "
+            "training_step calls."
+        )
+
+    @contextlib.contextmanager
+    def _forward_replaced(self, fn: Callable[..., Any]) -> Iterator[None]:
+        """Answer calls to the layered model with ``fn``; an instance attribute shadows the class's
+        ``forward`` while nn.Module.__call__ (and any hooks) stay in place."""
+        module = self._layered
+        assert module is not None
+        previous = module.__dict__.get("forward")
+        module.forward = fn  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous  # type: ignore[method-assign]
+
+    @contextlib.contextmanager
+    def _logging_muted(self) -> Iterator[None]:
+        module = self.lightning_module
+        module.log = lambda *a, **k: None  # type: ignore[method-assign]
+        module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.log
+            del module.log_dict
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_replaced(self.engine.eval_forward):
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_replaced(self.engine.eval_forward):
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._forward_replaced(self.engine.eval_forward):
+            return super().predict_step(*args, **kwargs)

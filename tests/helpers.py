@@ -1,0 +1,164 @@
+"""Small LightningModules, data and a recording logger shared by the tests."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_greedysnake import GPT, GPTConfig
+
+
+class RecordingLogger(Logger):
+    """Keeps every ``log_metrics`` call in memory: the real logger path, nothing written to disk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((step, dict(metrics)))
+
+    def series(self, key: str) -> list[tuple[int | None, float]]:
+        return [(step, m[key]) for step, m in self.records if key in m]
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> dict[str, Any]:
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps)
+
+    return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}
+
+
+class OptimizerMixin:
+    optimizer_name = "adamw"
+    lr = 1e-2
+    weight_decay = 0.1
+    warmup_steps = 3
+    scheduler_interval = "step"
+
+    def configure_optimizers(self) -> Any:
+        groups = param_groups(self, self.weight_decay)  # type: ignore[arg-type]
+        if self.optimizer_name == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=self.lr)
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(groups, lr=self.lr)
+        elif self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        else:
+            raise ValueError(self.optimizer_name)
+        if self.scheduler_interval == "epoch":
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+        return {"optimizer": opt, "lr_scheduler": warmup_scheduler(opt, self.warmup_steps)}
+
+
+class TinyGPTModule(OptimizerMixin, L.LightningModule):
+    def __init__(self, n_layer: int = 3, dropout: float = 0.0, **overrides: Any) -> None:
+        super().__init__()
+        self.model = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32, block_size=8,
+                                   dropout=dropout))
+        for key, value in overrides.items():
+            setattr(self, key, value)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        self.log("val_loss", loss)
+        return loss
+
+
+class SequentialModule(OptimizerMixin, L.LightningModule):
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.LayerNorm(12), nn.Linear(12, 3)
+        )
+        for key, value in overrides.items():
+            setattr(self, key, value)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+
+def token_loader(num_batches: int, batch_size: int = 2, seq: int = 8, vocab: int = 32, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (num_batches * batch_size, seq + 1), generator=g)
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size, shuffle=False)
+
+
+def regression_loader(num_batches: int, batch_size: int = 4, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_batches * batch_size, 6, generator=g)
+    y = torch.randn(num_batches * batch_size, 3, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def make_trainer(strategy: Any, k: int, logger: Logger | None = None, **kwargs: Any) -> L.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        accumulate_grad_batches=k,
+        logger=logger if logger is not None else False,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy, **defaults)
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def assert_series_close(a: list[tuple[Any, float]], b: list[tuple[Any, float]], atol: float) -> None:
+    assert len(a) == len(b) and len(a) > 0, (len(a), len(b))
+    for (step_a, va), (step_b, vb) in zip(a, b):
+        assert step_a == step_b, (step_a, step_b)
+        assert math.isclose(va, vb, rel_tol=0.0, abs_tol=atol), (step_a, va, vb)
