@@ -76,6 +76,15 @@ class LookaheadLoader:
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
+    _OWN_ATTRIBUTES = frozenset({"loader", "keep", "iterator"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets e.g. worker_init_fn after process_dataloader: it belongs on the real loader
+        if name in self._OWN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
     def __getattr__(self, name: str) -> Any:
         # only called for attributes not found on the wrapper itself
         loader = self.__dict__.get("loader", _MISSING)

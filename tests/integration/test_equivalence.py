@@ -1,0 +1,188 @@
+"""greedysnake against Lightning's default strategy: same optimizer, same accumulate_grad_batches.
+
+The tolerance: summation order of a unit's gradient differs only by micro-batch order (the snake runs
+some units K-1..0), and Adam turns those last-bit differences into parameter differences of order
+lr * 1e-3; the learning rate is chosen so that a real mistake (a missing or doubled micro-batch, a stale
+weight) moves parameters by about lr per step, orders of magnitude above the tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_greedysnake import GreedySnakeStrategy
+from tests.helpers import (
+    RecordingLogger,
+    SequentialModule,
+    TinyGPTModule,
+    assert_series_close,
+    make_trainer,
+    max_abs_diff,
+    regression_loader,
+    token_loader,
+)
+
+NUM_BATCHES = 10  # K=3 -> windows 3,3,3,1; K=4 -> 4,4,2: the epoch's last window is partial
+LR = 3e-3
+
+
+class GradRecorder(L.Callback):
+    """Gradients as the optimizer sees them (after the whole window's backward, before clipping)."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        self.grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def _make(model: str, **overrides: Any) -> tuple[L.LightningModule, Any]:
+    if model == "gpt":
+        return TinyGPTModule(n_layer=3, lr=LR, **overrides), token_loader(NUM_BATCHES)
+    return SequentialModule(lr=LR, **overrides), regression_loader(NUM_BATCHES)
+
+
+def run(strategy: Any, model: str, k: int, trainer_kwargs: dict | None = None, **overrides: Any) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    module, loader = _make(model, **overrides)
+    logger, grads = RecordingLogger(), GradRecorder()
+    trainer = make_trainer(strategy, k, logger=logger, callbacks=[grads], **(trainer_kwargs or {}))
+    trainer.fit(module, loader)
+    return {
+        "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "logger": logger,
+        "grads": grads,
+        "global_step": trainer.global_step,
+        "state_dict": trainer.strategy.lightning_module_state_dict(),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model: str, k: int) -> dict[str, Any]:
+    return run("auto", model, k)
+
+
+def assert_matches(got: dict[str, Any], ref: dict[str, Any], atol: float = 1e-5) -> None:
+    assert got["global_step"] == ref["global_step"]
+    assert max_abs_diff(got["params"], ref["params"]) <= atol
+    for key in ("train_loss_step", "train_loss_epoch"):
+        assert_series_close(got["logger"].series(key), ref["logger"].series(key), atol)
+    # the first window's gradients, before any optimizer step amplifies rounding
+    g0, r0 = got["grads"].grads[0], ref["grads"].grads[0]
+    assert g0.keys() == r0.keys()
+    assert max_abs_diff(g0, r0) <= 1e-6
+    assert got["grads"].lrs == ref["grads"].lrs
+
+
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+@pytest.mark.parametrize("layers_per_unit", [1, 2])
+@pytest.mark.parametrize("k", [1, 3, 4])
+@pytest.mark.parametrize("model", ["gpt", "sequential"])
+def test_matches_lightning_default(model, k, layers_per_unit, schedule):
+    ref = reference(model, k)
+    got = run(GreedySnakeStrategy(schedule=schedule, layers_per_unit=layers_per_unit), model, k)
+    assert_matches(got, ref)
+    # the strategy's state dict (what checkpoints store) is the trained model
+    assert max_abs_diff({k_: v for k_, v in got["state_dict"].items() if k_ in got["params"]}, got["params"]) == 0
+
+
+def test_reference_run_really_trains():
+    """Guards the comparison itself: parameters move by far more than the tolerance."""
+    L.seed_everything(0, verbose=False)
+    initial = {n: p.detach().clone() for n, p in _make("gpt")[0].named_parameters()}
+    assert max_abs_diff(initial, reference("gpt", 3)["params"]) > 100 * 1e-5
+
+
+@pytest.mark.parametrize("strategy_name", ["greedysnake", "greedysnake_horizontal"])
+def test_by_name(strategy_name):
+    got = run(strategy_name, "gpt", 3)
+    assert_matches(got, reference("gpt", 3))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"optimizer_name": "adam"},
+        {"optimizer_name": "sgd"},
+        {"scheduler_interval": "epoch"},
+    ],
+    ids=["adam", "sgd-momentum", "epoch-scheduler"],
+)
+def test_optimizers_and_schedulers(overrides):
+    ref = run("auto", "gpt", 3, **overrides)
+    got = run(GreedySnakeStrategy(), "gpt", 3, **overrides)
+    assert_matches(got, ref)
+
+
+@pytest.mark.parametrize("algorithm,value", [("norm", 0.05), ("value", 0.001)])
+def test_gradient_clipping(algorithm, value):
+    trainer_kwargs = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
+    ref = run("auto", "gpt", 4, trainer_kwargs=trainer_kwargs)
+    got = run(GreedySnakeStrategy(), "gpt", 4, trainer_kwargs=trainer_kwargs)
+    assert_matches(got, ref)
+    unclipped = reference("gpt", 4)
+    assert max_abs_diff(ref["params"], unclipped["params"]) > 1e-4  # clipping was active
+
+
+def test_max_steps_and_limit_train_batches():
+    trainer_kwargs = {"max_steps": 3, "limit_train_batches": 7, "max_epochs": -1}
+    ref = run("auto", "gpt", 3, trainer_kwargs=trainer_kwargs)
+    got = run(GreedySnakeStrategy(), "gpt", 3, trainer_kwargs=trainer_kwargs)
+    assert got["global_step"] == 3
+    assert_matches(got, ref)
+
+
+def test_validation_runs_layer_by_layer_and_matches():
+    def with_val(strategy: Any) -> RecordingLogger:
+        L.seed_everything(0, verbose=False)
+        module = TinyGPTModule(lr=LR)
+        logger = RecordingLogger()
+        trainer = make_trainer(strategy, 3, logger=logger, val_check_interval=5)
+        trainer.fit(module, token_loader(NUM_BATCHES), token_loader(3, seed=1))
+        return logger
+
+    ref, got = with_val("auto"), with_val(GreedySnakeStrategy())
+    assert len(ref.series("val_loss")) == 4  # mid-window validation included (after batch 5 of windows of 3)
+    assert_series_close(got.series("val_loss"), ref.series("val_loss"), 1e-5)
+
+
+def test_validate_test_predict_without_fit():
+    L.seed_everything(0, verbose=False)
+    module = TinyGPTModule()
+    loader = token_loader(2)
+    x = next(iter(loader))[0]
+    expected = module.model(x).detach()
+    trainer = make_trainer(GreedySnakeStrategy(layers_per_unit=2), 1)
+    module.predict_step = lambda batch, batch_idx: module.model(batch[0])  # type: ignore[method-assign]
+    predictions = trainer.predict(module, loader)
+    torch.testing.assert_close(predictions[0], expected, rtol=0, atol=0)
+    assert trainer.validate(module, loader, verbose=False)[0]["val_loss"] > 0
+
+
+class WeightLoads(L.Callback):
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        self.loads = dict(trainer.strategy.store.weight_loads)
+        self.steps = trainer.global_step
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_weight_loads_per_window(k):
+    """Vertical brings each unit's weights in twice per window (once for the fused last unit) whatever K
+    is; horizontal 2K times."""
+    loads = {}
+    for schedule in ("vertical", "horizontal"):
+        L.seed_everything(0, verbose=False)
+        counter = WeightLoads()
+        trainer = make_trainer(GreedySnakeStrategy(schedule=schedule), k, callbacks=[counter], max_epochs=1)
+        trainer.fit(TinyGPTModule(n_layer=3, lr=LR), token_loader(4 * k))
+        assert counter.steps == 4
+        loads[schedule] = {u: n / counter.steps for u, n in counter.loads.items()}
+    assert loads["vertical"] == {0: 2, 1: 2, 2: 1}
+    assert loads["horizontal"][2] == k and loads["horizontal"][1] == 2 * k

@@ -1,0 +1,208 @@
+"""Each unsupported input gets a clear error (or a one-time warning) before training starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_greedysnake import GPT, GPTConfig, GreedySnakePrecision, GreedySnakeStrategy, ScheduleKind
+from lightning_greedysnake.engine import InputMismatchError
+from tests.helpers import SequentialModule, TinyGPTModule, make_trainer, regression_loader, token_loader
+
+
+def fit(module: LightningModule, loader: Any = None, strategy: Any = None, k: int = 2, **kwargs: Any) -> L.Trainer:
+    trainer = make_trainer(strategy if strategy is not None else GreedySnakeStrategy(), k, max_epochs=1, **kwargs)
+    trainer.fit(module, loader if loader is not None else token_loader(4))
+    return trainer
+
+
+def test_registered_names_and_precision_plugin_survive_string_selection():
+    for name, schedule in (("greedysnake", ScheduleKind.VERTICAL), ("greedysnake_horizontal", ScheduleKind.HORIZONTAL)):
+        trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
+        assert isinstance(trainer.strategy, GreedySnakeStrategy)
+        assert trainer.strategy.config.schedule is schedule
+        assert isinstance(trainer.strategy.precision_plugin, GreedySnakePrecision)
+        assert trainer.precision_plugin is trainer.strategy.precision_plugin
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-true", "64-true"])
+def test_unsupported_precision(precision):
+    with pytest.raises(ValueError, match=f"precision='{precision}'.*Fix"):
+        L.Trainer(strategy="greedysnake", precision=precision, accelerator="cpu", logger=False)
+
+
+def test_manual_optimization_refused():
+    class Manual(TinyGPTModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match="automatic_optimization"):
+        fit(Manual(), k=1)  # with K > 1 Lightning itself refuses manual optimization first
+
+
+def test_backward_override_refused():
+    class Custom(TinyGPTModule):
+        def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            loss.backward()
+
+    with pytest.raises(ValueError, match="overrides `backward`"):
+        fit(Custom())
+
+
+def test_on_after_backward_warns_once():
+    class Hooked(TinyGPTModule):
+        calls = 0
+
+        def on_after_backward(self) -> None:
+            type(self).calls += 1
+
+    with pytest.warns(UserWarning, match="on_before_optimizer_step") as record:
+        fit(Hooked())
+    assert sum("on_after_backward" in str(w.message) for w in record) == 1
+    assert Hooked.calls == 4  # still called, once per micro-batch
+
+
+def test_no_layered_model():
+    class Plain(TinyGPTModule):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.model
+            self.proj = nn.Linear(4, 4)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.proj(batch[0].float()[..., :4]).sum()
+
+    with pytest.raises(ValueError, match="no layered model.*Linear.*layer_chain"):
+        fit(Plain())
+
+
+def test_two_candidates_then_naming_one():
+    class Two(SequentialModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = nn.Sequential(nn.Linear(3, 3))
+            self.other.requires_grad_(False)
+
+    with pytest.raises(ValueError, match=r"2 candidate layered models: \['net', 'other'\].*layered_module="):
+        fit(Two(), regression_loader(4))
+    fit(Two(), regression_loader(4), strategy=GreedySnakeStrategy(layered_module="net"))
+
+
+def test_layered_module_that_does_not_exist():
+    with pytest.raises(ValueError, match="layered_module='nett'.*children are"):
+        fit(SequentialModule(), regression_loader(4), strategy=GreedySnakeStrategy(layered_module="nett"))
+
+
+def test_parameters_outside_the_layered_model():
+    class Extra(TinyGPTModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+    with pytest.raises(ValueError, match=r"outside the layered model \(model\): \['scale'\].*requires_grad_"):
+        fit(Extra())
+
+
+def test_tied_weights_across_units():
+    class Tied(TinyGPTModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model.lm_head.weight = self.model.wte.weight
+
+    with pytest.raises(ValueError, match="tied weights across units"):
+        fit(Tied())
+    # one unit holding everything is fine
+    fit(Tied(), strategy=GreedySnakeStrategy(layers_per_unit=3))
+
+
+def test_training_step_that_skips_the_model():
+    class Skips(TinyGPTModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model.wte.weight.sum()
+
+    with pytest.raises(ValueError, match="did not call the layered model"):
+        fit(Skips())
+
+
+def test_training_step_calling_the_model_twice():
+    class Twice(TinyGPTModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(batch[0]).sum() + self.model(batch[0]).sum()
+
+    with pytest.raises(RuntimeError, match="twice"):
+        fit(Twice())
+
+
+def test_random_inputs_before_the_model_call_are_detected():
+    class Noisy(TinyGPTModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            x = (x + torch.randint(0, 2, x.shape)) % 32
+            logits = self.model(x)
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    with pytest.raises(InputMismatchError, match="deterministic"):
+        fit(Noisy())
+
+
+def test_training_step_returning_none_skips_that_microbatch_like_lightning():
+    class Skipper(TinyGPTModule):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            return None if batch_idx % 3 == 1 else loss
+
+    results = []
+    for strategy in ("auto", GreedySnakeStrategy()):
+        L.seed_everything(0, verbose=False)
+        module = Skipper(lr=3e-3)
+        fit(module, token_loader(6), strategy=strategy)
+        results.append({n: p.detach().clone() for n, p in module.named_parameters()})
+    assert max(float((results[0][n] - results[1][n]).abs().max()) for n in results[0]) <= 1e-5
+
+
+def test_several_devices_refused():
+    with pytest.raises(Exception, match="devices"):
+        trainer = L.Trainer(strategy=GreedySnakeStrategy(), accelerator="cpu", devices=2, logger=False,
+                            max_epochs=1, enable_progress_bar=False)
+        trainer.fit(TinyGPTModule(), token_loader(2))
+
+
+def test_lbfgs_refused():
+    class WithLBFGS(TinyGPTModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters())
+
+    with pytest.raises(ValueError, match="LBFGS"):
+        fit(WithLBFGS())
+
+
+def test_layered_model_protocol_on_the_lightning_module_itself():
+    """A LightningModule that *is* the layered model (implements layer_chain) works as well."""
+
+    class SelfLayered(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+
+        def layer_chain(self):  # delegate: the module itself is the layered model
+            return self.gpt.layer_chain()
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.layer_chain().forward(idx)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            logits = self(batch[0])
+            return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = fit(SelfLayered())
+    assert trainer.global_step == 2
