@@ -1,0 +1,49 @@
+"""The README's example runs end to end (a few steps) and its overrides work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["trainer.accumulate_grad_batches=4", "strategy.schedule=horizontal", "model.n_layer=3"],
+        ["strategy=lightning_auto"],
+    ],
+    ids=["defaults", "horizontal-overrides", "lightning-auto"],
+)
+def test_train_gpt_example(tmp_path, overrides):
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "train_gpt.py"),
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=5",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "data.max_bytes=200000",
+        f"hydra.run.dir={tmp_path}",
+        *overrides,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "trained 6 optimizer steps" in result.stdout
+    assert (tmp_path / "logs").is_dir()
+    metrics = list((tmp_path / "logs").rglob("metrics.csv"))
+    assert metrics and "train_loss" in metrics[0].read_text()
+
+
+def test_bad_override_is_a_clear_error(tmp_path):
+    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "strategy.schedule=diagonal",
+               f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "schedule='diagonal'" in result.stderr + result.stdout
