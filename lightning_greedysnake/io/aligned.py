@@ -1,0 +1,67 @@
+"""Page-aligned host buffers, as O_DIRECT requires.
+
+``torch.empty`` gives no alignment guarantee; an anonymous ``mmap`` is page-aligned by construction and
+``torch.frombuffer`` views it without a copy.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+ALIGN_BYTES = 4096
+"""Alignment of offsets, lengths and buffer addresses for O_DIRECT (covers 512 B and 4 KiB sectors)."""
+
+
+def align_up(nbytes: int, alignment: int = ALIGN_BYTES) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+class AlignedBuffer:
+    """``nbytes`` (rounded up to the alignment) of page-aligned, zero-filled host memory.
+
+    Owned explicitly: call ``close()`` (or use it as a context manager); views taken from ``tensor``
+    must be dropped first.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"buffer size must be positive, got {nbytes}")
+        self.nbytes = align_up(nbytes)
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def memoryview(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        assert self._mmap is not None, "buffer is closed"
+        end = self.nbytes if nbytes is None else offset + nbytes
+        assert 0 <= offset <= end <= self.nbytes, (offset, end, self.nbytes)
+        return memoryview(self._mmap)[offset:end]
+
+    def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
+        assert self.tensor is not None, "buffer is closed"
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        assert offset_bytes % itemsize == 0 and offset_bytes + numel * itemsize <= self.nbytes
+        return self.tensor[offset_bytes : offset_bytes + numel * itemsize].view(dtype)
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def close(self) -> None:
+        if self._mmap is None:
+            return
+        self.tensor = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            # a tensor or memoryview still points into the buffer: leave the mapping to the GC
+            # rather than pull memory from under a live view
+            pass
+        self._mmap = None
+
+    def __enter__(self) -> AlignedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,267 @@
+"""The I/O engine: reads and writes between offload files and aligned host buffers.
+
+Default backend: ``os.preadv``/``os.pwritev`` on files opened with ``O_DIRECT`` (so every read really
+comes from the device, not the page cache), split into large chunks and run on a few threads (the
+calls release the GIL). Filesystems that refuse ``O_DIRECT`` (EINVAL at open) get buffered I/O and one
+warning. Every failure names the file, the offset and the operation; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from lightning_greedysnake.io.aligned import ALIGN_BYTES, AlignedBuffer, align_up
+
+MiB = 1 << 20
+
+
+class OffloadIOError(OSError):
+    """An offload read or write failed; the message names the file, offset and operation."""
+
+
+class ShortReadError(OffloadIOError):
+    """A read returned fewer bytes than the file should hold (truncated or replaced file)."""
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    num_threads: int = 4
+    """Threads issuing preadv/pwritev calls."""
+    chunk_bytes: int = 16 * MiB
+    """Largest single request; large requests keep the device queue busy with few Python wake-ups."""
+    direct: bool = True
+    """Open files with O_DIRECT (falls back to buffered I/O, with a warning, where refused)."""
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 1:
+            raise ValueError(f"io num_threads={self.num_threads} must be >= 1. Fix: e.g. num_threads=4.")
+        if self.chunk_bytes < ALIGN_BYTES or self.chunk_bytes % ALIGN_BYTES:
+            raise ValueError(
+                f"io chunk_bytes={self.chunk_bytes} must be a positive multiple of {ALIGN_BYTES}. "
+                "Fix: e.g. chunk_bytes=16777216 (16 MiB)."
+            )
+
+
+class OffloadFile:
+    """A preallocated file of ``size_bytes`` (a multiple of the alignment), open for reading and writing."""
+
+    def __init__(self, path: Path, fd: int, size_bytes: int, direct: bool) -> None:
+        self.path = path
+        self.fd: int | None = fd
+        self.size_bytes = size_bytes
+        self.direct = direct
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __repr__(self) -> str:
+        return f"OffloadFile({str(self.path)!r}, {self.size_bytes} bytes, direct={self.direct})"
+
+
+class IOEngine(Protocol):
+    """What the tensor manager needs from an I/O backend."""
+
+    def open(self, path: Path, size_bytes: int) -> OffloadFile: ...
+
+    def submit_read(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                    nbytes: int) -> Future[None]: ...
+
+    def submit_write(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                     nbytes: int) -> Future[None]: ...
+
+    def close(self) -> None: ...
+
+
+Opener = Callable[[str, int, int], int]
+
+_fallback_warned: set[str] = set()
+_fallback_lock = threading.Lock()
+
+
+def open_offload_file(path: Path, size_bytes: int, direct: bool, opener: Opener = os.open) -> OffloadFile:
+    """Create (or reuse) ``path`` with owner-only permissions and preallocate ``size_bytes``.
+
+    Preallocation makes a full filesystem fail here, up front, with ENOSPC, not halfway into a step.
+    """
+    size_bytes = align_up(size_bytes)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    use_direct = direct and hasattr(os, "O_DIRECT")
+    try:
+        fd = opener(str(path), flags | (os.O_DIRECT if use_direct else 0), 0o600)
+    except OSError as e:
+        if not (use_direct and e.errno == errno.EINVAL):
+            raise _error("open", path, 0, size_bytes, e) from e
+        with _fallback_lock:
+            key = str(path.parent)
+            if key not in _fallback_warned:
+                _fallback_warned.add(key)
+                warnings.warn(
+                    f"the filesystem of {path.parent} refuses O_DIRECT (EINVAL; tmpfs and some overlay "
+                    "filesystems do): using buffered I/O there, so reads may come from the page cache and "
+                    "host memory use grows with it. Point offload_dir at a local SSD for real offload.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        use_direct = False
+        try:
+            fd = opener(str(path), flags, 0o600)
+        except OSError as e2:
+            raise _error("open", path, 0, size_bytes, e2) from e2
+    try:
+        os.fchmod(fd, 0o600)
+        if os.fstat(fd).st_size < size_bytes:
+            os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as e:
+        os.close(fd)
+        raise _error("preallocate", path, 0, size_bytes, e) from e
+    return OffloadFile(path, fd, size_bytes, use_direct)
+
+
+def _error(op: str, path: Path, offset: int, nbytes: int, cause: OSError) -> OffloadIOError:
+    hint = ""
+    if cause.errno == errno.ENOSPC:
+        hint = " The offload filesystem is full: free space there or point offload_dir at a larger disk."
+    elif cause.errno == errno.EIO:
+        hint = " The device reported an I/O error: check the disk (dmesg) before retrying."
+    elif cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = " Fix the directory's permissions or choose a writable offload_dir."
+    return OffloadIOError(
+        cause.errno,
+        f"{op} of {nbytes} bytes at offset {offset} in {path} failed: {os.strerror(cause.errno or 0)}.{hint}",
+    )
+
+
+class ThreadedIOEngine:
+    """preadv/pwritev from a thread pool, in chunks of ``config.chunk_bytes``."""
+
+    def __init__(self, config: IOConfig | None = None) -> None:
+        self.config = config or IOConfig()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max_workers=self.config.num_threads, thread_name_prefix="greedysnake-io"
+        )
+        self._files: list[OffloadFile] = []
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def open(self, path: Path, size_bytes: int) -> OffloadFile:
+        file = open_offload_file(Path(path), size_bytes, self.config.direct)
+        with self._lock:
+            self._files.append(file)
+        return file
+
+    def submit_read(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                    nbytes: int) -> Future[None]:
+        return self._submit("read", file, offset, buffer, buffer_offset, nbytes)
+
+    def submit_write(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                     nbytes: int) -> Future[None]:
+        return self._submit("write", file, offset, buffer, buffer_offset, nbytes)
+
+    def read(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int, nbytes: int) -> None:
+        self.submit_read(file, offset, buffer, buffer_offset, nbytes).result()
+
+    def write(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int, nbytes: int) -> None:
+        self.submit_write(file, offset, buffer, buffer_offset, nbytes).result()
+
+    def _submit(self, op: str, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                nbytes: int) -> Future[None]:
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("the I/O engine is closed")
+        for name, value in (("offset", offset), ("buffer_offset", buffer_offset), ("nbytes", nbytes)):
+            if value % ALIGN_BYTES:
+                raise ValueError(f"{op} {name}={value} is not a multiple of {ALIGN_BYTES} (O_DIRECT alignment)")
+        if offset + nbytes > file.size_bytes:
+            raise ValueError(f"{op} of {nbytes} bytes at offset {offset} runs past the end of {file}")
+        # Split into chunks; the returned future completes when every chunk has, and carries the first
+        # error. Each chunk touches a disjoint part of the buffer and the file, so chunks need no order.
+        chunk = self.config.chunk_bytes
+        pieces = [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)] or [(0, 0)]
+        done: Future[None] = Future()
+        remaining = [len(pieces)]
+        errors: list[BaseException] = []
+        gate = threading.Lock()
+
+        def finished(f: Future[None]) -> None:
+            with gate:
+                if f.exception() is not None:
+                    errors.append(f.exception())  # type: ignore[arg-type]
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                if errors:
+                    done.set_exception(errors[0])
+                else:
+                    done.set_result(None)
+
+        fn = self._read_piece if op == "read" else self._write_piece
+        for rel, size in pieces:
+            pool.submit(fn, file, offset + rel, buffer, buffer_offset + rel, size).add_done_callback(finished)
+        return done
+
+    def _read_piece(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                    nbytes: int) -> None:
+        view = buffer.memoryview(buffer_offset, nbytes)
+        got = 0
+        while got < nbytes:
+            fd = file.fd
+            if fd is None:
+                raise OffloadIOError(errno.EBADF, f"read from closed file {file.path}")
+            try:
+                n = os.preadv(fd, [view[got:]], offset + got)
+            except OSError as e:
+                raise _error("read", file.path, offset + got, nbytes - got, e) from e
+            if n == 0:
+                raise ShortReadError(
+                    errno.EIO,
+                    f"read of {nbytes} bytes at offset {offset} in {file.path} got only {got}: the file ends "
+                    "early (truncated or replaced while in use)",
+                )
+            got += n
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def _write_piece(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                     nbytes: int) -> None:
+        view = buffer.memoryview(buffer_offset, nbytes)
+        put = 0
+        while put < nbytes:
+            fd = file.fd
+            if fd is None:
+                raise OffloadIOError(errno.EBADF, f"write to closed file {file.path}")
+            try:
+                n = os.pwritev(fd, [view[put:]], offset + put)
+            except OSError as e:
+                raise _error("write", file.path, offset + put, nbytes - put, e) from e
+            if n == 0:
+                raise OffloadIOError(errno.EIO, f"write at offset {offset + put} in {file.path} wrote nothing")
+            put += n
+        with self._lock:
+            self.bytes_written += nbytes
+
+    def close(self) -> None:
+        """Waits for in-flight requests, stops the threads, closes every file. Idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._lock:
+            files, self._files = self._files, []
+        for file in files:
+            file.close()
+
+    def __enter__(self) -> ThreadedIOEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

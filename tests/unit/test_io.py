@@ -1,0 +1,124 @@
+"""The I/O engine on real files: O_DIRECT on the local disk, a tiny tmpfs for ENOSPC, truncation."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_greedysnake.io import (
+    ALIGN_BYTES,
+    AlignedBuffer,
+    IOConfig,
+    OffloadIOError,
+    ShortReadError,
+    ThreadedIOEngine,
+    open_offload_file,
+)
+
+MiB = 1 << 20
+
+
+def io_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("greedysnake-io")]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_buffers_are_page_aligned():
+    with AlignedBuffer(10_000) as buf:
+        assert buf.nbytes == 12_288
+        assert buf.tensor.data_ptr() % ALIGN_BYTES == 0
+        assert int(buf.tensor.sum()) == 0
+
+
+def test_round_trip_in_chunks_with_o_direct(tmp_path):
+    fds_before = open_fds()
+    payload = torch.randint(0, 256, (5 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    with ThreadedIOEngine(IOConfig(num_threads=3, chunk_bytes=MiB)) as io:
+        file = io.open(tmp_path / "unit0.bin", 6 * MiB)
+        assert file.direct  # ext4 on the test machines supports O_DIRECT
+        assert (os.stat(file.path).st_mode & 0o777) == 0o600
+        src, dst = AlignedBuffer(5 * MiB), AlignedBuffer(5 * MiB)
+        src.tensor.copy_(payload)
+        io.write(file, MiB, src, 0, 5 * MiB)
+        io.read(file, MiB, dst, 0, 5 * MiB)
+        assert torch.equal(dst.tensor, payload)
+        # a window in the middle, at an aligned offset
+        part = AlignedBuffer(2 * MiB)
+        io.read(file, 2 * MiB, part, 0, 2 * MiB)
+        assert torch.equal(part.tensor, payload[MiB : 3 * MiB])
+        assert io.bytes_written == 5 * MiB and io.bytes_read == 7 * MiB
+        assert len(io_threads()) > 0
+        for b in (src, dst, part):
+            b.close()
+    assert io_threads() == []
+    assert open_fds() == fds_before
+
+
+def test_unaligned_requests_are_refused(tmp_path):
+    with ThreadedIOEngine() as io, AlignedBuffer(8192) as buf:
+        file = io.open(tmp_path / "f.bin", 8192)
+        with pytest.raises(ValueError, match="offset=100"):
+            io.read(file, 100, buf, 0, 4096)
+        with pytest.raises(ValueError, match="past the end"):
+            io.read(file, 4096, buf, 0, 8192)
+
+
+def test_truncated_file_is_a_short_read_naming_file_and_offset(tmp_path):
+    with ThreadedIOEngine() as io, AlignedBuffer(3 * 4096) as buf:
+        file = io.open(tmp_path / "trunc.bin", 3 * 4096)
+        os.truncate(file.path, 4096)
+        with pytest.raises(ShortReadError, match=r"offset 0 in .*trunc\.bin got only 4096"):
+            io.read(file, 0, buf, 0, 3 * 4096)
+
+
+def test_buffered_fallback_when_o_direct_is_refused(tmp_path):
+    """Filesystems that refuse O_DIRECT (EINVAL at open; tmpfs before Linux 6.6) get buffered I/O and
+    one warning. This kernel's tmpfs accepts O_DIRECT, so the refusal is injected at open()."""
+
+    def refusing_open(path: str, flags: int, mode: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return os.open(path, flags, mode)
+
+    with pytest.warns(RuntimeWarning, match="refuses O_DIRECT"):
+        file = open_offload_file(tmp_path / "a.bin", 4096, direct=True, opener=refusing_open)
+    try:
+        assert not file.direct
+    finally:
+        file.close()
+
+
+def _mount_tiny_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                            capture_output=True)
+    return result.returncode == 0
+
+
+def test_full_filesystem_fails_up_front_with_enospc(tmp_path):
+    mount = tmp_path / "tiny"
+    if not _mount_tiny_tmpfs(mount, "4M"):
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        with ThreadedIOEngine() as io:
+            with pytest.raises(OffloadIOError, match=r"preallocate of .* in .*big\.bin failed.*full") as info:
+                io.open(mount / "big.bin", 16 * MiB)
+            assert info.value.errno == errno.ENOSPC
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_threads=0"):
+        IOConfig(num_threads=0)
+    with pytest.raises(ValueError, match="chunk_bytes=1000"):
+        IOConfig(chunk_bytes=1000)
