@@ -1,0 +1,178 @@
+"""Checks on the offload directory before any work starts, and the lock that keeps it to one run.
+
+Each failure is a ``ValueError`` naming the setting (``offload_dir``), the value and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_greedysnake.io import ALIGN_BYTES, AlignedBuffer
+
+LOCK_NAME = ".greedysnake.lock"
+
+FreeSpaceProbe = Callable[[Path], int]
+
+
+def disk_free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    raise AssertionError
+
+
+@dataclass
+class PreflightReport:
+    offload_dir: Path
+    o_direct: bool
+    free_bytes: int
+    required_bytes: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+    def text(self) -> str:
+        lines = [f"greedysnake offload_dir={self.offload_dir} (O_DIRECT: {'yes' if self.o_direct else 'no'})"]
+        for name, nbytes in self.breakdown.items():
+            lines.append(f"  {name:<28} {_human(nbytes):>12}")
+        lines.append(f"  {'total needed':<28} {_human(self.required_bytes):>12}")
+        lines.append(f"  {'free':<28} {_human(self.free_bytes):>12}")
+        return "\n".join(lines)
+
+
+class OffloadDirLock:
+    """An exclusive ``flock`` on ``offload_dir/.greedysnake.lock``, held for the whole run.
+
+    flock locks belong to the open file description, so a second run (or a second strategy in the same
+    process) is refused; the kernel drops the lock when the process dies, so a crash leaves no stale lock.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ValueError(
+                    f"offload_dir={str(self.path.parent)!r} is in use by another greedysnake run (pid {holder}). "
+                    "Two runs sharing one offload directory would overwrite each other's state. Fix: give "
+                    "this run its own offload_dir, or wait for the other run to finish."
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def probe_o_direct(directory: Path) -> bool:
+    """Whether an aligned O_DIRECT write and read work in ``directory`` (False: the caller falls back)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    fd_probe, name = tempfile.mkstemp(prefix=".greedysnake-probe-", dir=directory)
+    os.close(fd_probe)
+    try:
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_DIRECT)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return False
+            raise
+        try:
+            with AlignedBuffer(ALIGN_BYTES) as buf:
+                os.pwritev(fd, [buf.memoryview()], 0)
+                os.preadv(fd, [buf.memoryview()], 0)
+            return True
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return False
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(name)
+
+
+def preflight(
+    offload_dir: str | os.PathLike[str],
+    breakdown: Mapping[str, int],
+    free_space_probe: FreeSpaceProbe = disk_free_bytes,
+) -> PreflightReport:
+    """Check ``offload_dir`` for a run that will keep ``sum(breakdown.values())`` bytes there.
+
+    Creates the directory itself (owner-only) when its parent exists; a missing parent is refused, since
+    it usually means a mistyped mount point and creating it would silently fill the root filesystem.
+    Does not take the lock: see :class:`OffloadDirLock`.
+    """
+    raw = str(offload_dir)
+    if not raw:
+        raise ValueError("offload_dir='' is empty. Fix: set offload_dir to a directory on a local SSD.")
+    path = Path(raw).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"offload_dir={raw!r} is a file, not a directory. Fix: point offload_dir at a directory "
+            "(it is created if its parent exists)."
+        )
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise ValueError(
+                f"offload_dir={raw!r}: its parent {str(path.parent)!r} does not exist (a mistyped mount "
+                "point?). Fix: create the parent directory first or correct the path."
+            )
+        try:
+            path.mkdir(mode=0o700)
+        except OSError as e:
+            raise ValueError(
+                f"offload_dir={raw!r} cannot be created: {e.strerror}. Fix: create it yourself or choose a "
+                "directory you can write to."
+            ) from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".greedysnake-write-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(
+            f"offload_dir={raw!r} is not writable: {e.strerror}. Fix: make it writable (check permissions, "
+            "read-only mounts and immutable attributes) or choose another directory."
+        ) from None
+    o_direct = probe_o_direct(path)
+    required = int(sum(breakdown.values()))
+    free = int(free_space_probe(path))
+    report = PreflightReport(path, o_direct, free, required, dict(breakdown))
+    if free < required:
+        raise ValueError(
+            f"offload_dir={raw!r} has {_human(free)} free but this model and placement need "
+            f"{_human(required)} there:\n{report.text()}\nFix: free space, point offload_dir at a larger "
+            "disk, or keep more state in host memory."
+        )
+    return report

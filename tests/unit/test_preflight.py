@@ -1,0 +1,109 @@
+"""Preflight of the offload directory on real filesystems: each bad input gets a clear error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lightning_greedysnake.offload import OffloadDirLock, preflight
+
+GiB = 1 << 30
+
+
+def test_creates_the_directory_and_reports_the_breakdown(tmp_path):
+    target = tmp_path / "offload"
+    report = preflight(target, {"compute weights": 2 * GiB, "optimizer state": 12 * GiB},
+                       free_space_probe=lambda p: 100 * GiB)
+    assert target.is_dir() and (target.stat().st_mode & 0o777) == 0o700
+    assert report.o_direct  # ext4
+    assert report.required_bytes == 14 * GiB
+    text = report.text()
+    assert "optimizer state" in text and "14.0 GiB" in text
+    assert os.listdir(target) == []  # probes clean up after themselves
+
+
+def test_missing_parent(tmp_path):
+    with pytest.raises(ValueError, match=r"offload_dir=.*parent .* does not exist.*Fix"):
+        preflight(tmp_path / "no" / "such" / "dir", {})
+
+
+def test_file_instead_of_directory(tmp_path):
+    file = tmp_path / "afile"
+    file.write_text("x")
+    with pytest.raises(ValueError, match=r"offload_dir=.*afile.* is a file.*Fix"):
+        preflight(file, {})
+
+
+def test_read_only_directory(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    # root ignores permission bits, so make the directory immutable instead
+    if subprocess.run(["chattr", "+i", str(target)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        with pytest.raises(ValueError, match=r"offload_dir=.*ro.* is not writable.*Fix"):
+            preflight(target, {})
+    finally:
+        subprocess.run(["chattr", "-i", str(target)], check=False)
+
+
+def test_too_little_space_with_an_injected_probe(tmp_path):
+    with pytest.raises(ValueError, match=r"has 1\.0 GiB free but .* need 3\.0 GiB(.|\n)*master weights(.|\n)*Fix"):
+        preflight(tmp_path, {"master weights": 3 * GiB}, free_space_probe=lambda p: 1 * GiB)
+
+
+def test_too_little_space_on_a_tiny_filesystem(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20M", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        preflight(mount, {"weights": 10 << 20})  # fits
+        with pytest.raises(ValueError, match="free but this model and placement need"):
+            preflight(mount, {"weights": 64 << 20})
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_lock_refuses_a_second_run_and_is_released(tmp_path):
+    first = OffloadDirLock(tmp_path)
+    first.acquire()
+    try:
+        with pytest.raises(ValueError, match=rf"in use by another greedysnake run \(pid {os.getpid()}\).*Fix"):
+            OffloadDirLock(tmp_path).acquire()
+        # and from another process
+        code = textwrap.dedent(f"""
+            from pathlib import Path
+            from lightning_greedysnake.offload import OffloadDirLock
+            try:
+                OffloadDirLock(Path({str(tmp_path)!r})).acquire()
+            except ValueError as e:
+                print("refused:", e)
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+        assert "refused" in out
+    finally:
+        first.release()
+    second = OffloadDirLock(tmp_path)
+    second.acquire()
+    second.release()
+    assert not (tmp_path / ".greedysnake.lock").exists()
+
+
+def test_lock_dies_with_its_process(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from lightning_greedysnake.offload import OffloadDirLock
+        OffloadDirLock(Path({str(tmp_path)!r})).acquire()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    subprocess.run([sys.executable, "-c", code], timeout=60)
+    lock = OffloadDirLock(tmp_path)
+    lock.acquire()  # no stale lock after a crash
+    lock.release()
