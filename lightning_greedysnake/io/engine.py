@@ -212,43 +212,39 @@ class ThreadedIOEngine:
 
     def _read_piece(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
                     nbytes: int) -> None:
-        view = buffer.memoryview(buffer_offset, nbytes)
-        got = 0
-        while got < nbytes:
-            fd = file.fd
-            if fd is None:
-                raise OffloadIOError(errno.EBADF, f"read from closed file {file.path}")
-            try:
-                n = os.preadv(fd, [view[got:]], offset + got)
-            except OSError as e:
-                raise _error("read", file.path, offset + got, nbytes - got, e) from e
-            if n == 0:
-                raise ShortReadError(
-                    errno.EIO,
-                    f"read of {nbytes} bytes at offset {offset} in {file.path} got only {got}: the file ends "
-                    "early (truncated or replaced while in use)",
-                )
-            got += n
+        self._transfer("read", os.preadv, file, offset, buffer.memoryview(buffer_offset, nbytes))
         with self._lock:
             self.bytes_read += nbytes
 
     def _write_piece(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
                      nbytes: int) -> None:
-        view = buffer.memoryview(buffer_offset, nbytes)
-        put = 0
-        while put < nbytes:
-            fd = file.fd
-            if fd is None:
-                raise OffloadIOError(errno.EBADF, f"write to closed file {file.path}")
-            try:
-                n = os.pwritev(fd, [view[put:]], offset + put)
-            except OSError as e:
-                raise _error("write", file.path, offset + put, nbytes - put, e) from e
-            if n == 0:
-                raise OffloadIOError(errno.EIO, f"write at offset {offset + put} in {file.path} wrote nothing")
-            put += n
+        self._transfer("write", os.pwritev, file, offset, buffer.memoryview(buffer_offset, nbytes))
         with self._lock:
             self.bytes_written += nbytes
+
+    @staticmethod
+    def _transfer(op: str, syscall: Callable[[int, list, int], int], file: OffloadFile, offset: int,
+                  view: memoryview) -> None:
+        """Loop until the whole view moved: the kernel may return less than asked (signals, EOF)."""
+        nbytes = len(view)
+        done = 0
+        while done < nbytes:
+            fd = file.fd
+            if fd is None:
+                raise OffloadIOError(errno.EBADF, f"{op} on closed file {file.path}")
+            try:
+                n = syscall(fd, [view[done:]], offset + done)
+            except OSError as e:
+                raise _error(op, file.path, offset + done, nbytes - done, e) from e
+            if n == 0:
+                if op == "read":
+                    raise ShortReadError(
+                        errno.EIO,
+                        f"read of {nbytes} bytes at offset {offset} in {file.path} got only {done}: the file "
+                        "ends early (truncated or replaced while in use)",
+                    )
+                raise OffloadIOError(errno.EIO, f"write at offset {offset + done} in {file.path} wrote nothing")
+            done += n
 
     def close(self) -> None:
         """Waits for in-flight requests, stops the threads, closes every file. Idempotent."""
