@@ -48,3 +48,11 @@ def test_mapping_config_and_overrides():
 def test_gpt_config_errors(kwargs, word):
     with pytest.raises(ValueError, match=word):
         GPTConfig(**kwargs)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gpt_num_params_matches_the_model(bias):
+    from lightning_greedysnake import GPT
+
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=40, block_size=12, bias=bias)
+    assert config.num_params == sum(p.numel() for p in GPT(config).parameters())
