@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_greedysnake.schedule import ScheduleKind
+
+MiB = 1 << 20
 
 
 def _enum_value(enum_cls: type, setting: str, value: Any) -> Any:
@@ -15,6 +19,145 @@ def _enum_value(enum_cls: type, setting: str, value: Any) -> Any:
     except ValueError:
         choices = ", ".join(repr(e.value) for e in enum_cls)
         raise ValueError(f"{setting}={value!r} is not valid. Fix: use one of {choices}.") from None
+
+
+class Tier(str, enum.Enum):
+    """Where a kind of tensor lives between uses."""
+
+    DEVICE = "device"
+    """The compute device's memory (the GPU, or host RAM when the CPU computes): resident, no transfers."""
+    HOST = "host"
+    """Host RAM, in flat per-unit buffers."""
+    SSD = "ssd"
+    """Files under the offload directory, read and written with O_DIRECT."""
+
+
+class TensorKind(str, enum.Enum):
+    WEIGHTS = "weights"
+    """Compute weights (16-bit under bf16-mixed; under 32-true they are also the master copy)."""
+    MASTER_WEIGHTS = "master_weights"
+    """fp32 master weights under bf16-mixed (under 32-true the compute weights are the master copy)."""
+    OPTIMIZER_STATES = "optimizer_states"
+    """The optimizer's per-parameter state (Adam's two moments, SGD's momentum), fp32."""
+    GRADIENTS = "gradients"
+    """fp32 accumulated gradients that must wait (the horizontal order, or norm clipping)."""
+    CHECKPOINTS = "checkpoints"
+    """Each unit's input per micro-batch, kept for the recomputing backward."""
+
+
+@dataclass
+class OffloadConfig:
+    """Where each kind of tensor lives, and the tensor manager's resources (Hydra group
+    ``strategy.offload``). The default is ZeRO-Infinity's placement: weights, master weights, optimizer
+    states and waiting gradients on SSD, activation checkpoints in host memory."""
+
+    path: str | None = None
+    """The offload directory (a local NVMe SSD). ``None``: ``<Trainer default_root_dir>/greedysnake_offload``."""
+
+    weights: Tier = Tier.SSD
+    master_weights: Tier = Tier.SSD
+    optimizer_states: Tier = Tier.SSD
+    gradients: Tier = Tier.SSD
+    checkpoints: Tier = Tier.HOST
+
+    buffer_budget_bytes: int | None = None
+    """Host bytes the tensor manager may hold in staging buffers (weights being used or prefetched, the
+    optimizer's working set, checkpoints in flight). ``None``: twice the smallest budget that works."""
+
+    io_threads: int = 4
+    """Threads issuing O_DIRECT reads and writes."""
+
+    io_chunk_bytes: int = 16 * MiB
+    """Largest single read or write; large requests keep the SSD busy with few Python wake-ups."""
+
+    direct_io: bool = True
+    """Bypass the page cache (O_DIRECT), so weights really come from the SSD every step."""
+
+    keep_files: bool = False
+    """Leave the offload files in place at the end of the run (or after a crash), for inspection."""
+
+    return_weights: bool = True
+    """At the end of fit/validate/test, copy the final weights back into the module's parameters, so
+    the LightningModule is usable afterwards as with any strategy. Turn off for models larger than host
+    RAM (use a checkpoint or the export instead)."""
+
+    def __post_init__(self) -> None:
+        for kind in TensorKind:
+            setattr(self, kind.value, _enum_value(Tier, f"offload.{kind.value}", getattr(self, kind.value)))
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            if not hasattr(self.path, "__fspath__"):
+                raise ValueError(
+                    f"offload.path={self.path!r} must be a directory path (or None for the default under "
+                    "the Trainer's default_root_dir)."
+                )
+            self.path = str(self.path)
+        if self.optimizer_states is Tier.DEVICE and self.uses_tensor_manager:
+            raise ValueError(
+                "offload.optimizer_states='device' needs every other kind on 'device' too (then Lightning "
+                "steps your optimizer itself). Fix: use 'host' or 'ssd'."
+            )
+        for name in ("master_weights", "gradients"):
+            if getattr(self, name) is Tier.DEVICE and self.uses_tensor_manager:
+                raise ValueError(
+                    f"offload.{name}='device' is only supported with every kind on 'device'. Fix: use 'host' "
+                    "or 'ssd'."
+                )
+        if self.buffer_budget_bytes is not None and (
+            isinstance(self.buffer_budget_bytes, bool)
+            or not isinstance(self.buffer_budget_bytes, int)
+            or self.buffer_budget_bytes <= 0
+        ):
+            raise ValueError(
+                f"offload.buffer_budget_bytes={self.buffer_budget_bytes!r} must be a positive number of bytes "
+                "or None (automatic). Fix: e.g. buffer_budget_bytes=2147483648 (2 GiB)."
+            )
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ValueError(f"offload.io_threads={self.io_threads!r} must be >= 1. Fix: e.g. io_threads=4.")
+        if (
+            isinstance(self.io_chunk_bytes, bool)
+            or not isinstance(self.io_chunk_bytes, int)
+            or self.io_chunk_bytes < 4096
+            or self.io_chunk_bytes % 4096
+        ):
+            raise ValueError(
+                f"offload.io_chunk_bytes={self.io_chunk_bytes!r} must be a positive multiple of 4096. Fix: e.g. "
+                "io_chunk_bytes=16777216 (16 MiB)."
+            )
+        for name in ("direct_io", "keep_files", "return_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"offload.{name}={getattr(self, name)!r} must be true or false.")
+
+    def tier(self, kind: TensorKind) -> Tier:
+        return getattr(self, kind.value)
+
+    @property
+    def uses_tensor_manager(self) -> bool:
+        """False when everything stays on the device: then Lightning steps the user's optimizer itself."""
+        return any(self.tier(kind) is not Tier.DEVICE for kind in TensorKind)
+
+    @property
+    def uses_ssd(self) -> bool:
+        return any(self.tier(kind) is Tier.SSD for kind in TensorKind)
+
+    @classmethod
+    def everywhere(cls, tier: Tier | str, **overrides: Any) -> OffloadConfig:
+        values: dict[str, Any] = {kind.value: tier for kind in TensorKind}
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def from_value(cls, value: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, OffloadConfig):
+            return value
+        if isinstance(value, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"unknown offload setting(s) {unknown}. Known settings: {sorted(known)}.")
+            return cls(**dict(value))
+        raise ValueError(f"offload={value!r} must be an OffloadConfig, a mapping of its fields, or None.")
 
 
 @dataclass
@@ -39,7 +182,11 @@ class GreedySnakeConfig:
     """Dotted name of the submodule that is the layered model (``""`` for the LightningModule itself).
     ``None``: find it (the one outermost GPT, LayeredModel or nn.Sequential)."""
 
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Placement of each kind of tensor and the tensor manager's resources."""
+
     def __post_init__(self) -> None:
+        self.offload = OffloadConfig.from_value(self.offload)
         self.schedule = _enum_value(ScheduleKind, "schedule", self.schedule)
         if isinstance(self.layers_per_unit, bool) or not isinstance(self.layers_per_unit, int):
             raise ValueError(
@@ -61,13 +208,26 @@ class GreedySnakeConfig:
 
     @classmethod
     def from_kwargs(cls, base: GreedySnakeConfig | None = None, **overrides: Any) -> GreedySnakeConfig:
-        """``base`` with ``overrides`` applied; unknown names are an error that lists the known ones."""
+        """``base`` with ``overrides`` applied; unknown names are an error that lists the known ones.
+
+        ``offload_dir=...`` is shorthand for ``offload={"path": ...}``; ``offload`` given as a mapping
+        updates the base's offload settings field by field."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - known)
+        unknown = sorted(set(overrides) - known - {"offload_dir"})
         if unknown:
             raise ValueError(
-                f"unknown greedysnake setting(s) {unknown}. Known settings: {sorted(known)}."
+                f"unknown greedysnake setting(s) {unknown}. Known settings: {sorted(known | {'offload_dir'})}."
             )
-        values = dataclasses.asdict(base) if base is not None else {}
+        values: dict[str, Any] = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)} if base else {}
+        offload: dict[str, Any] = dict(vars(values["offload"])) if "offload" in values else {}
+        new_offload = overrides.pop("offload", None)
+        if isinstance(new_offload, OffloadConfig):
+            offload = dict(vars(new_offload))
+        elif new_offload is not None:
+            offload.update(dict(new_offload))
+        if "offload_dir" in overrides:
+            offload_dir = overrides.pop("offload_dir")
+            offload["path"] = None if offload_dir is None else str(offload_dir)
         values.update(overrides)
+        values["offload"] = OffloadConfig.from_value(offload)
         return cls(**values)

@@ -1,13 +1,16 @@
-"""The precision plugin: the dtype policy, and the hook that completes a window's backward before
-Lightning's ``on_before_optimizer_step`` and gradient clipping run."""
+"""The precision plugin: the dtype policy, and the hooks that complete a window's backward before
+Lightning's ``on_before_optimizer_step`` and gradient clipping run, and route clipping and the optimizer
+step to the tensor manager when it owns the gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
 SUPPORTED_PRECISION = ("32-true",)
 
@@ -15,9 +18,18 @@ SUPPORTED_PRECISION = ("32-true",)
 def unsupported_precision_error(value: Any) -> ValueError:
     return ValueError(
         f"Trainer(precision={value!r}) is not supported by strategy='greedysnake' yet. Supported: "
-        f"{', '.join(repr(p) for p in SUPPORTED_PRECISION)}. Fix: use precision='32-true' "
-        "(bf16-mixed with fp32 master weights arrives with the SSD tier)."
+        f"{', '.join(repr(p) for p in SUPPORTED_PRECISION)}. Fix: use one of those."
     )
+
+
+class GradientOwner(Protocol):
+    """The tensor manager, when gradients live in its buffers instead of ``param.grad``."""
+
+    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter]) -> Tensor: ...
+
+    def clip_by_value(self, value: float) -> None: ...
+
+    def finish_step(self) -> None: ...
 
 
 class GreedySnakePrecision(Precision):
@@ -28,10 +40,15 @@ class GreedySnakePrecision(Precision):
             raise unsupported_precision_error(precision)
         self.precision = precision  # type: ignore[assignment]
         self._before_optimizer_step: Callable[[], None] | None = None
+        self._gradient_owner: GradientOwner | None = None
 
-    def attach(self, before_optimizer_step: Callable[[], None] | None) -> None:
-        """The strategy passes the callback that finishes the window's remaining backward ops."""
+    def attach(
+        self, before_optimizer_step: Callable[[], None] | None, gradient_owner: GradientOwner | None = None
+    ) -> None:
+        """The strategy passes the callback that finishes the window's remaining backward ops, and the
+        tensor manager when it owns gradients and the optimizer step."""
         self._before_optimizer_step = before_optimizer_step
+        self._gradient_owner = gradient_owner
 
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
         closure_result = closure()
@@ -41,7 +58,21 @@ class GreedySnakePrecision(Precision):
         if self._before_optimizer_step is not None:
             self._before_optimizer_step()
         self._after_closure(model, optimizer)
+        if self._gradient_owner is not None:
+            # units whose step had to wait for clipping are stepped now; the user's optimizer.step()
+            # that follows finds no gradients on the (offloaded) parameters and changes nothing
+            self._gradient_owner.finish_step()
         return closure_result
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self._gradient_owner is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self._gradient_owner.clip_by_norm(float(clip_val), self.main_params(optimizer))
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self._gradient_owner is None:
+            return super().clip_grad_by_value(optimizer, clip_val)
+        self._gradient_owner.clip_by_value(float(clip_val))
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> GreedySnakePrecision:

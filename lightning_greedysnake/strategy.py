@@ -16,7 +16,9 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,15 +28,16 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 
-from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.lookahead import LookaheadLoader
 from lightning_greedysnake.models import check_parameter_ownership, find_layered_model, make_units
-from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
+from lightning_greedysnake.offload import InMemoryTensorStore, OffloadDirLock, TensorStore, preflight
+from lightning_greedysnake.offload.manager import ClipPolicy, TieredTensorStore
 from lightning_greedysnake.precision import GreedySnakePrecision
 
 
@@ -100,6 +103,8 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         self._iterator_offset = 0
         self._window_start = 0
         self._warned_hooks: set[str] = set()
+        self._lock: OffloadDirLock | None = None
+        self._created_offload_dir: Path | None = None
 
     # -- Lightning plumbing ------------------------------------------------------------------------
     @property
@@ -131,6 +136,11 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         assert self._store is not None, "the strategy is not set up"
         return self._store
 
+    @property
+    def tensor_manager(self) -> TieredTensorStore | None:
+        """The SSD/host tensor manager, when the placement uses one (None: everything on the device)."""
+        return self._store if isinstance(self._store, TieredTensorStore) else None
+
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         presets = {
@@ -138,6 +148,10 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             "greedysnake_horizontal": (
                 "the horizontal (ZeRO-Infinity) order on the greedysnake engine",
                 {"schedule": "horizontal"},
+            ),
+            "greedysnake_cpu": (
+                "GreedySnake vertical schedule with every tensor in host memory (no SSD tier)",
+                {"schedule": "vertical", "offload": OffloadConfig.everywhere(Tier.HOST)},
             ),
         }
         for name, (description, params) in presets.items():
@@ -167,20 +181,111 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         if fitting:
             self._check_optimizers()
         self._layered, self._layered_path = layered, path
-        self._store = InMemoryTensorStore()
+        offload = self.config.offload
+        if offload.uses_tensor_manager:
+            manager = self._open_tensor_manager(trainer, module, units, fitting)
+            self._store = manager
+            self.precision_plugin.attach(self._finish_window, manager)
+        else:
+            self._store = InMemoryTensorStore()
+            self.precision_plugin.attach(self._finish_window)
         self._engine = WindowEngine(chain, units, self.config, self._store, self.root_device)
-        self.precision_plugin.attach(self._finish_window)
+
+    def _open_tensor_manager(
+        self, trainer: Any, module: LightningModule, units: list, fitting: bool
+    ) -> TieredTensorStore:
+        offload = self.config.offload
+        if self.root_device.type != "cpu":
+            raise ValueError(
+                f"offload placement {self._placement_text()} on a {self.root_device.type} device: the tensor "
+                "manager's accelerator path (pinned buffers, copy streams) is not built yet. Fix: "
+                "Trainer(accelerator='cpu'), or keep everything on the device with "
+                "offload=OffloadConfig.everywhere('device')."
+            )
+        if not self.config.recompute:
+            raise ValueError(
+                "recompute=False keeps every unit's autograd graph, which pins its weights in memory; it only "
+                "works with everything on the device. Fix: recompute=True, or "
+                "offload=OffloadConfig.everywhere('device')."
+            )
+        optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
+        names = {id(p): n for n, p in module.named_parameters()}
+        clip = ClipPolicy()
+        if fitting:
+            clip = self._clip_policy(trainer, module)
+        manager = TieredTensorStore(units, names, optimizer, offload, clip=clip)
+        offload_dir: Path | None = None
+        if offload.uses_ssd:
+            offload_dir = Path(offload.path or Path(trainer.default_root_dir) / "greedysnake_offload")
+            existed = offload_dir.exists()
+            if offload.path is None and not existed:
+                # our own default under default_root_dir (which Lightning creates lazily): make the parents;
+                # a user-given path with a missing parent is refused by preflight instead (a typo?)
+                offload_dir.parent.mkdir(parents=True, exist_ok=True)
+            report = preflight(offload_dir, manager.ssd_bytes())
+            offload_dir = report.offload_dir
+            if not existed:
+                self._created_offload_dir = offload_dir
+            self._lock = OffloadDirLock(offload_dir)
+            self._lock.acquire()
+            rank_zero_info(report.text())
+        manager.open(offload_dir)
+        manager.initialize_from_parameters()
+        return manager
+
+    def _placement_text(self) -> str:
+        o = self.config.offload
+        return ", ".join(f"{kind.value}={o.tier(kind).value}" for kind in TensorKind)
+
+    def _clip_policy(self, trainer: Any, module: LightningModule) -> ClipPolicy:
+        custom = type(module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
+        value = trainer.gradient_clip_val
+        algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm")
+        if custom:
+            self._warn_once(
+                "configure_gradient_clipping",
+                f"{type(module).__name__}.configure_gradient_clipping runs with the gradients in greedysnake's "
+                "offloaded buffers: self.clip_gradients(...) works, but param.grad is not populated. Every "
+                "unit's optimizer step waits until it has run.",
+            )
+            return ClipPolicy(defer=True)
+        if value is None or value <= 0:
+            return ClipPolicy()
+        if algorithm == "value":
+            return ClipPolicy(value=float(value))
+        return ClipPolicy(defer=True)
 
     def teardown(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-        if self._store is not None:
-            self._store.close()
-        self.precision_plugin.attach(None)
-        self._engine = None
-        self._store = None
-        self._train_loader = None
-        super().teardown()
+        manager = self.tensor_manager
+        try:
+            if self._engine is not None:
+                self._engine.close()
+            if manager is not None and self.config.offload.return_weights and not manager.closed:
+                # the LightningModule should be usable after fit, as with any other strategy
+                manager.restore_parameters()
+        finally:
+            try:
+                if self._store is not None:
+                    self._store.close()
+            finally:
+                self._cleanup_offload_dir(manager)
+                self.precision_plugin.attach(None)
+                self._engine = None
+                self._store = None
+                self._train_loader = None
+                super().teardown()
+
+    def _cleanup_offload_dir(self, manager: TieredTensorStore | None) -> None:
+        if manager is not None and not self.config.offload.keep_files:
+            for path in manager.files:
+                path.unlink(missing_ok=True)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        created, self._created_offload_dir = self._created_offload_dir, None
+        if created is not None and not self.config.offload.keep_files:
+            with contextlib.suppress(OSError):
+                created.rmdir()  # only if empty: never remove what someone else put there
 
     def _check_module_for_training(self, module: LightningModule) -> None:
         if not module.automatic_optimization:
@@ -332,6 +437,40 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
 
     def _finish_window(self) -> None:
         self.engine.finish_window()
+
+    # -- state dicts (the tensor manager holds the real values) ---------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        manager = self.tensor_manager
+        if manager is None:
+            return state
+        module = self.lightning_module
+        by_id = {}
+        for u in range(manager.num_units):
+            for p, value in zip(manager.params[u], manager.unit_master_weights(u)):
+                by_id[id(p)] = value
+        for name, p in module.named_parameters():
+            if id(p) in by_id and name in state:
+                state[name] = by_id[id(p)]
+        return state
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        manager = self.tensor_manager
+        if manager is None or manager.optimizer is None:
+            return super().optimizer_state(optimizer)
+        state = optimizer.state_dict()
+        state["state"] = manager.optimizer_state()
+        return state
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        manager = self.tensor_manager
+        if manager is None or manager.optimizer is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        (opt_state,) = checkpoint["optimizer_states"]
+        # hyperparameters (and LR-scheduler bookkeeping such as initial_lr) go to the user's optimizer;
+        # the per-parameter state goes to the units
+        self.optimizers[0].load_state_dict({"state": {}, "param_groups": opt_state["param_groups"]})
+        manager.load_optimizer_state({int(k): v for k, v in opt_state["state"].items()})
 
     def _capture_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         """Run training_step up to its model call and return the model's inputs (logging muted)."""

@@ -151,16 +151,19 @@ class WindowEngine:
 
     def abort_window(self) -> None:
         """Forget the current window (nothing was stepped for it)."""
-        self._release_held()
-        self._window = None
-        self.store.end_window()
+        self._end(completed=False)
 
     def finish_window(self) -> None:
         w = self._require_window()
         assert w.cursor == len(w.plan.ops), (
             f"window finished after {w.cursor} of {len(w.plan.ops)} ops; next is {w.next_op}"
         )
-        self.abort_window()
+        self._end(completed=True)
+
+    def _end(self, completed: bool) -> None:
+        self._release_held()
+        self._window = None
+        self.store.end_window(completed)
 
     @property
     def window_complete(self) -> bool:
@@ -266,8 +269,13 @@ class WindowEngine:
         """The model's forward, unit by unit through the store (outside any training window's state)."""
         hidden: Any = None
         ctx: Any = None
+        # evaluation may come in the middle of a window (val_check_interval): give back the unit the
+        # window holds; the window re-acquires it when it resumes
+        self._release_held()
         for unit in self.units:
             self.store.acquire_unit(unit.index)
+            if unit.index + 1 < self.num_units:
+                self.store.prefetch(unit.index + 1)
             try:
                 if unit.index == 0:
                     hidden, ctx = self.chain.pre(*args, **kwargs)
@@ -365,6 +373,19 @@ class WindowEngine:
         self._release_held()
         self.store.acquire_unit(u)
         self._held_unit = u
+        nxt = self._next_unit_after_cursor(u)
+        if nxt is not None:
+            self.store.prefetch(nxt)
+
+    def _next_unit_after_cursor(self, u: int) -> int | None:
+        """The next different unit the plan will need (the prefetch target); None at the window's end."""
+        w = self._window
+        if w is None:
+            return (u + 1) % self.num_units if self.num_units > 1 else None
+        for op in w.plan.ops[w.cursor :]:
+            if op.kind is not OpKind.OPTIMIZER and op.unit != u:
+                return op.unit
+        return None
 
     def _release_held(self) -> None:
         if self._held_unit is not None:

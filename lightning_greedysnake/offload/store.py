@@ -30,15 +30,22 @@ class TensorStore(Protocol):
     def gradient_ready(self, unit: int) -> None:
         """``unit``'s parameter gradient for this window is complete (the optimizer may step it)."""
 
-    def end_window(self) -> None:
-        """The window is over (finished or abandoned): forget its checkpoints."""
+    def prefetch(self, unit: int) -> None:
+        """A hint: ``unit``'s weights will be acquired next; start bringing them in if that is cheap."""
+
+    def end_window(self, completed: bool = True) -> None:
+        """The window is over: forget its checkpoints; ``completed=False``: it was abandoned before its
+        optimizer step, so its gradients are dropped too."""
 
     def close(self) -> None:
         """Release every resource (buffers, files, threads). Idempotent."""
 
 
 class InMemoryTensorStore:
-    """Everything stays on the compute device; counts what an offloading store would have to move."""
+    """Everything stays on the compute device; counts what an offloading store would have to move.
+    Lightning steps the user's optimizer on the resident parameters."""
+
+    owns_optimizer_step = False
 
     def __init__(self) -> None:
         self._checkpoints: dict[tuple[int, int], Tensor] = {}
@@ -67,11 +74,14 @@ class InMemoryTensorStore:
     def gradient_ready(self, unit: int) -> None:
         self.gradient_ready_order.append(unit)
 
+    def prefetch(self, unit: int) -> None:
+        pass
+
     @property
     def num_checkpoints(self) -> int:
         return len(self._checkpoints)
 
-    def end_window(self) -> None:
+    def end_window(self, completed: bool = True) -> None:
         self._checkpoints.clear()
 
     def close(self) -> None:

@@ -1,0 +1,745 @@
+"""The tensor manager: each unit's weights, master weights, optimizer state, waiting gradients and
+activation checkpoints on the tier the placement names, moved through a budgeted pool of aligned
+buffers, with prefetch of the next unit's weights and write-behind of everything written.
+
+Who owns what, and the orderings it guarantees:
+
+- Parameters of the layered model stay the user's ``nn.Parameter`` objects (the user's optimizer and
+  LR schedulers keep pointing at them). Between uses their ``data`` is a one-element NaN placeholder
+  expanded to the right shape (``numel`` and shapes still answer correctly; any accidental compute on
+  it is visibly NaN); ``acquire_unit`` binds them to views of the unit's compute-weights buffer.
+- Gradients never stay in ``param.grad``: a post-accumulate hook adds each micro-batch's gradient into
+  the unit's flat fp32 accumulator and clears ``param.grad``. A unit's accumulator lives from its first
+  gradient to its optimizer step; if the unit is released before its gradient is complete (the
+  horizontal order) the accumulator waits on the ``gradients`` tier.
+- The optimizer step of a unit runs when the engine reports its gradient complete (or, when gradients
+  must be clipped by their global norm, after the whole backward): read master weights and state,
+  step with the user's optimizer class (:class:`UnitOptimizer`), write them back (write-behind), and
+  refresh the compute weights. Every SSD region serializes its operations (:class:`SSDRegions`), so a
+  later read of a region sees the earlier write; a prefetch issued before a unit's step is dropped.
+- Buffers return to the pool when the last operation using them completes (I/O completion callbacks).
+
+Synchronous compute on the calling thread; only I/O runs on threads.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
+from lightning_greedysnake.io import AlignedBuffer, IOConfig, ThreadedIOEngine
+from lightning_greedysnake.models import Unit
+from lightning_greedysnake.offload.layout import ParamSlot, UnitLayout, build_unit_layout
+from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
+from lightning_greedysnake.offload.stats import IOStats
+from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions, SSDScratch
+from lightning_greedysnake.optim import UnitOptimizer, discover_slots
+
+FILE_NAMES = {
+    TensorKind.WEIGHTS: "weights.bin",
+    TensorKind.MASTER_WEIGHTS: "master_weights.bin",
+    TensorKind.OPTIMIZER_STATES: "optimizer_states.bin",
+    TensorKind.GRADIENTS: "gradients.bin",
+    TensorKind.CHECKPOINTS: "checkpoints.bin",
+}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class ClipPolicy:
+    """How gradients are clipped, known at setup from the Trainer."""
+
+    value: float | None = None
+    """Clip each element to [-value, value], unit by unit as each gradient completes."""
+    defer: bool = False
+    """Hold every unit's step until the whole backward is done (global-norm clipping needs all
+    gradients first; a custom ``configure_gradient_clipping`` may need them too)."""
+
+
+@dataclass
+class _Held:
+    """A staging buffer and whether it belongs to the pool (host-tier regions do not)."""
+
+    buf: AlignedBuffer
+    pooled: bool
+    pending: list[Future[None]] = field(default_factory=list)
+
+
+@dataclass
+class _SSDCheckpoint:
+    offset: int
+    nbytes: int
+    shape: torch.Size
+    dtype: torch.dtype
+    write: Future[None]
+    loaded: _Held | None = None
+
+
+class TieredTensorStore:
+    """The SSD/host tensor manager behind the :class:`TensorStore` protocol, plus the optimizer step."""
+
+    owns_optimizer_step = True
+
+    def __init__(
+        self,
+        units: list[Unit],
+        param_names: dict[int, str],
+        optimizer: torch.optim.Optimizer | None,
+        config: OffloadConfig,
+        compute_dtype: torch.dtype = torch.float32,
+        clip: ClipPolicy | None = None,
+    ) -> None:
+        """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight."""
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.clip = clip or ClipPolicy()
+        self.stats = IOStats()
+        self.offload_dir: Path | None = None
+        self.optimizer = optimizer
+        self._closed = False
+        self._lock = threading.Lock()
+        self.weight_loads: dict[int, int] = {u.index: 0 for u in units}
+        """Times each unit's compute weights were acquired, since construction."""
+
+        group_of: dict[int, int] = {}
+        if optimizer is not None:
+            for gi, group in enumerate(optimizer.param_groups):
+                for p in group["params"]:
+                    group_of[id(p)] = gi
+        self.params: list[list[nn.Parameter]] = []
+        self.layouts: list[UnitLayout] = []
+        for unit in units:
+            ps = unit.parameters()
+            self.params.append(ps)
+            entries = [
+                (param_names.get(id(p), f"unit{unit.index}.{i}"), tuple(p.shape),
+                 group_of.get(id(p)) if p.requires_grad else None)
+                for i, p in enumerate(ps)
+            ]
+            self.layouts.append(build_unit_layout(unit.index, entries))
+        self.num_units = len(units)
+        self.slots: tuple[str, ...] = discover_slots(optimizer) if optimizer is not None else ()
+        self.separate_master = compute_dtype != torch.float32
+        trainable = [lay.trainable_numel > 0 for lay in self.layouts]
+
+        # -- regions per kind ------------------------------------------------------------------------
+        csize = _itemsize(compute_dtype)
+        self._region_bytes = {
+            TensorKind.WEIGHTS: [lay.nbytes(csize) for lay in self.layouts],
+            TensorKind.MASTER_WEIGHTS: [
+                lay.nbytes(4) if (self.separate_master and t) else 0 for lay, t in zip(self.layouts, trainable)
+            ],
+            TensorKind.OPTIMIZER_STATES: [
+                lay.nbytes(4) * len(self.slots) if t else 0 for lay, t in zip(self.layouts, trainable)
+            ],
+            TensorKind.GRADIENTS: [lay.nbytes(4) if t else 0 for lay, t in zip(self.layouts, trainable)],
+        }
+        self.engine: ThreadedIOEngine | None = None
+        self._regions: dict[TensorKind, HostRegions | SSDRegions] = {}
+        self._scratch: SSDScratch | None = None
+        self.files: list[Path] = []
+
+        self.unit_optimizers = [
+            UnitOptimizer(optimizer, lay, self.slots) if optimizer is not None else None for lay in self.layouts
+        ]
+        self._where: dict[int, tuple[int, int]] = {}
+        for u, ps in enumerate(self.params):
+            for i, p in enumerate(ps):
+                self._where[id(p)] = (u, i)
+        self._placeholders = [
+            [torch.full((1,), math.nan, dtype=compute_dtype).expand(p.shape) for p in ps] for ps in self.params
+        ]
+        self._weights: dict[int, _Held] = {}
+        self._prefetched: dict[int, tuple[_Held, Future[None]]] = {}
+        self._grads: dict[int, _Held] = {}
+        self._grad_spilled: set[int] = set()
+        self._has_grad: dict[int, list[bool]] = {}
+        self._grad_complete: list[int] = []
+        """Units whose gradient is complete and whose step waits (deferred mode)."""
+        self._norms: dict[int, list[Tensor | None]] = {}
+        self._host_checkpoints: dict[tuple[int, int], Tensor] = {}
+        self._ssd_checkpoints: dict[tuple[int, int], _SSDCheckpoint] = {}
+        self._hooks: list[Any] = []
+        self._clip_coef: Tensor | None = None
+        self._value_clips: list[float] = []
+        self.steps_taken = 0
+        self.min_budget_bytes = self._min_budget()
+        budget = config.buffer_budget_bytes
+        if budget is None:
+            budget = 2 * self.min_budget_bytes + (64 << 20)
+        elif budget < self.min_budget_bytes:
+            raise BufferBudgetError(
+                f"offload.buffer_budget_bytes={budget} is below the {self.min_budget_bytes} bytes one unit's "
+                "weights, gradient, master weights and optimizer state need at once. Fix: raise it to at "
+                f"least {self.min_budget_bytes}, lower layers_per_unit, or leave it None (automatic)."
+            )
+        self.pool = BufferPool(budget)
+
+    def open(self, offload_dir: Path | None) -> None:
+        """Create the host regions and the preallocated offload files (after preflight)."""
+        config = self.config
+        self.offload_dir = offload_dir
+        if config.uses_ssd:
+            assert offload_dir is not None, "an SSD tier needs an offload directory"
+            self.engine = ThreadedIOEngine(IOConfig(config.io_threads, config.io_chunk_bytes, config.direct_io))
+        try:
+            for kind, sizes in self._region_bytes.items():
+                if sum(sizes) == 0:
+                    continue
+                if config.tier(kind) is Tier.SSD:
+                    assert self.engine is not None and offload_dir is not None
+                    path = offload_dir / FILE_NAMES[kind]
+                    self.files.append(path)
+                    self._regions[kind] = SSDRegions(kind.value, sizes, self.engine, path, self.stats)
+                else:
+                    self._regions[kind] = HostRegions(kind.value, sizes)
+            if config.checkpoints is Tier.SSD:
+                assert self.engine is not None and offload_dir is not None
+                path = offload_dir / FILE_NAMES[TensorKind.CHECKPOINTS]
+                self.files.append(path)
+                self._scratch = SSDScratch(TensorKind.CHECKPOINTS.value, self.engine, path, self.stats)
+        except BaseException:
+            self._close_regions()
+            raise
+
+    # -- sizes -------------------------------------------------------------------------------------
+    def _min_budget(self) -> int:
+        """Staging bytes needed at once for one unit: its weights, gradient, master and state (a
+        prefetch of the next unit only uses spare budget)."""
+        need = 0
+        for u in range(self.num_units):
+            total = 0
+            for kind, sizes in self._region_bytes.items():
+                if self.config.tier(kind) is Tier.SSD:
+                    total += sizes[u]
+            need = max(need, total)
+        return max(need, 4096)
+
+    def ssd_bytes(self) -> dict[str, int]:
+        """Bytes each SSD-resident kind keeps in the offload directory (for preflight)."""
+        out = {}
+        for kind, sizes in self._region_bytes.items():
+            if self.config.tier(kind) is Tier.SSD and sum(sizes):
+                out[kind.value] = sum(sizes)
+        return out
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def initialize_from_parameters(self) -> None:
+        """Copy the parameters' current values into their tiers, then detach the parameters' memory.
+
+        Called once, after the model exists (and after a checkpoint's weights were loaded into it)."""
+        for u in range(self.num_units):
+            self.load_unit_weights(u, [p.data for p in self.params[u]])
+            for i, p in enumerate(self.params[u]):
+                p.data = self._placeholders[u][i]
+        self.flush()
+        for u, ps in enumerate(self.params):
+            for p in ps:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
+        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
+        lay = self.layouts[u]
+        weights = self._stage(TensorKind.WEIGHTS, u, read=False)
+        flat = weights.buf.view(self.compute_dtype, lay.numel)
+        for slot, value in zip(lay.params, values):
+            _view(flat, slot).copy_(value.detach())
+        self._put_back(TensorKind.WEIGHTS, u, weights)
+        if self.separate_master and self._region_bytes[TensorKind.MASTER_WEIGHTS][u]:
+            master = self._stage(TensorKind.MASTER_WEIGHTS, u, read=False)
+            mflat = master.buf.view(torch.float32, lay.numel)
+            for slot, value in zip(lay.params, values):
+                if slot.group is not None:
+                    _view(mflat, slot).copy_(value.detach())
+            self._put_back(TensorKind.MASTER_WEIGHTS, u, master)
+
+    def unit_master_weights(self, u: int) -> list[Tensor]:
+        """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
+        lay = self.layouts[u]
+        out: list[Tensor] = []
+        weights = self._stage(TensorKind.WEIGHTS, u, read=True)
+        try:
+            flat = weights.buf.view(self.compute_dtype, lay.numel)
+            out = [_view(flat, slot).to(torch.float32 if self.separate_master else self.compute_dtype, copy=True)
+                   for slot in lay.params]
+        finally:
+            self._done_with(weights)
+        if self.separate_master and self._region_bytes[TensorKind.MASTER_WEIGHTS][u]:
+            master = self._stage(TensorKind.MASTER_WEIGHTS, u, read=True)
+            try:
+                mflat = master.buf.view(torch.float32, lay.numel)
+                for k, slot in enumerate(lay.params):
+                    if slot.group is not None:
+                        out[k] = _view(mflat, slot).clone()
+            finally:
+                self._done_with(master)
+        return out
+
+    def restore_parameters(self) -> None:
+        """Give the parameters real memory again, holding the trained weights (end of a run)."""
+        for u in range(self.num_units):
+            values = self.unit_master_weights(u)
+            for p, value in zip(self.params[u], values):
+                p.data = value.to(p.dtype) if p.dtype != value.dtype else value
+
+    # -- optimizer state (checkpoints) ---------------------------------------------------------------
+    def _trainable_index(self, u: int) -> dict[int, int]:
+        opt = self.unit_optimizers[u]
+        assert opt is not None
+        index = {}
+        j = 0
+        for i, slot in enumerate(self.layouts[u].params):
+            if slot.group is not None:
+                index[i] = j
+                j += 1
+        return index
+
+    def optimizer_state(self) -> dict[int, dict[str, Any]]:
+        """The optimizer's per-parameter state in ``torch.optim`` form, keyed by the parameter's index
+        in the user's optimizer (the ``state`` entry of ``optimizer.state_dict()``)."""
+        assert self.optimizer is not None
+        order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        per_unit: dict[int, dict[int, dict[str, Any]]] = {}
+        for u, opt in enumerate(self.unit_optimizers):
+            if opt is None or not opt.has_trainable or not any(opt.initialized):
+                continue
+            lay = self.layouts[u]
+            states = self._stage(TensorKind.OPTIMIZER_STATES, u, read=True) if self.slots else None
+            try:
+                entries: dict[int, dict[str, Any]] = {}
+                for i, j in self._trainable_index(u).items():
+                    if not opt.initialized[j]:
+                        continue
+                    entry = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.scalar_state[j].items()}
+                    if states is not None:
+                        region = lay.nbytes(4)
+                        for k, name in enumerate(self.slots):
+                            flat = states.buf.view(torch.float32, lay.numel, offset_bytes=k * region)
+                            entry[name] = _view(flat, lay.params[i]).clone()
+                    entries[i] = entry
+                per_unit[u] = entries
+            finally:
+                if states is not None:
+                    self._done_with(states)
+        out: dict[int, dict[str, Any]] = {}
+        for idx, p in enumerate(order):
+            where = self._where.get(id(p))
+            if where is not None and where[1] in per_unit.get(where[0], {}):
+                out[idx] = per_unit[where[0]][where[1]]
+        return out
+
+    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
+        """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
+        assert self.optimizer is not None
+        order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        by_unit: dict[int, dict[int, dict[str, Any]]] = {}
+        for idx, entry in state.items():
+            p = order[int(idx)]
+            where = self._where.get(id(p))
+            if where is None:
+                raise ValueError(f"optimizer state for parameter {idx}, which is outside the layered model")
+            by_unit.setdefault(where[0], {})[where[1]] = entry
+        for u, entries in by_unit.items():
+            opt = self.unit_optimizers[u]
+            assert opt is not None
+            lay = self.layouts[u]
+            tindex = self._trainable_index(u)
+            states = self._stage(TensorKind.OPTIMIZER_STATES, u, read=True) if self.slots else None
+            for i, entry in entries.items():
+                j = tindex[i]
+                scalars = {}
+                for name, value in entry.items():
+                    if name in self.slots and isinstance(value, Tensor) and value.shape == lay.params[i].shape:
+                        assert states is not None
+                        region = lay.nbytes(4)
+                        k = self.slots.index(name)
+                        flat = states.buf.view(torch.float32, lay.numel, offset_bytes=k * region)
+                        _view(flat, lay.params[i]).copy_(value)
+                    else:
+                        scalars[name] = value.clone() if isinstance(value, Tensor) else value
+                opt.scalar_state[j] = scalars
+                opt.initialized[j] = True
+            if states is not None:
+                self._put_back(TensorKind.OPTIMIZER_STATES, u, states)
+        self.flush()
+
+    # -- staging ----------------------------------------------------------------------------------------
+    def _stage(self, kind: TensorKind, u: int, *, read: bool) -> _Held:
+        """A buffer holding unit ``u``'s region of ``kind``: the region itself on the host tier; a pool
+        buffer (filled from the SSD when ``read``) on the SSD tier."""
+        regions = self._regions[kind]
+        host = regions.host_buffer(u)
+        if host is not None:
+            return _Held(host, pooled=False)
+        assert isinstance(regions, SSDRegions)
+        buf = self.pool.acquire(regions.region_bytes(u), what=f"unit {u} {kind.value}")
+        assert buf is not None
+        held = _Held(buf, pooled=True)
+        if read:
+            try:
+                regions.submit_read(u, buf).result()
+            except BaseException:
+                self.pool.release(buf)
+                raise
+        return held
+
+    def _put_back(self, kind: TensorKind, u: int, held: _Held) -> None:
+        """Write ``held`` to unit ``u``'s region of ``kind`` (write-behind) and give the buffer back once
+        written. Host-tier regions were modified in place: nothing to do."""
+        if not held.pooled:
+            return
+        regions = self._regions[kind]
+        assert isinstance(regions, SSDRegions)
+        fut = regions.submit_write(u, held.buf)
+        held.pending.append(fut)
+        self._release_when_done(held)
+
+    def _done_with(self, held: _Held) -> None:
+        if held.pooled:
+            self._release_when_done(held)
+
+    def _release_when_done(self, held: _Held) -> None:
+        pending = [f for f in held.pending if not f.done()]
+        if not pending:
+            self.pool.release(held.buf)
+            return
+        remaining = [len(pending)]
+        gate = threading.Lock()
+
+        def one_done(_: Future[None]) -> None:
+            with gate:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self.pool.release(held.buf)
+
+        for f in pending:
+            f.add_done_callback(one_done)
+
+    # -- the TensorStore protocol: weights --------------------------------------------------------------
+    def acquire_unit(self, unit: int) -> None:
+        assert unit not in self._weights, f"unit {unit} acquired twice"
+        self.weight_loads[unit] += 1
+        pre = self._prefetched.pop(unit, None)
+        if pre is not None:
+            held, fut = pre
+            fut.result()
+        else:
+            held = self._stage(TensorKind.WEIGHTS, unit, read=True)
+        self._weights[unit] = held
+        flat = held.buf.view(self.compute_dtype, self.layouts[unit].numel)
+        for p, slot in zip(self.params[unit], self.layouts[unit].params):
+            p.data = _view(flat, slot)
+
+    def release_unit(self, unit: int) -> None:
+        held = self._weights.pop(unit)
+        for p, ph in zip(self.params[unit], self._placeholders[unit]):
+            p.data = ph
+        self._done_with(held)
+        if unit in self._grads and unit not in self._grad_complete_set():
+            self._spill_grad(unit)
+
+    def prefetch(self, unit: int) -> None:
+        """Start reading ``unit``'s weights now if they live on SSD and spare budget allows."""
+        regions = self._regions[TensorKind.WEIGHTS]
+        if not isinstance(regions, SSDRegions) or unit in self._weights or unit in self._prefetched:
+            return
+        buf = self.pool.acquire(regions.region_bytes(unit), block=False, what=f"unit {unit} weights prefetch")
+        if buf is None:
+            return
+        held = _Held(buf, pooled=True)
+        self._prefetched[unit] = (held, regions.submit_read(unit, buf))
+
+    def _drop_prefetch(self, unit: int) -> None:
+        pre = self._prefetched.pop(unit, None)
+        if pre is not None:
+            held, fut = pre
+            held.pending.append(fut)
+            self._release_when_done(held)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def save_checkpoint(self, unit: int, microbatch: int, hidden: Tensor) -> None:
+        key = (unit, microbatch)
+        assert key not in self._host_checkpoints and key not in self._ssd_checkpoints, f"checkpoint {key} twice"
+        if self._scratch is None:
+            self._host_checkpoints[key] = hidden
+            return
+        nbytes = hidden.numel() * hidden.element_size()
+        buf = self.pool.acquire(nbytes, what=f"checkpoint of unit {unit}")
+        assert buf is not None
+        buf.view(hidden.dtype, hidden.numel()).copy_(hidden.reshape(-1))
+        offset = self._scratch.allocate(nbytes)
+        fut = self._scratch.submit("write", offset, buf, nbytes)
+        held = _Held(buf, pooled=True, pending=[fut])
+        self._release_when_done(held)
+        self._ssd_checkpoints[key] = _SSDCheckpoint(offset, nbytes, hidden.shape, hidden.dtype, fut)
+
+    def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
+        key = (unit, microbatch)
+        if self._scratch is None:
+            return self._host_checkpoints[key]
+        ck = self._ssd_checkpoints[key]
+        if ck.loaded is None:
+            ck.write.result()  # the read must see the completed write
+            buf = self.pool.acquire(ck.nbytes, what=f"checkpoint of unit {unit}")
+            assert buf is not None
+            try:
+                self._scratch.submit("read", ck.offset, buf, ck.nbytes).result()
+            except BaseException:
+                self.pool.release(buf)
+                raise
+            ck.loaded = _Held(buf, pooled=True)
+        numel = ck.shape.numel()
+        return ck.loaded.buf.view(ck.dtype, numel).view(ck.shape)
+
+    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
+        key = (unit, microbatch)
+        self._host_checkpoints.pop(key, None)
+        ck = self._ssd_checkpoints.pop(key, None)
+        if ck is not None and ck.loaded is not None:
+            self.pool.release(ck.loaded.buf)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._host_checkpoints) + len(self._ssd_checkpoints)
+
+    # -- gradients ----------------------------------------------------------------------------------------
+    def _grad_complete_set(self) -> set[int]:
+        return set(self._grad_complete)
+
+    def _grad_flat(self, u: int) -> Tensor:
+        held = self._grads.get(u)
+        if held is None:
+            if u in self._grad_spilled:
+                self._grad_spilled.discard(u)
+                held = self._stage(TensorKind.GRADIENTS, u, read=True)
+            else:
+                held = self._stage(TensorKind.GRADIENTS, u, read=False)
+                held.buf.view(torch.float32, self.layouts[u].numel).zero_()
+                self._has_grad[u] = [False] * len(self.layouts[u].params)
+            self._grads[u] = held
+        return held.buf.view(torch.float32, self.layouts[u].numel)
+
+    def _on_grad(self, p: Tensor) -> None:
+        """Post-accumulate hook: move this micro-batch's gradient into the unit's fp32 accumulator."""
+        u, i = self._where[id(p)]
+        grad = p.grad
+        if grad is None:
+            return
+        if self.layouts[u].params[i].group is None:
+            p.grad = None  # trainable but not in the optimizer: Lightning would never step it either
+            return
+        flat = self._grad_flat(u)
+        _view(flat, self.layouts[u].params[i]).add_(grad)
+        self._has_grad[u][i] = True
+        p.grad = None
+
+    def _spill_grad(self, u: int) -> None:
+        held = self._grads.pop(u)
+        if held.pooled:
+            self._put_back(TensorKind.GRADIENTS, u, held)
+        self._grad_spilled.add(u)
+
+    def gradient_ready(self, unit: int) -> None:
+        """``unit``'s gradient for this window is complete: clip by value, then step it now, or (deferred
+        mode) record its norms and let the gradient wait on its tier until :meth:`finish_step`."""
+        if self.unit_optimizers[unit] is None or not self.layouts[unit].trainable_numel:
+            return
+        if unit not in self._grads and unit not in self._grad_spilled:
+            return  # no gradient reached this unit in this window: torch skips such parameters too
+        flat = self._grad_flat(unit)
+        if self.clip.value is not None and not self.clip.defer:
+            flat.clamp_(-self.clip.value, self.clip.value)
+        if self.clip.defer:
+            lay = self.layouts[unit]
+            views = [_view(flat, s) for s, has in zip(lay.params, self._has_grad[unit]) if has]
+            norms = iter(torch._foreach_norm(views, 2.0) if views else [])
+            self._norms[unit] = [next(norms) if has else None for has in self._has_grad[unit]]
+            self._grad_complete.append(unit)
+            if self._grads[unit].pooled and unit not in self._weights:
+                self._spill_grad(unit)
+            elif self._grads[unit].pooled:
+                # still in use by the engine (the fused last unit): spilled at release
+                pass
+            return
+        self._step_unit(unit, flat)
+
+    def global_grad_norm(self, order: Iterable[nn.Parameter]) -> Tensor:
+        """The 2-norm over every waiting gradient, combined in ``order`` (the optimizer's parameter order,
+        as ``torch.nn.utils.clip_grad_norm_`` combines them)."""
+        norms = []
+        for p in order:
+            where = self._where.get(id(p))
+            if where is None:
+                continue
+            u, i = where
+            per_unit = self._norms.get(u)
+            if per_unit is not None and per_unit[i] is not None:
+                norms.append(per_unit[i])
+        if not norms:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter]) -> Tensor:
+        """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step)."""
+        total = self.global_grad_norm(order)
+        coef = max_norm / (total + 1e-6)
+        self._clip_coef = torch.clamp(coef, max=1.0)
+        return total
+
+    def clip_by_value(self, value: float) -> None:
+        if not self.clip.defer:
+            if self.clip.value is None or float(value) != float(self.clip.value):
+                raise ValueError(
+                    f"gradient clipping by value {value} was requested at step time, but greedysnake already "
+                    f"stepped units with clip value {self.clip.value}. Fix: set Trainer(gradient_clip_val=...) "
+                    "to the value you pass to clip_gradients."
+                )
+            return
+        self._value_clips.append(float(value))
+
+    def finish_step(self) -> None:
+        """Deferred mode: step every unit whose gradient waits, with the clipping decided after backward."""
+        values = self._value_clips
+        for unit in list(self._grad_complete):
+            flat = self._grad_flat(unit)
+            for v in values:
+                flat.clamp_(-v, v)
+            if self._clip_coef is not None:
+                flat.mul_(self._clip_coef)
+            self._step_unit(unit, flat)
+        self._grad_complete.clear()
+        self._norms.clear()
+        self._clip_coef = None
+        self._value_clips = []
+
+    def _step_unit(self, unit: int, grad: Tensor) -> None:
+        opt = self.unit_optimizers[unit]
+        assert opt is not None
+        lay = self.layouts[unit]
+        self._drop_prefetch(unit)  # read before this step: stale now
+        weights_held = self._weights.get(unit)
+        if self.separate_master:
+            master = self._stage(TensorKind.MASTER_WEIGHTS, unit, read=True)
+        elif weights_held is not None:
+            master = weights_held  # fp32: the acquired compute weights are the master copy
+        else:
+            master = self._stage(TensorKind.WEIGHTS, unit, read=True)
+        states = self._stage(TensorKind.OPTIMIZER_STATES, unit, read=True) if self.slots else None
+        mflat = master.buf.view(torch.float32, lay.numel)
+        state_views: dict[str, Tensor] = {}
+        if states is not None:
+            region = lay.nbytes(4)
+            for k, name in enumerate(self.slots):
+                state_views[name] = states.buf.view(torch.float32, lay.numel, offset_bytes=k * region)
+        opt.step(mflat, grad, state_views, self._has_grad.get(unit, [False] * len(lay.params)))
+        self.steps_taken += 1
+        if states is not None:
+            self._put_back(TensorKind.OPTIMIZER_STATES, unit, states)
+        if self.separate_master:
+            self._put_back(TensorKind.MASTER_WEIGHTS, unit, master)
+            compute = weights_held if weights_held is not None else self._stage(TensorKind.WEIGHTS, unit, read=True)
+            cflat = compute.buf.view(self.compute_dtype, lay.numel)
+            for slot in lay.params:
+                if slot.group is not None:
+                    _view(cflat, slot).copy_(_view(mflat, slot))
+            self._write_weights(unit, compute, acquired=weights_held is not None)
+        else:
+            self._write_weights(unit, master, acquired=weights_held is not None)
+        grad_held = self._grads.pop(unit, None)
+        self._grad_spilled.discard(unit)
+        self._has_grad.pop(unit, None)
+        if grad_held is not None:
+            self._done_with(grad_held)
+
+    def _write_weights(self, unit: int, held: _Held, acquired: bool) -> None:
+        regions = self._regions[TensorKind.WEIGHTS]
+        if not held.pooled:
+            return
+        assert isinstance(regions, SSDRegions)
+        fut = regions.submit_write(unit, held.buf)
+        held.pending.append(fut)
+        if not acquired:
+            self._release_when_done(held)
+        # acquired: release_unit gives the buffer back once this write is done
+
+    # -- window and lifetime --------------------------------------------------------------------------
+    def end_window(self, completed: bool = True) -> None:
+        """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its
+        gradients, as Lightning's own ``zero_grad`` would drop them. A completed window's gradients are
+        all stepped already, or (deferred mode) wait for :meth:`finish_step`."""
+        for key in list(self._ssd_checkpoints):
+            ck = self._ssd_checkpoints[key]
+            self.drop_checkpoint(*key)
+            ck.write.result()  # the scratch space is reused by the next window
+        self._host_checkpoints.clear()
+        if self._scratch is not None:
+            self._scratch.reset()
+        if not completed:
+            self.discard_gradients()
+
+    def discard_gradients(self) -> None:
+        for u in list(self._grads):
+            held = self._grads.pop(u)
+            self._done_with(held)
+        self._grad_spilled.clear()
+        self._grad_complete.clear()
+        self._has_grad.clear()
+        self._norms.clear()
+
+    def flush(self) -> None:
+        """Wait for every write in flight (raises the first I/O error)."""
+        for regions in self._regions.values():
+            if isinstance(regions, SSDRegions):
+                regions.wait_all()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _close_regions(self) -> None:
+        for regions in self._regions.values():
+            regions.close()
+        if self._scratch is not None:
+            self._scratch.close()
+        if self.engine is not None:
+            self.engine.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for writes, stop the I/O threads, close files and buffers, remove hooks. Idempotent.
+        The parameters keep their placeholders: the state lives in the tiers (and in checkpoints)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.remove_hooks()
+        for u in list(self._weights):
+            self.release_unit(u)
+        for u in list(self._prefetched):
+            self._drop_prefetch(u)
+        try:
+            self.flush()
+        finally:
+            self._close_regions()
+            self.pool.close()
+
+
+def _view(flat: Tensor, slot: ParamSlot) -> Tensor:
+    return flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)

@@ -1,0 +1,95 @@
+"""Page-aligned staging buffers under a byte budget, with explicit acquire and release.
+
+The budget caps what the tensor manager holds in host memory at once: weights in use and prefetched,
+the optimizer's working set, checkpoints in flight. A request that can never fit is an error up front;
+one that fits later waits for a release (write-behind completions release from I/O threads).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from lightning_greedysnake.io import AlignedBuffer, align_up
+
+
+class BufferBudgetError(ValueError):
+    """A single request is larger than the whole budget, or the budget stayed full too long."""
+
+
+class BufferPool:
+    def __init__(self, budget_bytes: int, wait_timeout_s: float = 300.0) -> None:
+        self.budget_bytes = budget_bytes
+        self.wait_timeout_s = wait_timeout_s
+        self._cond = threading.Condition()
+        self._free: dict[int, list[AlignedBuffer]] = defaultdict(list)
+        self._free_bytes = 0
+        self._in_use: dict[int, AlignedBuffer] = {}
+        self.in_use_bytes = 0
+        self.peak_bytes = 0
+        """Most bytes held at once (in use plus cached), since construction."""
+        self._closed = False
+
+    def acquire(self, nbytes: int, *, block: bool = True, what: str = "buffer") -> AlignedBuffer | None:
+        """A buffer of at least ``nbytes``; ``None`` when ``block`` is False and the budget is full."""
+        nbytes = align_up(nbytes)
+        if nbytes > self.budget_bytes:
+            raise BufferBudgetError(
+                f"{what} needs {nbytes} bytes but offload.buffer_budget_bytes={self.budget_bytes}. Fix: raise "
+                "offload.buffer_budget_bytes (or leave it None for automatic), or lower layers_per_unit."
+            )
+        with self._cond:
+            assert not self._closed, "buffer pool is closed"
+            while True:
+                cached = self._free.get(nbytes)
+                if cached:
+                    buf = cached.pop()
+                    self._free_bytes -= nbytes
+                    break
+                if self.in_use_bytes + nbytes <= self.budget_bytes:
+                    self._evict(self.in_use_bytes + self._free_bytes + nbytes - self.budget_bytes)
+                    buf = AlignedBuffer(nbytes)
+                    break
+                if not block:
+                    return None
+                if not self._cond.wait(self.wait_timeout_s):
+                    raise BufferBudgetError(
+                        f"waited {self.wait_timeout_s:.0f} s for {nbytes} bytes of staging memory ({what}); "
+                        f"{self.in_use_bytes} of offload.buffer_budget_bytes={self.budget_bytes} stay in use. "
+                        "Fix: raise offload.buffer_budget_bytes."
+                    )
+            self._in_use[id(buf)] = buf
+            self.in_use_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes + self._free_bytes)
+            return buf
+
+    def release(self, buf: AlignedBuffer) -> None:
+        with self._cond:
+            owned = self._in_use.pop(id(buf), None)
+            assert owned is buf, "released a buffer this pool did not hand out"
+            self.in_use_bytes -= buf.nbytes
+            if self._closed:
+                buf.close()
+            else:
+                self._free[buf.nbytes].append(buf)
+                self._free_bytes += buf.nbytes
+            self._cond.notify_all()
+
+    def _evict(self, excess: int) -> None:
+        """Close cached buffers until ``excess`` bytes are gone (called with the lock held)."""
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and excess > 0:
+                bufs.pop().close()
+                self._free_bytes -= size
+                excess -= size
+
+    def close(self) -> None:
+        """Frees cached buffers; buffers still in use are freed as they come back."""
+        with self._cond:
+            self._closed = True
+            for bufs in self._free.values():
+                for buf in bufs:
+                    buf.close()
+            self._free.clear()
+            self._free_bytes = 0

@@ -1,0 +1,170 @@
+"""Per-unit regions of one kind of tensor on one tier.
+
+``HostRegions`` keeps one page-aligned buffer per unit in RAM: users work on it in place. ``SSDRegions``
+keeps one preallocated file per kind with a region per unit; its reads and writes are asynchronous and
+ordered per region: an operation on a region starts only after the previous one on the same region has
+completed, so a read never sees a half-written region and a write never races a prefetch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up
+from lightning_greedysnake.offload.layout import FileLayout, build_file_layout
+from lightning_greedysnake.offload.stats import IOStats
+
+
+def _done_future() -> Future[None]:
+    f: Future[None] = Future()
+    f.set_result(None)
+    return f
+
+
+class HostRegions:
+    tier = "host"
+
+    def __init__(self, kind: str, region_bytes: list[int]) -> None:
+        self.kind = kind
+        self.layout: FileLayout = build_file_layout(region_bytes)
+        # anonymous mmap: pages are materialized on first touch, so unused regions cost nothing
+        self._buffers: list[AlignedBuffer | None] = [AlignedBuffer(size) if size else None for size in region_bytes]
+
+    def region_bytes(self, unit: int) -> int:
+        return self.layout.sizes[unit]
+
+    def host_buffer(self, unit: int) -> AlignedBuffer:
+        buf = self._buffers[unit]
+        assert buf is not None, f"{self.kind}: unit {unit} has no region here (or the regions are closed)"
+        return buf
+
+    def close(self) -> None:
+        for buf in self._buffers:
+            if buf is not None:
+                buf.close()
+        self._buffers = [None] * len(self._buffers)
+
+
+class SSDRegions:
+    tier = "ssd"
+
+    def __init__(self, kind: str, region_bytes: list[int], engine: IOEngine, path: Path, stats: IOStats) -> None:
+        self.kind = kind
+        self.layout = build_file_layout(region_bytes)
+        self.path = path
+        self._engine = engine
+        self._stats = stats
+        self.file: OffloadFile = engine.open(path, max(self.layout.total_bytes, 4096))
+        self._fences: dict[int, Future[None]] = {}
+        self._lock = threading.Lock()
+
+    def region_bytes(self, unit: int) -> int:
+        return self.layout.sizes[unit]
+
+    def host_buffer(self, unit: int) -> None:
+        return None
+
+    def submit_read(self, unit: int, buf: AlignedBuffer) -> Future[None]:
+        return self._submit("read", unit, buf)
+
+    def submit_write(self, unit: int, buf: AlignedBuffer) -> Future[None]:
+        return self._submit("write", unit, buf)
+
+    def wait(self, unit: int) -> None:
+        """Block until every operation submitted on ``unit``'s region has completed (raises its error)."""
+        with self._lock:
+            fence = self._fences.get(unit)
+        if fence is not None:
+            fence.result()
+
+    def wait_all(self) -> None:
+        with self._lock:
+            fences = list(self._fences.values())
+        for f in fences:
+            f.result()
+
+    def _submit(self, op: str, unit: int, buf: AlignedBuffer) -> Future[None]:
+        nbytes = self.layout.sizes[unit]
+        assert buf.nbytes >= nbytes, (buf.nbytes, nbytes)
+        # per-region ordering: the previous operation on this region must be complete first (its error,
+        # if any, surfaces here rather than being lost)
+        self.wait(unit)
+        t0 = time.perf_counter()
+        if op == "read":
+            f = self._engine.submit_read(self.file, self.layout.offsets[unit], buf, 0, nbytes)
+        else:
+            f = self._engine.submit_write(self.file, self.layout.offsets[unit], buf, 0, nbytes)
+        f.add_done_callback(
+            lambda fut: fut.exception() is None
+            and self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0)
+        )
+        with self._lock:
+            self._fences[unit] = f
+        return f
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        except OSError:
+            pass  # already raised to whoever waited on it; closing must still release the file
+        self.file.close()
+
+
+class SSDScratch:
+    """Space for activation checkpoints on SSD: bump-allocated within a window, reset at its end; the
+    file grows (preallocated) when a window needs more than any before."""
+
+    tier = "ssd"
+
+    def __init__(self, kind: str, engine: IOEngine, path: Path, stats: IOStats) -> None:
+        self.kind = kind
+        self.path = path
+        self._engine = engine
+        self._stats = stats
+        self.file: OffloadFile = engine.open(path, 4096)
+        self._next = 0
+
+    def allocate(self, nbytes: int) -> int:
+        nbytes = align_up(nbytes)
+        offset = self._next
+        self._next += nbytes
+        if self._next > self.file.size_bytes:
+            new_size = max(self._next, 2 * self.file.size_bytes)
+            assert self.file.fd is not None
+            try:
+                os.posix_fallocate(self.file.fd, 0, new_size)
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"growing {self.path} to {new_size} bytes for activation checkpoints failed: "
+                    f"{os.strerror(e.errno or 0)}. Fix: free space on the offload disk or keep checkpoints "
+                    "in host memory (offload.checkpoints=host).",
+                ) from e
+            self.file.size_bytes = new_size
+        return offset
+
+    def reset(self) -> None:
+        self._next = 0
+
+    def submit(self, op: str, offset: int, buf: AlignedBuffer, nbytes: int) -> Future[None]:
+        nbytes = align_up(nbytes)
+        t0 = time.perf_counter()
+        if op == "read":
+            f = self._engine.submit_read(self.file, offset, buf, 0, nbytes)
+        else:
+            f = self._engine.submit_write(self.file, offset, buf, 0, nbytes)
+        f.add_done_callback(
+            lambda fut: fut.exception() is None
+            and self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0)
+        )
+        return f
+
+    def close(self) -> None:
+        self.file.close()
+
+
+Regions = HostRegions | SSDRegions
