@@ -377,9 +377,9 @@ class TieredTensorStore:
         self.flush()
 
     # -- staging ----------------------------------------------------------------------------------------
-    def _stage(self, kind: TensorKind, u: int, *, read: bool) -> _Held:
+    def _stage(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None) -> _Held:
         """A buffer holding unit ``u``'s region of ``kind``: the region itself on the host tier; a pool
-        buffer (filled from the SSD when ``read``) on the SSD tier."""
+        buffer (filled from the SSD when ``read``; counted under ``label`` if given) on the SSD tier."""
         regions = self._regions[kind]
         host = regions.host_buffer(u)
         if host is not None:
@@ -390,7 +390,7 @@ class TieredTensorStore:
         held = _Held(buf, pooled=True)
         if read:
             try:
-                regions.submit_read(u, buf).result()
+                regions.submit_read(u, buf, label).result()
             except BaseException:
                 self.pool.release(buf)
                 raise
@@ -637,8 +637,11 @@ class TieredTensorStore:
         elif weights_held is not None:
             master = weights_held  # fp32: the acquired compute weights are the master copy
         else:
-            master = self._stage(TensorKind.WEIGHTS, unit, read=True)
-        states = self._stage(TensorKind.OPTIMIZER_STATES, unit, read=True) if self.slots else None
+            master = self._stage(TensorKind.WEIGHTS, unit, read=True, label=TensorKind.MASTER_WEIGHTS.value)
+        # before the unit's first step the optimizer creates its state itself: nothing to read yet
+        states = (
+            self._stage(TensorKind.OPTIMIZER_STATES, unit, read=any(opt.initialized)) if self.slots else None
+        )
         mflat = master.buf.view(torch.float32, lay.numel)
         state_views: dict[str, Tensor] = {}
         if states is not None:

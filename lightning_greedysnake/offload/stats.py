@@ -36,6 +36,12 @@ class IOStats:
                 c.write_seconds += seconds
                 c.writes += 1
 
+    def copy(self) -> IOStats:
+        """A frozen copy (later I/O does not change it)."""
+        out = IOStats()
+        out._counters.update(self.snapshot())
+        return out
+
     def snapshot(self) -> dict[tuple[str, str], IOCounter]:
         with self._lock:
             return {k: IOCounter(**vars(v)) for k, v in self._counters.items()}

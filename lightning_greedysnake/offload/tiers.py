@@ -68,11 +68,13 @@ class SSDRegions:
     def host_buffer(self, unit: int) -> None:
         return None
 
-    def submit_read(self, unit: int, buf: AlignedBuffer) -> Future[None]:
-        return self._submit("read", unit, buf)
+    def submit_read(self, unit: int, buf: AlignedBuffer, label: str | None = None) -> Future[None]:
+        """``label``: the kind to count the bytes under, when it differs from the region's (under 32-true
+        the optimizer reads the weights region as its master copy)."""
+        return self._submit("read", unit, buf, label)
 
-    def submit_write(self, unit: int, buf: AlignedBuffer) -> Future[None]:
-        return self._submit("write", unit, buf)
+    def submit_write(self, unit: int, buf: AlignedBuffer, label: str | None = None) -> Future[None]:
+        return self._submit("write", unit, buf, label)
 
     def wait(self, unit: int) -> None:
         """Block until every operation submitted on ``unit``'s region has completed (raises its error)."""
@@ -87,7 +89,7 @@ class SSDRegions:
         for f in fences:
             f.result()
 
-    def _submit(self, op: str, unit: int, buf: AlignedBuffer) -> Future[None]:
+    def _submit(self, op: str, unit: int, buf: AlignedBuffer, label: str | None) -> Future[None]:
         nbytes = self.layout.sizes[unit]
         assert buf.nbytes >= nbytes, (buf.nbytes, nbytes)
         # per-region ordering: the previous operation on this region must be complete first (its error,
@@ -98,9 +100,10 @@ class SSDRegions:
             f = self._engine.submit_read(self.file, self.layout.offsets[unit], buf, 0, nbytes)
         else:
             f = self._engine.submit_write(self.file, self.layout.offsets[unit], buf, 0, nbytes)
+        kind = label or self.kind
         f.add_done_callback(
             lambda fut: fut.exception() is None
-            and self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0)
+            and self._stats.record(kind, self.tier, op, nbytes, time.perf_counter() - t0)
         )
         with self._lock:
             self._fences[unit] = f

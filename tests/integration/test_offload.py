@@ -1,0 +1,238 @@
+"""The SSD tier in real Trainer runs: I/O volume from the counters, O_DIRECT really on, hygiene (files,
+threads, descriptors, lock), and errors before any work starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.config import OffloadConfig
+from lightning_greedysnake.offload import OffloadDirLock
+from lightning_greedysnake.offload.manager import TieredTensorStore
+from tests.helpers import TinyGPTModule, make_trainer, token_loader
+
+LR = 3e-3
+
+
+class Snapshot(L.Callback):
+    """The tensor manager's counters at the end of training (before teardown reads weights back)."""
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        manager = trainer.strategy.tensor_manager
+        assert isinstance(manager, TieredTensorStore)
+        manager.flush()  # count the write-behind still in flight
+        self.stats = manager.stats.copy()
+        self.region_bytes = {kind.value: list(sizes) for kind, sizes in manager._region_bytes.items()}
+        self.loads = dict(manager.weight_loads)
+        self.steps = trainer.global_step
+        self.files = list(manager.files)
+        self.direct = {
+            str(path): _has_o_direct(regions.file.fd)
+            for path, regions in ((r.path, r) for r in manager._regions.values() if hasattr(r, "file"))
+        }
+
+
+def _has_o_direct(fd: int | None) -> bool:
+    assert fd is not None
+    flags = int(Path(f"/proc/self/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+    return bool(flags & os.O_DIRECT)
+
+
+def _fit(strategy: Any, k: int, steps: int = 3, n_layer: int = 3, callbacks: list | None = None, **kwargs: Any):
+    L.seed_everything(0, verbose=False)
+    module = TinyGPTModule(n_layer=n_layer, lr=LR)
+    trainer = make_trainer(strategy, k, callbacks=callbacks or [], max_epochs=1, **kwargs)
+    trainer.fit(module, token_loader(steps * k))
+    return trainer, module
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_weights_read_per_step_vertical_once_per_pass_horizontal_2k(k):
+    """From the byte counters: the vertical order reads each unit's compute weights twice per step (the
+    fused last unit once) whatever K is; the horizontal order 2K times. Gradients never touch the SSD in
+    the vertical order; horizontally each unit's partial gradient goes out and back once per micro-batch."""
+    per_step = {}
+    for schedule in ("vertical", "horizontal"):
+        snap = Snapshot()
+        _fit(GreedySnakeStrategy(schedule=schedule), k, callbacks=[snap])
+        assert snap.steps == 3
+        w = snap.region_bytes["weights"]
+        g = snap.region_bytes["gradients"]
+        read = snap.stats.bytes_read("weights") / snap.steps
+        per_step[schedule] = read
+        loads = {u: n / snap.steps for u, n in snap.loads.items()}
+        assert read == sum(loads[u] * w[u] for u in loads)  # every acquisition is one read from the SSD
+        if schedule == "vertical":
+            assert loads == {0: 2, 1: 2, 2: 1}
+            assert snap.stats.bytes_written("gradients") == 0
+            assert snap.stats.bytes_read("gradients") == 0
+        else:
+            # unit 0 stays held from one micro-batch's backward into the next one's forward
+            assert loads == {0: k + 1, 1: 2 * k, 2: k}
+            # out after every micro-batch and back, except unit 0, still held when its step comes
+            assert snap.stats.bytes_written("gradients") / snap.steps == k * sum(g) - g[0]
+            assert snap.stats.bytes_read("gradients") / snap.steps == k * sum(g) - g[0]
+        # the optimizer: fp32 master weights are the weights region, read only when not already in
+        # memory (horizontally, the step comes after the unit was released); state read after step 1
+        s = snap.region_bytes["optimizer_states"]
+        assert snap.stats.bytes_written("optimizer_states") == snap.steps * sum(s)
+        assert snap.stats.bytes_read("optimizer_states") == (snap.steps - 1) * sum(s)
+        master_reads = snap.stats.bytes_read("master_weights") / snap.steps
+        assert master_reads == (0 if schedule == "vertical" else sum(w) - w[0])  # unit 0 is held at its step
+        assert snap.stats.bytes_written("weights") == snap.steps * sum(w) + sum(w)  # + the initial write
+    if k > 1:
+        assert per_step["horizontal"] > (k - 1) * per_step["vertical"]
+
+
+def test_offload_files_use_o_direct_and_owner_only_permissions(tmp_path):
+    snap = Snapshot()
+    _fit(GreedySnakeStrategy(offload_dir=tmp_path / "off", offload={"keep_files": True}), 2, callbacks=[snap])
+    assert snap.direct and all(snap.direct.values()), snap.direct
+    for path in snap.files:
+        assert path.exists()
+        assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_host_placement_never_touches_the_disk(tmp_path):
+    snap = Snapshot()
+    _fit("greedysnake_cpu", 2, callbacks=[snap], default_root_dir=tmp_path)
+    assert snap.files == []
+    assert snap.stats.snapshot() == {}
+    assert not (tmp_path / "greedysnake_offload").exists()
+
+
+def _io_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("greedysnake-io")]
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_teardown_removes_files_threads_descriptors_and_lock(tmp_path):
+    fds_before = _open_fds()
+    snap = Snapshot()
+    _fit(GreedySnakeStrategy(), 2, callbacks=[snap], default_root_dir=tmp_path)
+    assert snap.files and all(str(p).startswith(str(tmp_path)) for p in snap.files)
+    assert not any(p.exists() for p in snap.files)
+    assert not (tmp_path / "greedysnake_offload").exists()  # created by us, removed when empty
+    assert _io_threads() == []
+    assert _open_fds() <= fds_before
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_a_crash_mid_training_cleans_up_too(tmp_path):
+    fds_before = _open_fds()
+    offload_dir = tmp_path / "off"
+
+    class Crashing(TinyGPTModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.global_step == 2:
+                raise Boom("simulated failure")
+            return super().training_step(batch, batch_idx)
+
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(GreedySnakeStrategy(offload_dir=offload_dir), 2, max_epochs=1)
+    with pytest.raises(Boom):
+        trainer.fit(Crashing(lr=LR), token_loader(8))
+    assert not offload_dir.exists()  # its files removed, and the directory greedysnake created
+    assert _io_threads() == []
+    assert _open_fds() <= fds_before
+
+
+def test_a_crash_keeps_a_user_directory_and_releases_its_lock(tmp_path):
+    class Crashing(TinyGPTModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise Boom("simulated failure")
+
+    (tmp_path / "mine.txt").write_text("user data")
+    with pytest.raises(Boom):
+        make_trainer(GreedySnakeStrategy(offload_dir=tmp_path), 2, max_epochs=1).fit(Crashing(), token_loader(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+    lock = OffloadDirLock(tmp_path)
+    lock.acquire()  # the crashed run's lock was released
+    lock.release()
+
+
+def test_trained_weights_are_back_in_the_module_after_fit():
+    trainer, module = _fit(GreedySnakeStrategy(), 2)
+    for p in module.parameters():
+        assert p.is_contiguous() and torch.isfinite(p).all()
+    ref_trainer, ref = _fit(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")), 2)
+    for (n, a), (_, b) in zip(module.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_return_weights_false_leaves_placeholders():
+    _, module = _fit(GreedySnakeStrategy(offload={"return_weights": False}), 2)
+    p = next(module.parameters())
+    assert p.stride() == (0,) * p.dim() and torch.isnan(p).all()
+
+
+# -- errors before any work --------------------------------------------------------------------------
+class NeverTrained(TinyGPTModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise AssertionError("training started despite a bad offload setting")
+
+
+def _fit_never(strategy: Any) -> None:
+    make_trainer(strategy, 2, max_epochs=1).fit(NeverTrained(), token_loader(4))
+
+
+def test_offload_dir_that_is_a_file_is_refused(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(ValueError, match=r"offload_dir=.*is a file.*Fix"):
+        _fit_never(GreedySnakeStrategy(offload_dir=target))
+
+
+def test_offload_dir_in_use_by_another_run_is_refused(tmp_path):
+    other = OffloadDirLock(tmp_path)
+    other.acquire()
+    try:
+        with pytest.raises(ValueError, match=r"in use by another greedysnake run.*Fix"):
+            _fit_never(GreedySnakeStrategy(offload_dir=tmp_path))
+    finally:
+        other.release()
+
+
+def test_buffer_budget_below_one_unit_is_refused():
+    with pytest.raises(ValueError, match=r"offload.buffer_budget_bytes=4096 is below the \d+ bytes.*Fix"):
+        _fit_never(GreedySnakeStrategy(offload={"buffer_budget_bytes": 4096}))
+
+
+def test_recompute_false_with_offload_is_refused():
+    with pytest.raises(ValueError, match=r"recompute=False.*Fix"):
+        _fit_never(GreedySnakeStrategy(recompute=False))
+
+
+def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        class Big(NeverTrained):
+            def __init__(self) -> None:
+                super().__init__()
+                from lightning_greedysnake import GPT, GPTConfig
+
+                self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=32, block_size=8))
+
+        with pytest.raises(ValueError, match=r"has .* free but this model and placement need"):
+            make_trainer(GreedySnakeStrategy(offload_dir=mount), 2, max_epochs=1).fit(Big(), token_loader(4))
+        assert list(mount.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
