@@ -35,6 +35,27 @@ class LossHistory(L.Callback):
             self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
 
 
+class OffloadSummary(L.Callback):
+    """What the tensor manager moved, for the closing summary (read before teardown)."""
+
+    def __init__(self) -> None:
+        self.line = ""
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        manager = getattr(trainer.strategy, "tensor_manager", None)
+        if manager is None or not trainer.global_step:
+            return
+        manager.flush()
+        counters = manager.stats.snapshot()
+        read = sum(c.bytes_read for c in counters.values())
+        written = sum(c.bytes_written for c in counters.values())
+        steps = trainer.global_step
+        self.line = (
+            f"\nSSD traffic: {read / 1e6:.1f} MB read, {written / 1e6:.1f} MB written "
+            f"({read / steps / 1e6:.2f} / {written / steps / 1e6:.2f} MB per optimizer step)"
+        )
+
+
 def build_strategy(cfg: DictConfig) -> Any:
     if "_target_" in cfg:
         return instantiate(cfg)
@@ -49,12 +70,13 @@ def main(cfg: DictConfig) -> dict[str, float]:
     datamodule = instantiate(cfg.data)
     out_dir = HydraConfig.get().runtime.output_dir
     history = LossHistory()
+    summary = OffloadSummary()
     trainer = L.Trainer(
         **OmegaConf.to_container(cfg.trainer, resolve=True),
         strategy=build_strategy(cfg.strategy),
         default_root_dir=out_dir,
         logger=CSVLogger(out_dir, name="logs"),
-        callbacks=[history],
+        callbacks=[history, summary],
     )
     trainer.fit(module, datamodule)
     losses = history.losses
@@ -68,6 +90,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         f"\ntrained {trainer.global_step} optimizer steps with strategy={type(trainer.strategy).__name__}: "
         f"train loss {first:.3f} -> {last:.3f} (mean of first/last {n} micro-batches)"
         + (f", validation perplexity {result['val_ppl']:.2f}" if "val_ppl" in result else "")
+        + summary.line
         + f"\nlogs: {os.path.join(out_dir, 'logs')}"
     )
     return result

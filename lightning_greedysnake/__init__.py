@@ -1,12 +1,13 @@
 """lightning-greedysnake: GreedySnake's vertical schedule as a PyTorch Lightning strategy.
 
-``import lightning_greedysnake`` registers the strategy names ``"greedysnake"`` (vertical) and
-``"greedysnake_horizontal"`` (the baseline order on the same engine).
+``import lightning_greedysnake`` registers the strategy names ``"greedysnake"`` (vertical, state on SSD
+under the Trainer's ``default_root_dir``), ``"greedysnake_horizontal"`` (the baseline order on the same
+engine) and ``"greedysnake_cpu"`` (vertical, everything in host memory).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.models import GPT, GPTConfig, LayerChain, LayeredModel
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.schedule import ScheduleKind, build_horizontal_plan, build_vertical_plan
@@ -24,7 +25,10 @@ __all__ = [
     "GreedySnakeStrategy",
     "LayerChain",
     "LayeredModel",
+    "OffloadConfig",
     "ScheduleKind",
+    "TensorKind",
+    "Tier",
     "build_horizontal_plan",
     "build_vertical_plan",
 ]

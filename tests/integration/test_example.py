@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
         [],
         ["trainer.accumulate_grad_batches=4", "strategy.schedule=horizontal", "model.n_layer=3"],
         ["strategy=lightning_auto"],
+        ["strategy=greedysnake_cpu"],
+        ["strategy.offload.checkpoints=ssd", "strategy.offload.path=${hydra:runtime.output_dir}/offload"],
     ],
-    ids=["defaults", "horizontal-overrides", "lightning-auto"],
+    ids=["defaults", "horizontal-overrides", "lightning-auto", "cpu-preset", "offload-overrides"],
 )
 def test_train_gpt_example(tmp_path, overrides):
     command = [

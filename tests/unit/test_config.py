@@ -56,3 +56,61 @@ def test_gpt_num_params_matches_the_model(bias):
 
     config = GPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=40, block_size=12, bias=bias)
     assert config.num_params == sum(p.numel() for p in GPT(config).parameters())
+
+
+# -- offload settings ---------------------------------------------------------------------------------
+from lightning_greedysnake import OffloadConfig, TensorKind, Tier  # noqa: E402
+
+
+def test_default_placement_is_zero_infinity_s():
+    o = GreedySnakeConfig().offload
+    assert [o.tier(k) for k in TensorKind] == [Tier.SSD, Tier.SSD, Tier.SSD, Tier.SSD, Tier.HOST]
+    assert o.path is None and o.uses_ssd and o.uses_tensor_manager
+
+
+def test_offload_dir_shorthand_and_partial_mapping(tmp_path):
+    strategy = GreedySnakeStrategy(offload_dir=tmp_path, offload={"checkpoints": "ssd"})
+    assert strategy.config.offload.path == str(tmp_path)
+    assert strategy.config.offload.checkpoints is Tier.SSD and strategy.config.offload.weights is Tier.SSD
+
+
+def test_everything_on_the_device_needs_no_tensor_manager():
+    assert not OffloadConfig.everywhere("device").uses_tensor_manager
+    assert not OffloadConfig.everywhere("host").uses_ssd
+
+
+@pytest.mark.parametrize(
+    "settings,words",
+    [
+        ({"weights": "nvme"}, ["offload.weights='nvme'", "'ssd'"]),
+        ({"optimizer_states": "device"}, ["offload.optimizer_states='device'", "Fix"]),
+        ({"buffer_budget_bytes": -1}, ["offload.buffer_budget_bytes=-1", "Fix"]),
+        ({"io_threads": 0}, ["offload.io_threads=0", "Fix"]),
+        ({"io_chunk_bytes": 1000}, ["offload.io_chunk_bytes=1000", "4096"]),
+        ({"keep_files": "no"}, ["offload.keep_files='no'"]),
+        ({"path": ""}, ["offload.path=''"]),
+        ({"size": 3}, ["unknown offload setting", "buffer_budget_bytes"]),
+    ],
+)
+def test_bad_offload_values_name_setting_value_and_fix(settings, words):
+    with pytest.raises(ValueError) as info:
+        GreedySnakeStrategy(offload=settings)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("preset", ["greedysnake", "greedysnake_cpu", "greedysnake_horizontal"])
+def test_hydra_presets_compose_into_the_strategy(preset):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        cfg = compose("config", overrides=[f"strategy={preset}", "strategy.offload.io_threads=2"])
+    strategy = instantiate(cfg.strategy)
+    assert strategy.config.offload.io_threads == 2
+    expected = Tier.HOST if preset == "greedysnake_cpu" else Tier.SSD
+    assert strategy.config.offload.weights is expected
+    assert strategy.config.schedule.value == ("horizontal" if preset.endswith("horizontal") else "vertical")
