@@ -4,21 +4,27 @@ step to the tensor manager when it owns the gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import Precision
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-SUPPORTED_PRECISION = ("32-true",)
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
 
 
 def unsupported_precision_error(value: Any) -> ValueError:
+    hint = ""
+    if value in ("16-mixed", "16", 16):
+        hint = " fp16 needs loss scaling, which greedysnake does not do yet; bf16-mixed needs none."
     return ValueError(
-        f"Trainer(precision={value!r}) is not supported by strategy='greedysnake' yet. Supported: "
-        f"{', '.join(repr(p) for p in SUPPORTED_PRECISION)}. Fix: use one of those."
+        f"Trainer(precision={value!r}) is not supported by strategy='greedysnake'.{hint} Supported: "
+        f"{', '.join(repr(p) for p in SUPPORTED_PRECISION)}. Fix: Trainer(precision='bf16-mixed') or "
+        "precision='32-true'."
     )
 
 
@@ -33,14 +39,36 @@ class GradientOwner(Protocol):
 
 
 class GreedySnakePrecision(Precision):
-    """fp32 throughout (``"32-true"``)."""
+    """The dtype policy.
 
-    def __init__(self, precision: str = "32-true") -> None:
+    - ``"32-true"``: fp32 throughout.
+    - ``"bf16-mixed"``: forward and backward under ``torch.autocast(bfloat16)`` (Lightning's own
+      policy) with 16-bit compute weights loaded from the tensor manager; fp32 master weights and fp32
+      optimizer state on the optimizer side; each micro-batch's gradient accumulated into fp32 per unit.
+      With every tensor on the device (no tensor manager) it is exactly Lightning's bf16-mixed: fp32
+      parameters under autocast.
+    """
+
+    def __init__(self, precision: str = "32-true", device: str = "cpu") -> None:
         if precision not in SUPPORTED_PRECISION:
             raise unsupported_precision_error(precision)
         self.precision = precision  # type: ignore[assignment]
+        self.device = device
         self._before_optimizer_step: Callable[[], None] | None = None
         self._gradient_owner: GradientOwner | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of the compute weights the tensor manager hands to forward and backward."""
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float32
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision == "bf16-mixed":
+            with torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=False):
+                yield
+        else:
+            yield
 
     def attach(
         self, before_optimizer_step: Callable[[], None] | None, gradient_owner: GradientOwner | None = None
@@ -83,4 +111,6 @@ class GreedySnakePrecision(Precision):
             return plugin
         if type(plugin) is Precision:  # Lightning's "32-true"
             return cls("32-true")
+        if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
+            return cls("bf16-mixed", device=plugin.device)
         raise unsupported_precision_error(getattr(plugin, "precision", type(plugin).__name__))

@@ -116,13 +116,19 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
     @property  # type: ignore[override]
     def precision_plugin(self) -> GreedySnakePrecision:
         if self._gs_precision is None:
-            self._gs_precision = GreedySnakePrecision()
+            # not stored in _precision_plugin: Lightning must still see "none chosen" and build one from
+            # Trainer(precision=...), which the setter below then translates
+            return GreedySnakePrecision()
         return self._gs_precision
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning installs a plain plugin built from Trainer(precision=...) after constructing a
         # strategy chosen by name; keep ours (translated) instead, or refuse what we cannot honour.
+        if plugin is None:
+            self._gs_precision = None
+            self._precision_plugin = None
+            return
         self._gs_precision = GreedySnakePrecision.from_plugin(plugin)
         self._precision_plugin = self._gs_precision
 
@@ -189,7 +195,9 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         else:
             self._store = InMemoryTensorStore()
             self.precision_plugin.attach(self._finish_window)
-        self._engine = WindowEngine(chain, units, self.config, self._store, self.root_device)
+        self._engine = WindowEngine(
+            chain, units, self.config, self._store, self.root_device, self.precision_plugin.forward_context
+        )
 
     def _open_tensor_manager(
         self, trainer: Any, module: LightningModule, units: list, fitting: bool
@@ -213,7 +221,9 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         clip = ClipPolicy()
         if fitting:
             clip = self._clip_policy(trainer, module)
-        manager = TieredTensorStore(units, names, optimizer, offload, clip=clip)
+        manager = TieredTensorStore(
+            units, names, optimizer, offload, compute_dtype=self.precision_plugin.compute_dtype, clip=clip
+        )
         offload_dir: Path | None = None
         if offload.uses_ssd:
             offload_dir = Path(offload.path or Path(trainer.default_root_dir) / "greedysnake_offload")

@@ -19,7 +19,8 @@ offloaded tiers arrive.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import ContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +122,11 @@ class WindowEngine:
         config: GreedySnakeConfig,
         store: TensorStore,
         device: torch.device,
+        forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
+        """``forward_context``: entered around every forward the engine runs itself (the precision
+        plugin's autocast), as Lightning enters it around ``training_step``."""
+        self.forward_context = forward_context
         self.chain = chain
         self.units = units
         self.config = config
@@ -312,7 +317,7 @@ class WindowEngine:
         if recompute:
             w.rng[(u, m)] = _RngState.capture(self.device)
         # Recompute mode: no graph now, backward rebuilds it. Otherwise keep the graph until B u.m.
-        with torch.no_grad() if recompute else torch.enable_grad():
+        with torch.no_grad() if recompute else torch.enable_grad(), self.forward_context():
             if u == 0:
                 hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
                 hidden = _check_hidden(hidden, "pre")
@@ -343,7 +348,7 @@ class WindowEngine:
         self._ensure_unit(u)
         leaf: Tensor | None
         if self.config.recompute:
-            with w.rng.pop((u, m)).replay(), torch.enable_grad():
+            with w.rng.pop((u, m)).replay(), torch.enable_grad(), self.forward_context():
                 if u == 0:
                     hidden, _ = self.chain.pre(*mb.args, **mb.kwargs)
                     leaf = None

@@ -158,6 +158,8 @@ class TieredTensorStore:
         for u, ps in enumerate(self.params):
             for i, p in enumerate(ps):
                 self._where[id(p)] = (u, i)
+        self._dtypes = [[p.dtype for p in ps] for ps in self.params]
+        """The parameters' own dtypes, given back at :meth:`restore_parameters`."""
         self._placeholders = [
             [torch.full((1,), math.nan, dtype=compute_dtype).expand(p.shape) for p in ps] for ps in self.params
         ]
@@ -292,8 +294,8 @@ class TieredTensorStore:
         """Give the parameters real memory again, holding the trained weights (end of a run)."""
         for u in range(self.num_units):
             values = self.unit_master_weights(u)
-            for p, value in zip(self.params[u], values):
-                p.data = value.to(p.dtype) if p.dtype != value.dtype else value
+            for p, value, dtype in zip(self.params[u], values, self._dtypes[u]):
+                p.data = value.to(dtype) if value.dtype != dtype else value
 
     # -- optimizer state (checkpoints) ---------------------------------------------------------------
     def _trainable_index(self, u: int) -> dict[int, int]:

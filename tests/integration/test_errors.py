@@ -31,7 +31,7 @@ def test_registered_names_and_precision_plugin_survive_string_selection():
         assert trainer.precision_plugin is trainer.strategy.precision_plugin
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-true", "64-true"])
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
 def test_unsupported_precision(precision):
     with pytest.raises(ValueError, match=f"precision='{precision}'.*Fix"):
         L.Trainer(strategy="greedysnake", precision=precision, accelerator="cpu", logger=False)
