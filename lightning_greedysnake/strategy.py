@@ -35,7 +35,13 @@ from torch import Tensor, nn
 from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.lookahead import LookaheadLoader
-from lightning_greedysnake.models import check_parameter_ownership, find_layered_model, make_units
+from lightning_greedysnake.models import (
+    UnitInitializer,
+    check_parameter_ownership,
+    find_layered_model,
+    make_units,
+    reset_modules,
+)
 from lightning_greedysnake.offload import InMemoryTensorStore, OffloadDirLock, TensorStore, preflight
 from lightning_greedysnake.offload.manager import ClipPolicy, TieredTensorStore
 from lightning_greedysnake.precision import GreedySnakePrecision
@@ -183,13 +189,14 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         units = make_units(chain, self.config.layers_per_unit)
         if fitting:
             check_parameter_ownership(module, path, units)
+        on_meta = self._stand_in_for_meta_parameters(module, layered, units)
         super().setup(trainer)  # model to device, optimizers, precision plugin
         if fitting:
             self._check_optimizers()
         self._layered, self._layered_path = layered, path
         offload = self.config.offload
         if offload.uses_tensor_manager:
-            manager = self._open_tensor_manager(trainer, module, units, fitting)
+            manager = self._open_tensor_manager(trainer, module, units, fitting, layered if on_meta else None)
             self._store = manager
             self.precision_plugin.attach(self._finish_window, manager)
         else:
@@ -199,8 +206,57 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             chain, units, self.config, self._store, self.root_device, self.precision_plugin.forward_context
         )
 
+    # -- models created on the meta device ------------------------------------------------------------
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``trainer.init_module(empty_init=True)``: with the tensor manager, build the model on the meta
+        device; setup then materializes it one unit at a time straight into its tiers, so a model larger
+        than RAM never exists there whole (Lightning's convention for FSDP and DeepSpeed)."""
+        if empty_init and self.config.offload.uses_tensor_manager:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    def _stand_in_for_meta_parameters(self, module: LightningModule, layered: nn.Module, units: list) -> bool:
+        """Swap every meta parameter of the layered model for a memory-less CPU stand-in (the same
+        Parameter object, so the optimizer Lightning builds next refers to it); False if none is meta."""
+        meta_outside = [
+            n for n, t in [*module.named_parameters(), *module.named_buffers()]
+            if t.is_meta and not any(t is q for unit in units for q in unit.parameters())
+        ]
+        in_units = [p for unit in units for p in unit.parameters() if p.is_meta]
+        if not in_units and not meta_outside:
+            return False
+        if meta_outside:
+            raise ValueError(
+                f"tensors on the meta device outside the layered model's parameters: {meta_outside[:6]}. "
+                "greedysnake materializes the layered model's parameters unit by unit; buffers and other "
+                "tensors must be real. Fix: create them on the CPU (e.g. register buffers in setup())."
+            )
+        if not self.config.offload.uses_tensor_manager:
+            raise ValueError(
+                "the model's parameters are on the meta device, but the placement keeps everything on the "
+                "device, where nothing materializes them. Fix: use an offload placement (the default) or "
+                "create the model without empty_init."
+            )
+        for p in in_units:
+            stand_in = nn.Parameter(
+                torch.full((1,), float("nan"), dtype=p.dtype).expand(p.shape), requires_grad=p.requires_grad
+            )
+            torch.utils.swap_tensors(p, stand_in)
+        return True
+
+    def _materialize(self, manager: TieredTensorStore, layered: nn.Module, units: list) -> None:
+        if isinstance(layered, UnitInitializer):
+            generator = layered.weight_init_generator()
+            manager.initialize_unit_by_unit(lambda u: layered.init_modules(units[u].modules, generator))
+        else:
+            manager.initialize_unit_by_unit(lambda u: reset_modules(units[u].modules))
+
     def _open_tensor_manager(
-        self, trainer: Any, module: LightningModule, units: list, fitting: bool
+        self, trainer: Any, module: LightningModule, units: list, fitting: bool, meta_model: nn.Module | None
     ) -> TieredTensorStore:
         offload = self.config.offload
         if self.root_device.type != "cpu":
@@ -240,7 +296,10 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             self._lock.acquire()
             rank_zero_info(report.text())
         manager.open(offload_dir)
-        manager.initialize_from_parameters()
+        if meta_model is not None:
+            self._materialize(manager, meta_model, units)
+        else:
+            manager.initialize_from_parameters()
         return manager
 
     def _placement_text(self) -> str:
@@ -283,7 +342,18 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
                 self._engine = None
                 self._store = None
                 self._train_loader = None
-                super().teardown()
+                self._base_teardown()
+
+    def _base_teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            # a model still on the meta device (setup refused it) cannot be moved to the CPU: do the rest
+            self.precision_plugin.teardown()
+            if self.accelerator is not None:
+                self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
+        super().teardown()
 
     def _cleanup_offload_dir(self, manager: TieredTensorStore | None) -> None:
         if manager is not None and not self.config.offload.keep_files:

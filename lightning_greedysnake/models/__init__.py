@@ -8,7 +8,14 @@ from lightning_greedysnake.models.discovery import (
     make_units,
 )
 from lightning_greedysnake.models.gpt import GPT, GPTConfig
-from lightning_greedysnake.models.protocol import LayerChain, LayeredModel, chain_of, sequential_chain
+from lightning_greedysnake.models.protocol import (
+    LayerChain,
+    LayeredModel,
+    UnitInitializer,
+    chain_of,
+    reset_modules,
+    sequential_chain,
+)
 
 __all__ = [
     "GPT",
@@ -17,9 +24,11 @@ __all__ = [
     "LayeredModel",
     "LayeredModelNotFound",
     "Unit",
+    "UnitInitializer",
     "chain_of",
     "check_parameter_ownership",
     "find_layered_model",
     "make_units",
+    "reset_modules",
     "sequential_chain",
 ]

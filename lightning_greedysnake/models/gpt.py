@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,24 +110,43 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        # The weights are drawn from a generator holding the global RNG state of this moment, not from
+        # the global RNG after construction: so a GPT created on the meta device and materialized unit by
+        # unit later (the SSD tier's way to build models larger than RAM) gets the very same weights.
+        self._init_rng_state = torch.get_rng_state()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.reset_parameters()
+        if not self.lm_head.weight.is_meta:
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer)."""
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:  # LayerNorm weights
-                nn.init.ones_(p)
+        self.init_modules([self], self.weight_init_generator())
+
+    def weight_init_generator(self) -> torch.Generator:
+        generator = torch.Generator()
+        generator.set_state(self._init_rng_state)
+        return generator
+
+    def init_modules(self, modules: Sequence[nn.Module], generator: torch.Generator) -> None:
+        """Initialize the parameters of ``modules`` in place, in the model's parameter order (so unit by
+        unit in unit order draws what one pass over the whole model draws)."""
+        wanted = {id(p) for m in modules for p in m.parameters()}
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if id(p) not in wanted:
+                    continue
+                if p.dim() >= 2:
+                    std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 0.02
+                    p.normal_(mean=0.0, std=std, generator=generator)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:  # LayerNorm weights
+                    p.fill_(1.0)
 
     # -- the layered-model protocol -------------------------------------------------------------------
     def _pre(self, idx: Tensor) -> tuple[Tensor, Any]:

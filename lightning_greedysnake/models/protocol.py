@@ -53,6 +53,29 @@ class LayeredModel(Protocol):
     def layer_chain(self) -> LayerChain: ...
 
 
+@runtime_checkable
+class UnitInitializer(Protocol):
+    """Optional, for models created on the meta device: initialize some of the model's modules in place.
+
+    ``init_modules`` is called unit by unit, in unit order, with one ``generator`` from
+    ``weight_init_generator()`` for the whole model; calling it for every unit in order must give the
+    model's eager initialization."""
+
+    def weight_init_generator(self) -> Any: ...
+
+    def init_modules(self, modules: Sequence[nn.Module], generator: Any) -> None: ...
+
+
+def reset_modules(modules: Sequence[nn.Module]) -> None:
+    """The generic initializer (FSDP's convention): ``reset_parameters()`` on every submodule that has
+    one, drawing from the global RNG."""
+    for module in modules:
+        for sub in module.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
 def _call_block(block: nn.Module, hidden: Tensor, ctx: Any) -> Tensor:
     return block(hidden)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,10 +247,27 @@ class TieredTensorStore:
             for i, p in enumerate(self.params[u]):
                 p.data = self._placeholders[u][i]
         self.flush()
-        for u, ps in enumerate(self.params):
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        for ps in self.params:
             for p in ps:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def initialize_unit_by_unit(self, init_unit: Callable[[int], None]) -> None:
+        """For a model created on the meta device: give unit u's parameters real (uninitialized) memory,
+        let ``init_unit(u)`` fill them in place, store them in their tiers and free the memory again,
+        one unit at a time, so the whole model never exists in RAM at once."""
+        for u in range(self.num_units):
+            for p, dtype in zip(self.params[u], self._dtypes[u]):
+                p.data = torch.empty(p.shape, dtype=dtype)
+            init_unit(u)
+            self.load_unit_weights(u, [p.data for p in self.params[u]])
+            for i, p in enumerate(self.params[u]):
+                p.data = self._placeholders[u][i]
+        self.flush()
+        self._register_hooks()
 
     def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
         """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
