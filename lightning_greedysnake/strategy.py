@@ -148,6 +148,12 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         assert self._store is not None, "the strategy is not set up"
         return self._store
 
+    def io_stats(self) -> dict[str, float]:
+        """The tensor manager's I/O counters so far: ``{"ssd/weights/bytes_read": ..., ...}`` (bytes,
+        busy seconds and the seconds training waited, per kind and tier); empty without offload."""
+        manager = self.tensor_manager
+        return manager.stats.flat() if manager is not None else {}
+
     @property
     def tensor_manager(self) -> TieredTensorStore | None:
         """The SSD/host tensor manager, when the placement uses one (None: everything on the device)."""

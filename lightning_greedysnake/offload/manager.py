@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -408,11 +409,13 @@ class TieredTensorStore:
         assert buf is not None
         held = _Held(buf, pooled=True)
         if read:
+            t0 = time.perf_counter()
             try:
                 regions.submit_read(u, buf, label).result()
             except BaseException:
                 self.pool.release(buf)
                 raise
+            self.stats.record_wait(label or kind.value, "ssd", time.perf_counter() - t0)
         return held
 
     def _put_back(self, kind: TensorKind, u: int, held: _Held) -> None:
@@ -437,13 +440,14 @@ class TieredTensorStore:
             return
         remaining = [len(pending)]
         gate = threading.Lock()
+        self.pool.will_return()
 
         def one_done(_: Future[None]) -> None:
             with gate:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                self.pool.release(held.buf)
+                self.pool.release(held.buf, returning=True)
 
         for f in pending:
             f.add_done_callback(one_done)
@@ -455,7 +459,9 @@ class TieredTensorStore:
         pre = self._prefetched.pop(unit, None)
         if pre is not None:
             held, fut = pre
+            t0 = time.perf_counter()
             fut.result()
+            self.stats.record_wait(TensorKind.WEIGHTS.value, "ssd", time.perf_counter() - t0)
         else:
             held = self._stage(TensorKind.WEIGHTS, unit, read=True)
         self._weights[unit] = held
@@ -476,7 +482,10 @@ class TieredTensorStore:
         regions = self._regions[TensorKind.WEIGHTS]
         if not isinstance(regions, SSDRegions) or unit in self._weights or unit in self._prefetched:
             return
-        buf = self.pool.acquire(regions.region_bytes(unit), block=False, what=f"unit {unit} weights prefetch")
+        buf = self.pool.acquire(
+            regions.region_bytes(unit), block=False, what=f"unit {unit} weights prefetch",
+            headroom=self.min_budget_bytes,
+        )
         if buf is None:
             return
         held = _Held(buf, pooled=True)

@@ -18,7 +18,7 @@ class BufferBudgetError(ValueError):
 
 
 class BufferPool:
-    def __init__(self, budget_bytes: int, wait_timeout_s: float = 300.0) -> None:
+    def __init__(self, budget_bytes: int, wait_timeout_s: float = 120.0) -> None:
         self.budget_bytes = budget_bytes
         self.wait_timeout_s = wait_timeout_s
         self._cond = threading.Condition()
@@ -29,9 +29,16 @@ class BufferPool:
         self.peak_bytes = 0
         """Most bytes held at once (in use plus cached), since construction."""
         self._closed = False
+        self._returning = 0
+        """Buffers whose owners released them but that wait for I/O to finish before coming back."""
 
-    def acquire(self, nbytes: int, *, block: bool = True, what: str = "buffer") -> AlignedBuffer | None:
-        """A buffer of at least ``nbytes``; ``None`` when ``block`` is False and the budget is full."""
+    def acquire(
+        self, nbytes: int, *, block: bool = True, what: str = "buffer", headroom: int = 0
+    ) -> AlignedBuffer | None:
+        """A buffer of at least ``nbytes``; ``None`` when ``block`` is False and the budget is full.
+
+        ``headroom``: with ``block=False``, succeed only if this many bytes stay free afterwards (an
+        optional prefetch must never take what mandatory work needs next)."""
         nbytes = align_up(nbytes)
         if nbytes > self.budget_bytes:
             raise BufferBudgetError(
@@ -41,6 +48,8 @@ class BufferPool:
         with self._cond:
             assert not self._closed, "buffer pool is closed"
             while True:
+                if not block and self.in_use_bytes + nbytes + headroom > self.budget_bytes:
+                    return None
                 cached = self._free.get(nbytes)
                 if cached:
                     buf = cached.pop()
@@ -52,6 +61,13 @@ class BufferPool:
                     break
                 if not block:
                     return None
+                if self._returning == 0:
+                    # nothing in flight will ever give memory back: waiting would hang
+                    raise BufferBudgetError(
+                        f"{what} needs {nbytes} bytes of staging memory but {self.in_use_bytes} of "
+                        f"offload.buffer_budget_bytes={self.budget_bytes} are held by work in progress. Fix: "
+                        "raise offload.buffer_budget_bytes (or leave it None for automatic)."
+                    )
                 if not self._cond.wait(self.wait_timeout_s):
                     raise BufferBudgetError(
                         f"waited {self.wait_timeout_s:.0f} s for {nbytes} bytes of staging memory ({what}); "
@@ -63,8 +79,15 @@ class BufferPool:
             self.peak_bytes = max(self.peak_bytes, self.in_use_bytes + self._free_bytes)
             return buf
 
-    def release(self, buf: AlignedBuffer) -> None:
+    def will_return(self) -> None:
+        """A released buffer waits for I/O; :meth:`release` (with ``returning=True``) follows."""
         with self._cond:
+            self._returning += 1
+
+    def release(self, buf: AlignedBuffer, returning: bool = False) -> None:
+        with self._cond:
+            if returning:
+                self._returning -= 1
             owned = self._in_use.pop(id(buf), None)
             assert owned is buf, "released a buffer this pool did not hand out"
             self.in_use_bytes -= buf.nbytes

@@ -15,6 +15,8 @@ class IOCounter:
     write_seconds: float = 0.0
     reads: int = 0
     writes: int = 0
+    wait_seconds: float = 0.0
+    """Time the training thread spent blocked on this kind's reads (what prefetch did not hide)."""
 
 
 class IOStats:
@@ -41,6 +43,10 @@ class IOStats:
         out = IOStats()
         out._counters.update(self.snapshot())
         return out
+
+    def record_wait(self, kind: str, tier: str, seconds: float) -> None:
+        with self._lock:
+            self._counters[(kind, tier)].wait_seconds += seconds
 
     def snapshot(self) -> dict[tuple[str, str], IOCounter]:
         with self._lock:

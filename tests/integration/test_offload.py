@@ -236,3 +236,65 @@ def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
         assert list(mount.iterdir()) == []
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_the_smallest_budget_still_trains_exactly():
+    """With the budget at the minimum, prefetch finds no room and staging waits for write-behind to
+    return buffers: slower, never different."""
+    probe = {}
+
+    class Budget(L.Callback):
+        def setup(self, trainer: Any, module: Any, stage: str) -> None:
+            pass
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            probe["min"] = trainer.strategy.tensor_manager.min_budget_bytes
+
+    _fit(GreedySnakeStrategy(), 2, callbacks=[Budget()])
+    ref_trainer, ref = _fit(GreedySnakeStrategy(), 2)
+    tight_trainer, tight = _fit(GreedySnakeStrategy(offload={"buffer_budget_bytes": probe["min"]}), 2)
+    for (n, a), (_, b) in zip(ref.named_parameters(), tight.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_disk_full_during_training_names_the_file_and_cleans_up(tmp_path):
+    """Activation checkpoints on a 4 MiB filesystem: preflight cannot know their size, so the scratch
+    file's growth hits ENOSPC mid-run; the error names the file and the fix, and nothing is left."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        from lightning_greedysnake import GPT, GPTConfig
+
+        class Wide(TinyGPTModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=32, block_size=64))
+
+        offload = dict(OffloadConfig.everywhere("host").__dict__, checkpoints="ssd", path=str(mount))
+        L.seed_everything(0, verbose=False)
+        trainer = make_trainer(GreedySnakeStrategy(offload=offload), 4, max_epochs=1)
+        with pytest.raises(OSError, match=r"checkpoints\.bin.*(No space|ENOSPC|space).*Fix"):
+            trainer.fit(Wide(), token_loader(8, batch_size=64, seq=64))
+        assert list(mount.iterdir()) == []
+        assert _io_threads() == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_truncated_offload_file_is_a_named_error_not_garbage(tmp_path):
+    """Someone truncates the weights file mid-run: the next read fails naming the file and offset."""
+    from lightning_greedysnake.io import ShortReadError
+
+    class Truncate(L.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            if trainer.global_step == 1:
+                os.truncate(trainer.strategy.tensor_manager.offload_dir / "weights.bin", 0)
+
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(GreedySnakeStrategy(offload_dir=tmp_path), 2, max_epochs=1, callbacks=[Truncate()])
+    with pytest.raises(ShortReadError, match=r"read of \d+ bytes at offset \d+ in .*weights\.bin"):
+        trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
+    assert not (tmp_path / "weights.bin").exists()

@@ -1,0 +1,76 @@
+import threading
+import time
+
+import pytest
+
+from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
+
+
+def test_buffers_are_aligned_reused_and_counted():
+    pool = BufferPool(3 * 4096)
+    a = pool.acquire(100)
+    assert a.nbytes == 4096 and pool.in_use_bytes == 4096
+    assert a.tensor.data_ptr() % 4096 == 0
+    pool.release(a)
+    b = pool.acquire(4096)
+    assert b is a  # the cached buffer comes back
+    pool.release(b)
+    pool.close()
+
+
+def test_a_request_larger_than_the_budget_names_the_setting():
+    pool = BufferPool(4096)
+    with pytest.raises(BufferBudgetError, match=r"offload.buffer_budget_bytes=4096.*Fix"):
+        pool.acquire(8192, what="unit 3 weights")
+    pool.close()
+
+
+def test_prefetch_headroom_and_non_blocking():
+    pool = BufferPool(4 * 4096)
+    held = pool.acquire(4096)
+    assert pool.acquire(4096, block=False, headroom=3 * 4096) is None  # would leave too little
+    extra = pool.acquire(4096, block=False, headroom=2 * 4096)
+    assert extra is not None
+    pool.release(extra)
+    pool.release(held)
+    pool.close()
+
+
+def test_blocking_waits_for_a_buffer_that_is_on_its_way_back():
+    pool = BufferPool(2 * 4096)
+    first = pool.acquire(2 * 4096)
+    pool.will_return()  # e.g. released behind a write still in flight
+
+    def finish_write() -> None:
+        time.sleep(0.2)
+        pool.release(first, returning=True)
+
+    t = threading.Thread(target=finish_write)
+    t.start()
+    second = pool.acquire(2 * 4096)  # blocks until the "write" completes
+    t.join()
+    assert second.nbytes == 2 * 4096
+    pool.release(second)
+    pool.close()
+
+
+def test_blocking_with_nothing_in_flight_fails_fast_instead_of_hanging():
+    pool = BufferPool(2 * 4096)
+    held = pool.acquire(2 * 4096)
+    # (a hang would end after wait_timeout_s with a different message)
+    with pytest.raises(BufferBudgetError, match="held by work in progress.*Fix"):
+        pool.acquire(4096, what="checkpoint of unit 1")
+    pool.release(held)
+    pool.close()
+
+
+def test_cached_buffers_are_evicted_to_stay_within_budget():
+    pool = BufferPool(2 * 4096)
+    a = pool.acquire(4096)
+    b = pool.acquire(4096)
+    pool.release(a)
+    pool.release(b)
+    c = pool.acquire(2 * 4096)  # a different size: the two cached buffers must go
+    assert pool.peak_bytes <= 2 * 4096
+    pool.release(c)
+    pool.close()
