@@ -1,0 +1,182 @@
+"""Peak host memory and step time of one model under several placements, measured side by side.
+
+Each configuration runs in a fresh process (so peak RSS is its own), on the same model, data and K:
+
+- ``lightning_auto``: Lightning's default strategy, everything in RAM (the baseline);
+- ``greedysnake_cpu``: the vertical schedule with every tensor in host memory;
+- ``greedysnake_ssd``: weights, master weights, optimizer state on SSD (O_DIRECT), model built eagerly
+  (``return_weights=False`` for every SSD run: the point is not to hold the model in RAM);
+- ``greedysnake_ssd_meta``: the same, model built on the meta device and materialized unit by unit;
+- ``greedysnake_ssd_meta_bf16``: the same under bf16-mixed (16-bit compute weights on SSD).
+
+    python benchmarks/memory.py                      # GPT 1024x12, vocab 8192, seq 128, K=4, 3 steps
+    python benchmarks/memory.py --n-layer 4 --steps 2 --configs lightning_auto greedysnake_ssd_meta
+
+Prints a table and writes JSON (default ``benchmarks/results/memory.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CONFIGS = [
+    "lightning_auto",
+    "greedysnake_cpu",
+    "greedysnake_ssd",
+    "greedysnake_ssd_meta",
+    "greedysnake_ssd_meta_bf16",
+]
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy, OffloadConfig
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
+                       block_size=args.seq, dropout=0.0)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            logits = self.model(x)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.io: list[dict[str, float]] = []
+            self._t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *a: Any) -> None:
+            if (trainer.fit_loop.epoch_loop.batch_idx + 1) % args.k == 0:
+                now = time.perf_counter()
+                self.times.append(now - self._t)
+                self._t = now
+                manager = getattr(trainer.strategy, "tensor_manager", None)
+                if manager is not None:
+                    manager.flush()
+                    self.io.append(manager.stats.flat())
+
+    name = args.child
+    g = torch.Generator().manual_seed(0)
+    n = args.k * args.steps
+    data = torch.randint(0, args.vocab, (n, args.seq + 1), generator=g)
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=args.micro_batch)
+    offload_root = Path(args.offload_dir)
+    if name == "lightning_auto":
+        strategy: Any = "auto"
+    elif name == "greedysnake_cpu":
+        strategy = GreedySnakeStrategy(offload=OffloadConfig.everywhere("host"))
+    else:
+        # return_weights=False: copying the trained model back into RAM at the end is what a model larger
+        # than RAM cannot afford (and would dominate the peak here)
+        strategy = GreedySnakeStrategy(offload_dir=offload_root / name, offload={"return_weights": False})
+    precision = "bf16-mixed" if name.endswith("bf16") else "32-true"
+    timer = Timer()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=args.steps,
+        accumulate_grad_batches=args.k, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[timer], default_root_dir=str(offload_root),
+    )
+    torch.manual_seed(0)
+    with trainer.init_module(empty_init=name.endswith(("meta", "meta_bf16"))):
+        module = Module()
+    trainer.fit(module, loader)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    steady = timer.times[1:] or timer.times
+    out: dict[str, Any] = {
+        "config": name,
+        "params": config.num_params,
+        "state_mb": round(config.num_params * 16 / 2**20, 1),  # fp32 weights + gradients + two Adam moments
+        "peak_rss_mb": round(peak_mb, 1),
+        "step_s": round(sum(steady) / len(steady), 3),
+        "tokens_per_s": round(args.k * args.micro_batch * args.seq / (sum(steady) / len(steady)), 1),
+    }
+    if timer.io:
+        first, last = timer.io[0], timer.io[-1]
+        steps = max(1, len(timer.io) - 1)
+        per = {k: (last.get(k, 0.0) - first.get(k, 0.0)) / steps for k in last}
+        out["ssd_read_gb_per_step"] = round(sum(v for k, v in per.items() if k.endswith("bytes_read")) / 1e9, 3)
+        out["ssd_written_gb_per_step"] = round(
+            sum(v for k, v in per.items() if k.endswith("bytes_written")) / 1e9, 3)
+        out["read_wait_s_per_step"] = round(sum(v for k, v in per.items() if k.endswith("wait_seconds")), 3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-embd", type=int, default=1024)
+    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--offload-dir", default=None, help="where the SSD runs put their files (default: a temp dir)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory.json"))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
+        for name in args.configs:
+            cmd = [sys.executable, __file__, "--child", name, "--offload-dir", tmp]
+            for flag in ("n_embd", "n_layer", "n_head", "vocab", "seq", "micro_batch", "k", "steps"):
+                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+                raise SystemExit(f"{name} failed")
+            rows.append(json.loads(line[0][len("RESULT "):]))
+            print(f"  done {name}", file=sys.stderr)
+    base = next((r for r in rows if r["config"] == "lightning_auto"), rows[0])
+    for r in rows:
+        r["rss_vs_lightning"] = round(r["peak_rss_mb"] / base["peak_rss_mb"], 3)
+        r["time_vs_lightning"] = round(r["step_s"] / base["step_s"], 3)
+    cols = ["config", "state_mb", "peak_rss_mb", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
+            "ssd_read_gb_per_step", "ssd_written_gb_per_step", "read_wait_s_per_step"]
+    print(" | ".join(f"{c:>24}" if i == 0 else f"{c:>12}" for i, c in enumerate(cols)))
+    for r in rows:
+        print(" | ".join(f"{str(r.get(c, '-')):>24}" if i == 0 else f"{str(r.get(c, '-')):>12}"
+                         for i, c in enumerate(cols)))
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "n_head": args.n_head, "vocab": args.vocab,
+                  "seq": args.seq, "micro_batch": args.micro_batch, "k": args.k, "steps": args.steps},
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
