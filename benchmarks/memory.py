@@ -9,10 +9,12 @@ Each configuration runs in a fresh process (so peak RSS is its own), on the same
 - ``greedysnake_ssd_meta``: the same, model built on the meta device and materialized unit by unit;
 - ``greedysnake_ssd_meta_bf16``: the same under bf16-mixed (16-bit compute weights on SSD).
 
-    python benchmarks/memory.py                      # GPT 1024x12, vocab 8192, seq 128, K=4, 3 steps
+    python benchmarks/memory.py                      # GPT 1024x20 (270M), vocab 8192, seq 128, K=4, 3 steps
     python benchmarks/memory.py --n-layer 4 --steps 2 --configs lightning_auto greedysnake_ssd_meta
 
-Prints a table and writes JSON (default ``benchmarks/results/memory.json``).
+Reports peak RSS, its growth over the same process idle (torch, Lightning and this package imported),
+and that growth as a fraction of the model state (16 bytes per parameter: fp32 weights, gradients, two
+Adam moments). Prints a table and writes JSON (default ``benchmarks/results/memory.json``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ CONFIGS = [
 ]
 
 
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch
@@ -46,6 +55,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy, OffloadConfig
 
+    import lightning_greedysnake  # noqa: F401
+
+    idle_mb = _rss_mb()  # an idle process with everything imported: the baseline of "growth"
     torch.set_num_threads(os.cpu_count() or 1)
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
                        block_size=args.seq, dropout=0.0)
@@ -110,7 +122,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "config": name,
         "params": config.num_params,
         "state_mb": round(config.num_params * 16 / 2**20, 1),  # fp32 weights + gradients + two Adam moments
+        "idle_rss_mb": round(idle_mb, 1),
         "peak_rss_mb": round(peak_mb, 1),
+        "growth_mb": round(peak_mb - idle_mb, 1),
+        "growth_vs_state": round((peak_mb - idle_mb) / (config.num_params * 16 / 2**20), 3),
         "step_s": round(sum(steady) / len(steady), 3),
         "tokens_per_s": round(args.k * args.micro_batch * args.seq / (sum(steady) / len(steady)), 1),
     }
@@ -128,7 +143,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-embd", type=int, default=1024)
-    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--n-layer", type=int, default=20)
     parser.add_argument("--n-head", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=128)
@@ -160,7 +175,7 @@ def main() -> None:
     for r in rows:
         r["rss_vs_lightning"] = round(r["peak_rss_mb"] / base["peak_rss_mb"], 3)
         r["time_vs_lightning"] = round(r["step_s"] / base["step_s"], 3)
-    cols = ["config", "state_mb", "peak_rss_mb", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
+    cols = ["config", "state_mb", "peak_rss_mb", "growth_mb", "growth_vs_state", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
             "ssd_read_gb_per_step", "ssd_written_gb_per_step", "read_wait_s_per_step"]
     print(" | ".join(f"{c:>24}" if i == 0 else f"{c:>12}" for i, c in enumerate(cols)))
     for r in rows:

@@ -62,7 +62,8 @@ class OffloadConfig:
 
     buffer_budget_bytes: int | None = None
     """Host bytes the tensor manager may hold in staging buffers (weights being used or prefetched, the
-    optimizer's working set, checkpoints in flight). ``None``: twice the smallest budget that works."""
+    optimizer's working set, checkpoints in flight). ``None``: one unit's working set, plus room to
+    prefetch the next unit's weights, plus 16 MiB."""
 
     io_threads: int = 4
     """Threads issuing O_DIRECT reads and writes."""

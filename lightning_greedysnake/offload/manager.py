@@ -24,6 +24,7 @@ Synchronous compute on the calling thread; only I/O runs on threads.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 import time
@@ -44,6 +45,24 @@ from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions, SSDScratch
 from lightning_greedysnake.optim import UnitOptimizer, discover_slots
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def trim_heap() -> None:
+    """Give freed heap pages back to the OS. Backward allocates and frees unit-sized gradient tensors
+    every micro-batch; glibc's adaptive mmap threshold moves such sizes onto the heap, whose free pages
+    it keeps, and host memory would creep up by several units' worth. A few milliseconds per unit."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
 
 FILE_NAMES = {
     TensorKind.WEIGHTS: "weights.bin",
@@ -110,7 +129,6 @@ class TieredTensorStore:
         self.offload_dir: Path | None = None
         self.optimizer = optimizer
         self._closed = False
-        self._lock = threading.Lock()
         self.weight_loads: dict[int, int] = {u.index: 0 for u in units}
         """Times each unit's compute weights were acquired, since construction."""
 
@@ -181,7 +199,10 @@ class TieredTensorStore:
         self.min_budget_bytes = self._min_budget()
         budget = config.buffer_budget_bytes
         if budget is None:
-            budget = 2 * self.min_budget_bytes + (64 << 20)
+            # the working set of one unit, room to prefetch the next unit's weights, and a little slack
+            # for checkpoints in flight
+            prefetch = max(self._region_bytes[TensorKind.WEIGHTS]) if config.weights is Tier.SSD else 0
+            budget = self.min_budget_bytes + prefetch + (16 << 20)
         elif budget < self.min_budget_bytes:
             raise BufferBudgetError(
                 f"offload.buffer_budget_bytes={budget} is below the {self.min_budget_bytes} bytes one unit's "
@@ -267,6 +288,7 @@ class TieredTensorStore:
             self.load_unit_weights(u, [p.data for p in self.params[u]])
             for i, p in enumerate(self.params[u]):
                 p.data = self._placeholders[u][i]
+            trim_heap()
         self.flush()
         self._register_hooks()
 
@@ -474,7 +496,7 @@ class TieredTensorStore:
         for p, ph in zip(self.params[unit], self._placeholders[unit]):
             p.data = ph
         self._done_with(held)
-        if unit in self._grads and unit not in self._grad_complete_set():
+        if unit in self._grads and unit not in self._grad_complete:
             self._spill_grad(unit)
 
     def prefetch(self, unit: int) -> None:
@@ -545,9 +567,6 @@ class TieredTensorStore:
         return len(self._host_checkpoints) + len(self._ssd_checkpoints)
 
     # -- gradients ----------------------------------------------------------------------------------------
-    def _grad_complete_set(self) -> set[int]:
-        return set(self._grad_complete)
-
     def _grad_flat(self, u: int) -> Tensor:
         held = self._grads.get(u)
         if held is None:
@@ -597,11 +616,10 @@ class TieredTensorStore:
             norms = iter(torch._foreach_norm(views, 2.0) if views else [])
             self._norms[unit] = [next(norms) if has else None for has in self._has_grad[unit]]
             self._grad_complete.append(unit)
-            if self._grads[unit].pooled and unit not in self._weights:
+            if unit not in self._weights:
+                # wait on the gradients tier until finish_step; a unit the engine still holds (the fused
+                # last unit) keeps its gradient in memory until then
                 self._spill_grad(unit)
-            elif self._grads[unit].pooled:
-                # still in use by the engine (the fused last unit): spilled at release
-                pass
             return
         self._step_unit(unit, flat)
 
@@ -678,6 +696,7 @@ class TieredTensorStore:
                 state_views[name] = states.buf.view(torch.float32, lay.numel, offset_bytes=k * region)
         opt.step(mflat, grad, state_views, self._has_grad.get(unit, [False] * len(lay.params)))
         self.steps_taken += 1
+        trim_heap()
         if states is not None:
             self._put_back(TensorKind.OPTIMIZER_STATES, unit, states)
         if self.separate_master:

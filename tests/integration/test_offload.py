@@ -298,3 +298,4 @@ def test_a_truncated_offload_file_is_a_named_error_not_garbage(tmp_path):
     with pytest.raises(ShortReadError, match=r"read of \d+ bytes at offset \d+ in .*weights\.bin"):
         trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
     assert not (tmp_path / "weights.bin").exists()
+

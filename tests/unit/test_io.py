@@ -20,6 +20,7 @@ from lightning_greedysnake.io import (
     ThreadedIOEngine,
     open_offload_file,
 )
+from lightning_greedysnake.offload import probe_o_direct
 
 MiB = 1 << 20
 
@@ -95,6 +96,28 @@ def test_buffered_fallback_when_o_direct_is_refused(tmp_path):
         assert not file.direct
     finally:
         file.close()
+
+
+def test_buffered_fallback_on_a_real_filesystem_without_o_direct(tmp_path):
+    """ramfs really refuses O_DIRECT: one warning, buffered I/O, and the data round-trips."""
+    mount = tmp_path / "ram"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a ramfs is not permitted here")
+    try:
+        with pytest.warns(RuntimeWarning, match="refuses O_DIRECT"):
+            file = open_offload_file(mount / "a.bin", 2 * 4096, direct=True)
+        with ThreadedIOEngine(IOConfig(num_threads=2, chunk_bytes=4096)) as engine, AlignedBuffer(8192) as buf:
+            buf.tensor.copy_(torch.arange(8192, dtype=torch.int32).to(torch.uint8))
+            engine.write(file, 0, buf, 0, 8192)
+            with AlignedBuffer(8192) as back:
+                engine.read(file, 0, back, 0, 8192)
+                assert torch.equal(back.tensor, buf.tensor)
+        assert not file.direct
+        file.close()
+        assert not probe_o_direct(mount)
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 def _mount_tiny_tmpfs(path: Path, size: str) -> bool:

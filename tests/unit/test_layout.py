@@ -1,0 +1,17 @@
+from lightning_greedysnake.offload.layout import PARAM_ALIGN_NUMEL, build_file_layout, build_unit_layout
+
+
+def test_parameters_start_on_aligned_offsets_and_regions_are_page_multiples():
+    lay = build_unit_layout(0, [("w", (3, 5), 0), ("b", (5,), 1), ("frozen", (7,), None)])
+    assert [p.offset_numel for p in lay.params] == [0, PARAM_ALIGN_NUMEL, 2 * PARAM_ALIGN_NUMEL]
+    assert lay.numel == 3 * PARAM_ALIGN_NUMEL
+    assert lay.trainable_numel == 15 + 5
+    assert lay.nbytes(4) == 4096 and lay.nbytes(2) == 4096
+    big = build_unit_layout(1, [("w", (1000, 3), 0)])
+    assert big.nbytes(4) % 4096 == 0 and big.nbytes(4) >= 3000 * 4
+
+
+def test_regions_do_not_overlap():
+    layout = build_file_layout([4096, 8192, 4096])
+    assert layout.offsets == (0, 4096, 12288)
+    assert layout.total_bytes == 16384
