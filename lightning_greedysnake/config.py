@@ -186,6 +186,15 @@ class GreedySnakeConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Placement of each kind of tensor and the tensor manager's resources."""
 
+    alpha: float = 0.25
+    """Fraction of each unit's optimizer update (by elements) deferred into the next iteration's
+    forward, where the SSD and CPU have slack; a unit's forward waits for its own update, so no weight
+    is ever stale. 0: everything is stepped during backward. (With a tensor manager only.)"""
+
+    lag: int = 2
+    """How many units the background optimizer may trail the backward by (it steps unit j+lag while
+    unit j computes); bounds the gradients held for it. 0: each unit is stepped synchronously."""
+
     def __post_init__(self) -> None:
         self.offload = OffloadConfig.from_value(self.offload)
         self.schedule = _enum_value(ScheduleKind, "schedule", self.schedule)
@@ -198,6 +207,17 @@ class GreedySnakeConfig:
             raise ValueError(
                 f"layers_per_unit={self.layers_per_unit} must be >= 1 (blocks per unit). Fix: e.g. "
                 "layers_per_unit=1."
+            )
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(
+                f"alpha={self.alpha!r} must be a fraction in [0, 1] (the share of each unit's update deferred "
+                "into the next forward). Fix: e.g. alpha=0.25, or alpha=0 to step everything during backward."
+            )
+        self.alpha = float(self.alpha)
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
+            raise ValueError(
+                f"lag={self.lag!r} must be a non-negative integer (units the background optimizer may trail "
+                "backward by). Fix: e.g. lag=2, or lag=0 for synchronous steps."
             )
         if not isinstance(self.recompute, bool):
             raise ValueError(f"recompute={self.recompute!r} must be true or false.")

@@ -284,7 +284,8 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         if fitting:
             clip = self._clip_policy(trainer, module)
         manager = TieredTensorStore(
-            units, names, optimizer, offload, compute_dtype=self.precision_plugin.compute_dtype, clip=clip
+            units, names, optimizer, offload, compute_dtype=self.precision_plugin.compute_dtype, clip=clip,
+            alpha=self.config.alpha, lag=self.config.lag,
         )
         offload_dir: Path | None = None
         if offload.uses_ssd:

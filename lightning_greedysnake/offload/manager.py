@@ -44,7 +44,8 @@ from lightning_greedysnake.offload.layout import ParamSlot, UnitLayout, build_un
 from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions, SSDScratch
-from lightning_greedysnake.optim import UnitOptimizer, discover_slots
+from lightning_greedysnake.optim import UnitOptimizer, discover_slots, split_numel
+from lightning_greedysnake.optim.stepper import StepLane
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
     try:
@@ -120,8 +121,15 @@ class TieredTensorStore:
         config: OffloadConfig,
         compute_dtype: torch.dtype = torch.float32,
         clip: ClipPolicy | None = None,
+        alpha: float = 0.0,
+        lag: int = 0,
     ) -> None:
-        """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight."""
+        """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
+
+        ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
+        ``lag``: how many units the background optimizer may trail backward by (0: synchronous)."""
+        self.alpha = alpha
+        self.lag = lag
         self.config = config
         self.compute_dtype = compute_dtype
         self.clip = clip or ClipPolicy()
@@ -171,8 +179,18 @@ class TieredTensorStore:
         self.files: list[Path] = []
 
         self.unit_optimizers = [
-            UnitOptimizer(optimizer, lay, self.slots) if optimizer is not None else None for lay in self.layouts
+            UnitOptimizer(optimizer, lay, self.slots, split_numel(lay, alpha)) if optimizer is not None else None
+            for lay in self.layouts
         ]
+        self._updated = [threading.Event() for _ in self.layouts]
+        """Set when the unit's last optimizer step is complete: its weights may be read."""
+        for event in self._updated:
+            event.set()
+        self.lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
+        self._donated: set[int] = set()
+        """Units whose acquired weights buffer a step job took over (it gives the buffer back)."""
+        self._alpha_pending: list[tuple[int, list[dict[str, Any]], list[bool]]] = []
+        """Forward parts to step after this window's backward: (unit, hyperparameters, has_grad)."""
         self._where: dict[int, tuple[int, int]] = {}
         for u, ps in enumerate(self.params):
             for i, p in enumerate(ps):
@@ -240,15 +258,17 @@ class TieredTensorStore:
 
     # -- sizes -------------------------------------------------------------------------------------
     def _min_budget(self) -> int:
-        """Staging bytes needed at once for one unit: its weights, gradient, master and state (a
-        prefetch of the next unit only uses spare budget)."""
+        """Staging bytes needed at once. Synchronous: one unit's working set (weights, gradient, master,
+        state on SSD). With a background optimizer (``lag`` > 0) the training thread holds one unit's
+        weights and gradient, up to ``lag`` queued steps hold theirs, and the running step stages its
+        master and state. A prefetch of the next unit only uses spare budget."""
         need = 0
         for u in range(self.num_units):
-            total = 0
-            for kind, sizes in self._region_bytes.items():
-                if self.config.tier(kind) is Tier.SSD:
-                    total += sizes[u]
-            need = max(need, total)
+            per = {kind: (sizes[u] if self.config.tier(kind) is Tier.SSD else 0)
+                   for kind, sizes in self._region_bytes.items()}
+            working = sum(per.values())
+            held = per[TensorKind.WEIGHTS] + per[TensorKind.GRADIENTS]
+            need = max(need, working if self.lag == 0 else (self.lag + 1) * held + working)
         return max(need, 4096)
 
     def ssd_bytes(self) -> dict[str, int]:
@@ -310,6 +330,7 @@ class TieredTensorStore:
 
     def unit_master_weights(self, u: int) -> list[Tensor]:
         """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
+        self.drain()
         lay = self.layouts[u]
         out: list[Tensor] = []
         weights = self._stage(TensorKind.WEIGHTS, u, read=True)
@@ -339,38 +360,43 @@ class TieredTensorStore:
 
     # -- optimizer state (checkpoints) ---------------------------------------------------------------
     def _trainable_index(self, u: int) -> dict[int, int]:
-        opt = self.unit_optimizers[u]
-        assert opt is not None
+        """Layout index of each trainable parameter -> its index among the unit's trainable ones."""
         index = {}
-        j = 0
         for i, slot in enumerate(self.layouts[u].params):
             if slot.group is not None:
-                index[i] = j
-                j += 1
+                index[i] = len(index)
         return index
+
+    def _slot_view(self, states: _Held, u: int, k: int, slot: ParamSlot) -> Tensor:
+        lay = self.layouts[u]
+        flat = states.buf.view(torch.float32, lay.numel, offset_bytes=k * lay.nbytes(4))
+        return _view(flat, slot)
 
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
         """The optimizer's per-parameter state in ``torch.optim`` form, keyed by the parameter's index
-        in the user's optimizer (the ``state`` entry of ``optimizer.state_dict()``)."""
+        in the user's optimizer (the ``state`` entry of ``optimizer.state_dict()``). Drains pending
+        steps first."""
         assert self.optimizer is not None
+        self.drain()
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
         per_unit: dict[int, dict[int, dict[str, Any]]] = {}
         for u, opt in enumerate(self.unit_optimizers):
-            if opt is None or not opt.has_trainable or not any(opt.initialized):
+            if opt is None or not opt.has_trainable:
                 continue
-            lay = self.layouts[u]
+            tindex = self._trainable_index(u)
+            if not any(opt.param_initialized(j) for j in tindex.values()):
+                continue
             states = self._stage(TensorKind.OPTIMIZER_STATES, u, read=True) if self.slots else None
             try:
                 entries: dict[int, dict[str, Any]] = {}
-                for i, j in self._trainable_index(u).items():
-                    if not opt.initialized[j]:
+                for i, j in tindex.items():
+                    if not opt.param_initialized(j):
                         continue
-                    entry = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.scalar_state[j].items()}
+                    entry = {k: (v.clone() if isinstance(v, Tensor) else v)
+                             for k, v in opt.param_scalar_state(j).items()}
                     if states is not None:
-                        region = lay.nbytes(4)
                         for k, name in enumerate(self.slots):
-                            flat = states.buf.view(torch.float32, lay.numel, offset_bytes=k * region)
-                            entry[name] = _view(flat, lay.params[i]).clone()
+                            entry[name] = self._slot_view(states, u, k, self.layouts[u].params[i]).clone()
                     entries[i] = entry
                 per_unit[u] = entries
             finally:
@@ -386,6 +412,7 @@ class TieredTensorStore:
     def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
         """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
         assert self.optimizer is not None
+        self.drain()
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
         by_unit: dict[int, dict[int, dict[str, Any]]] = {}
         for idx, entry in state.items():
@@ -401,27 +428,31 @@ class TieredTensorStore:
             tindex = self._trainable_index(u)
             states = self._stage(TensorKind.OPTIMIZER_STATES, u, read=True) if self.slots else None
             for i, entry in entries.items():
-                j = tindex[i]
                 scalars = {}
                 for name, value in entry.items():
                     if name in self.slots and isinstance(value, Tensor) and value.shape == lay.params[i].shape:
                         assert states is not None
-                        region = lay.nbytes(4)
-                        k = self.slots.index(name)
-                        flat = states.buf.view(torch.float32, lay.numel, offset_bytes=k * region)
-                        _view(flat, lay.params[i]).copy_(value)
+                        self._slot_view(states, u, self.slots.index(name), lay.params[i]).copy_(value)
                     else:
-                        scalars[name] = value.clone() if isinstance(value, Tensor) else value
-                opt.scalar_state[j] = scalars
-                opt.initialized[j] = True
+                        scalars[name] = value
+                opt.set_param_scalar_state(tindex[i], scalars)
             if states is not None:
                 self._put_back(TensorKind.OPTIMIZER_STATES, u, states)
         self.flush()
 
     # -- staging ----------------------------------------------------------------------------------------
-    def _stage(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None) -> _Held:
+    def _stage(
+        self,
+        kind: TensorKind,
+        u: int,
+        *,
+        read: bool,
+        label: str | None = None,
+        ranges: list[tuple[int, int]] | None = None,
+    ) -> _Held:
         """A buffer holding unit ``u``'s region of ``kind``: the region itself on the host tier; a pool
-        buffer (filled from the SSD when ``read``; counted under ``label`` if given) on the SSD tier."""
+        buffer on the SSD tier, filled from the SSD when ``read`` (only ``ranges``, byte ranges of the
+        region, if given; counted under ``label`` if given)."""
         regions = self._regions[kind]
         host = regions.host_buffer(u)
         if host is not None:
@@ -433,23 +464,41 @@ class TieredTensorStore:
         if read:
             t0 = time.perf_counter()
             try:
-                regions.submit_read(u, buf, label).result()
+                futures = [regions.submit_read(u, buf, label, r) for r in (ranges or [None])]  # type: ignore[list-item]
+                for f in futures:
+                    f.result()
             except BaseException:
                 self.pool.release(buf)
                 raise
-            self.stats.record_wait(label or kind.value, "ssd", time.perf_counter() - t0)
+            if threading.current_thread() is threading.main_thread():
+                self.stats.record_wait(label or kind.value, "ssd", time.perf_counter() - t0)
         return held
 
-    def _put_back(self, kind: TensorKind, u: int, held: _Held) -> None:
-        """Write ``held`` to unit ``u``'s region of ``kind`` (write-behind) and give the buffer back once
-        written. Host-tier regions were modified in place: nothing to do."""
+    def _put_back(
+        self, kind: TensorKind, u: int, held: _Held, ranges: list[tuple[int, int]] | None = None, *,
+        release: bool = True, label: str | None = None,
+    ) -> None:
+        """Write ``held`` (or its byte ``ranges``) to unit ``u``'s region of ``kind`` (write-behind) and,
+        with ``release``, give the buffer back once written. Host-tier regions were modified in place."""
         if not held.pooled:
             return
         regions = self._regions[kind]
         assert isinstance(regions, SSDRegions)
-        fut = regions.submit_write(u, held.buf)
-        held.pending.append(fut)
-        self._release_when_done(held)
+        for r in ranges or [None]:  # type: ignore[list-item]
+            held.pending.append(regions.submit_write(u, held.buf, label, r))
+        if release:
+            self._release_when_done(held)
+
+    def _byte_ranges(self, kind: TensorKind, u: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Byte ranges of elements ``[lo, hi)`` of unit ``u`` in ``kind``'s region (one per state slot)."""
+        lay = self.layouts[u]
+        if kind is TensorKind.OPTIMIZER_STATES:
+            region, isz, copies = lay.nbytes(4), 4, len(self.slots)
+        else:
+            isz = _itemsize(self.compute_dtype) if kind is TensorKind.WEIGHTS else 4
+            region, copies = lay.nbytes(isz), 1
+        end = region if hi >= lay.numel else hi * isz
+        return [(k * region + lo * isz, k * region + end) for k in range(copies)]
 
     def _done_with(self, held: _Held) -> None:
         if held.pooled:
@@ -477,6 +526,9 @@ class TieredTensorStore:
     # -- the TensorStore protocol: weights --------------------------------------------------------------
     def acquire_unit(self, unit: int) -> None:
         assert unit not in self._weights, f"unit {unit} acquired twice"
+        # the unit's last optimizer step (perhaps running in the background, perhaps its deferred alpha
+        # part) must be complete: no forward ever reads a stale or half-updated weight
+        self.lane.wait_for(self._updated[unit])
         self.weight_loads[unit] += 1
         pre = self._prefetched.pop(unit, None)
         if pre is not None:
@@ -495,7 +547,10 @@ class TieredTensorStore:
         held = self._weights.pop(unit)
         for p, ph in zip(self.params[unit], self._placeholders[unit]):
             p.data = ph
-        self._done_with(held)
+        if unit in self._donated:
+            self._donated.discard(unit)  # the step job owns the buffer now and gives it back
+        else:
+            self._done_with(held)
         if unit in self._grads and unit not in self._grad_complete:
             self._spill_grad(unit)
 
@@ -504,6 +559,8 @@ class TieredTensorStore:
         regions = self._regions[TensorKind.WEIGHTS]
         if not isinstance(regions, SSDRegions) or unit in self._weights or unit in self._prefetched:
             return
+        if not self._updated[unit].is_set():
+            return  # its step is still running: the weights on SSD are about to change
         buf = self.pool.acquire(
             regions.region_bytes(unit), block=False, what=f"unit {unit} weights prefetch",
             headroom=self.min_budget_bytes,
@@ -600,17 +657,30 @@ class TieredTensorStore:
             self._put_back(TensorKind.GRADIENTS, u, held)
         self._grad_spilled.add(u)
 
+    def _hyper(self) -> list[dict[str, Any]]:
+        """The user's param-group hyperparameters now (the LR Lightning's step would use), as a snapshot:
+        a deferred part must not see the LR scheduler's next value."""
+        assert self.optimizer is not None
+        return [
+            {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in self.optimizer.param_groups
+        ]
+
+    def _trainable_has_grad(self, unit: int) -> list[bool]:
+        has = self._has_grad.pop(unit, None) or [False] * len(self.layouts[unit].params)
+        return [h for h, slot in zip(has, self.layouts[unit].params) if slot.group is not None]
+
     def gradient_ready(self, unit: int) -> None:
-        """``unit``'s gradient for this window is complete: clip by value, then step it now, or (deferred
-        mode) record its norms and let the gradient wait on its tier until :meth:`finish_step`."""
+        """``unit``'s gradient for this window is complete: hand its step to the optimizer lane (in the
+        background when ``lag`` > 0), or (deferred mode) record its norms and let the gradient wait on
+        its tier until :meth:`finish_step`."""
+        self.lane.check()
         if self.unit_optimizers[unit] is None or not self.layouts[unit].trainable_numel:
             return
         if unit not in self._grads and unit not in self._grad_spilled:
             return  # no gradient reached this unit in this window: torch skips such parameters too
-        flat = self._grad_flat(unit)
-        if self.clip.value is not None and not self.clip.defer:
-            flat.clamp_(-self.clip.value, self.clip.value)
         if self.clip.defer:
+            flat = self._grad_flat(unit)
             lay = self.layouts[unit]
             views = [_view(flat, s) for s, has in zip(lay.params, self._has_grad[unit]) if has]
             norms = iter(torch._foreach_norm(views, 2.0) if views else [])
@@ -621,7 +691,67 @@ class TieredTensorStore:
                 # last unit) keeps its gradient in memory until then
                 self._spill_grad(unit)
             return
-        self._step_unit(unit, flat)
+        self._flat_or_none(unit)
+        grad_held = self._grads.pop(unit)
+        weights_held = self._weights.get(unit)
+        if weights_held is not None:
+            self._donated.add(unit)  # released by the engine soon; the job gives the buffer back
+        hyper, has_grad = self._hyper(), self._trainable_has_grad(unit)
+        self._drop_prefetch(unit)
+        self._updated[unit].clear()
+        opt = self.unit_optimizers[unit]
+        assert opt is not None
+        deferred = opt.part_range(1)[0] < opt.part_range(1)[1]
+        if deferred:
+            self._alpha_pending.append((unit, hyper, has_grad))
+        value = self.clip.value
+
+        def backward_part() -> None:
+            try:
+                grad = grad_held.buf.view(torch.float32, self.layouts[unit].numel)
+                if value is not None:
+                    grad.clamp_(-value, value)
+                self._step_part(unit, 0, grad, weights_held, hyper, has_grad)
+                if deferred:
+                    # the forward part's gradient waits on its tier until the forward-part step
+                    lo, hi = opt.part_range(1)
+                    self._put_back(TensorKind.GRADIENTS, unit, grad_held,
+                                   self._byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
+                else:
+                    self._done_with(grad_held)
+            finally:
+                if weights_held is not None:
+                    self._done_with(weights_held)
+            if not deferred:
+                self._updated[unit].set()
+
+        self.lane.submit(backward_part, heavy=True)
+
+    def _flat_or_none(self, unit: int) -> None:
+        """Make sure ``unit``'s gradient accumulator is in memory (read back if it was spilled)."""
+        if unit not in self._grads:
+            self._grad_flat(unit)
+
+    def _submit_forward_parts(self) -> None:
+        """After a window's backward: the deferred (alpha) part of every stepped unit, in the order the
+        next forward needs them; each unit's forward waits for its own."""
+        pending, self._alpha_pending = sorted(self._alpha_pending, key=lambda e: e[0]), []
+        for unit, hyper, has_grad in pending:
+
+            def forward_part(unit: int = unit, hyper: list = hyper, has_grad: list = has_grad) -> None:
+                opt = self.unit_optimizers[unit]
+                assert opt is not None
+                lo, hi = opt.part_range(1)
+                grad_held = self._stage(TensorKind.GRADIENTS, unit, read=True,
+                                        ranges=self._byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
+                try:
+                    grad = grad_held.buf.view(torch.float32, self.layouts[unit].numel)
+                    self._step_part(unit, 1, grad, None, hyper, has_grad)
+                finally:
+                    self._done_with(grad_held)
+                self._updated[unit].set()
+
+            self.lane.submit(forward_part, heavy=False)
 
     def global_grad_norm(self, order: Iterable[nn.Parameter]) -> Tensor:
         """The 2-norm over every waiting gradient, combined in ``order`` (the optimizer's parameter order,
@@ -658,73 +788,92 @@ class TieredTensorStore:
         self._value_clips.append(float(value))
 
     def finish_step(self) -> None:
-        """Deferred mode: step every unit whose gradient waits, with the clipping decided after backward."""
-        values = self._value_clips
-        for unit in list(self._grad_complete):
-            flat = self._grad_flat(unit)
-            for v in values:
-                flat.clamp_(-v, v)
-            if self._clip_coef is not None:
-                flat.mul_(self._clip_coef)
-            self._step_unit(unit, flat)
+        """After clipping (Lightning's order): hand the forward parts of this window's steps to the lane
+        (they overlap the next forward); in deferred mode, every unit's whole step, in unit order."""
+        self.lane.check()
+        if not self.clip.defer:
+            self._submit_forward_parts()
+            return
+        values, coef = list(self._value_clips), self._clip_coef
+        self._value_clips, self._clip_coef = [], None
+        for unit in sorted(self._grad_complete):
+            grad_held = self._grads.pop(unit, None)
+            self._grad_spilled.discard(unit)
+            hyper, has_grad = self._hyper(), self._trainable_has_grad(unit)
+            self._drop_prefetch(unit)
+            self._updated[unit].clear()
+
+            def whole_step(unit: int = unit, grad_held: _Held | None = grad_held, hyper: list = hyper,
+                           has_grad: list = has_grad) -> None:
+                held = grad_held if grad_held is not None else self._stage(TensorKind.GRADIENTS, unit, read=True)
+                try:
+                    grad = held.buf.view(torch.float32, self.layouts[unit].numel)
+                    for v in values:
+                        grad.clamp_(-v, v)
+                    if coef is not None:
+                        grad.mul_(coef)
+                    self._step_part(unit, 0, grad, None, hyper, has_grad)
+                    self._step_part(unit, 1, grad, None, hyper, has_grad)
+                finally:
+                    self._done_with(held)
+                self._updated[unit].set()
+
+            self.lane.submit(whole_step, heavy=False)
         self._grad_complete.clear()
         self._norms.clear()
-        self._clip_coef = None
-        self._value_clips = []
 
-    def _step_unit(self, unit: int, grad: Tensor) -> None:
+    def _step_part(
+        self, unit: int, part: int, grad: Tensor, weights_held: _Held | None, hyper: list[dict[str, Any]],
+        has_grad: list[bool],
+    ) -> None:
+        """One part (element range) of one unit's optimizer step, on whichever thread runs it: read the
+        range's master weights and state, step, write them back, refresh the compute weights.
+        ``weights_held``: the unit's compute weights still in memory (the acquired buffer), if any."""
         opt = self.unit_optimizers[unit]
         assert opt is not None
+        lo, hi = opt.part_range(part)
+        if lo >= hi or opt.parts[part].shadow is None:
+            return
         lay = self.layouts[unit]
-        self._drop_prefetch(unit)  # read before this step: stale now
-        weights_held = self._weights.get(unit)
+        w_ranges = self._byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
         if self.separate_master:
-            master = self._stage(TensorKind.MASTER_WEIGHTS, unit, read=True)
+            master = self._stage(TensorKind.MASTER_WEIGHTS, unit, read=True,
+                                 ranges=self._byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
         elif weights_held is not None:
-            master = weights_held  # fp32: the acquired compute weights are the master copy
+            master = weights_held  # fp32: the compute weights in memory are the master copy
         else:
-            master = self._stage(TensorKind.WEIGHTS, unit, read=True, label=TensorKind.MASTER_WEIGHTS.value)
-        # before the unit's first step the optimizer creates its state itself: nothing to read yet
-        states = (
-            self._stage(TensorKind.OPTIMIZER_STATES, unit, read=any(opt.initialized)) if self.slots else None
-        )
+            master = self._stage(TensorKind.WEIGHTS, unit, read=True, label=TensorKind.MASTER_WEIGHTS.value,
+                                 ranges=w_ranges)
+        states = None
+        if self.slots:
+            states = self._stage(TensorKind.OPTIMIZER_STATES, unit, read=opt.part_initialized(part),
+                                 ranges=self._byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
         mflat = master.buf.view(torch.float32, lay.numel)
-        state_views: dict[str, Tensor] = {}
-        if states is not None:
-            region = lay.nbytes(4)
-            for k, name in enumerate(self.slots):
-                state_views[name] = states.buf.view(torch.float32, lay.numel, offset_bytes=k * region)
-        opt.step(mflat, grad, state_views, self._has_grad.get(unit, [False] * len(lay.params)))
+        state_views = {
+            name: states.buf.view(torch.float32, lay.numel, offset_bytes=k * lay.nbytes(4))
+            for k, name in enumerate(self.slots)
+        } if states is not None else {}
+        opt.step(mflat, grad, state_views, has_grad, part, hyper)
         self.steps_taken += 1
-        trim_heap()
         if states is not None:
-            self._put_back(TensorKind.OPTIMIZER_STATES, unit, states)
+            self._put_back(TensorKind.OPTIMIZER_STATES, unit, states,
+                           self._byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
         if self.separate_master:
-            self._put_back(TensorKind.MASTER_WEIGHTS, unit, master)
-            compute = weights_held if weights_held is not None else self._stage(TensorKind.WEIGHTS, unit, read=True)
+            self._put_back(TensorKind.MASTER_WEIGHTS, unit, master,
+                           self._byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
+            compute = weights_held if weights_held is not None else self._stage(
+                TensorKind.WEIGHTS, unit, read=True, ranges=w_ranges)
             cflat = compute.buf.view(self.compute_dtype, lay.numel)
             for slot in lay.params:
-                if slot.group is not None:
-                    _view(cflat, slot).copy_(_view(mflat, slot))
-            self._write_weights(unit, compute, acquired=weights_held is not None)
+                a, b = max(lo, slot.offset_numel), min(hi, slot.offset_numel + slot.numel)
+                if slot.group is not None and a < b:
+                    cflat[a:b].copy_(mflat[a:b])
+            self._put_back(TensorKind.WEIGHTS, unit, compute, w_ranges, release=weights_held is None)
         else:
-            self._write_weights(unit, master, acquired=weights_held is not None)
-        grad_held = self._grads.pop(unit, None)
-        self._grad_spilled.discard(unit)
-        self._has_grad.pop(unit, None)
-        if grad_held is not None:
-            self._done_with(grad_held)
-
-    def _write_weights(self, unit: int, held: _Held, acquired: bool) -> None:
-        regions = self._regions[TensorKind.WEIGHTS]
-        if not held.pooled:
-            return
-        assert isinstance(regions, SSDRegions)
-        fut = regions.submit_write(unit, held.buf)
-        held.pending.append(fut)
-        if not acquired:
-            self._release_when_done(held)
-        # acquired: release_unit gives the buffer back once this write is done
+            # the updated fp32 weights are the new compute weights; an acquired buffer is given back by
+            # its owner once this write is done
+            self._put_back(TensorKind.WEIGHTS, unit, master, w_ranges, release=weights_held is None)
+        trim_heap()
 
     # -- window and lifetime --------------------------------------------------------------------------
     def end_window(self, completed: bool = True) -> None:
@@ -742,6 +891,7 @@ class TieredTensorStore:
             self.discard_gradients()
 
     def discard_gradients(self) -> None:
+        self._alpha_pending.clear()
         for u in list(self._grads):
             held = self._grads.pop(u)
             self._done_with(held)
@@ -749,6 +899,14 @@ class TieredTensorStore:
         self._grad_complete.clear()
         self._has_grad.clear()
         self._norms.clear()
+
+    def drain(self) -> None:
+        """Complete every pending optimizer step, deferred forward parts included (before reading the
+        weights or optimizer state from outside a window: checkpoints, evaluation, the end of the run)."""
+        if self._alpha_pending:
+            self._submit_forward_parts()
+        self.lane.drain()
+        self.flush()
 
     def flush(self) -> None:
         """Wait for every write in flight (raises the first I/O error)."""
@@ -780,11 +938,12 @@ class TieredTensorStore:
             return
         self._closed = True
         self.remove_hooks()
-        for u in list(self._weights):
-            self.release_unit(u)
-        for u in list(self._prefetched):
-            self._drop_prefetch(u)
         try:
+            self.lane.close()  # runs what is queued (a failed lane runs nothing more)
+            for u in list(self._weights):
+                self.release_unit(u)
+            for u in list(self._prefetched):
+                self._drop_prefetch(u)
             self.flush()
         finally:
             self._close_regions()

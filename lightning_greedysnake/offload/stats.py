@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -19,14 +20,50 @@ class IOCounter:
     """Time the training thread spent blocked on this kind's reads (what prefetch did not hide)."""
 
 
+class LaneClock:
+    """Busy intervals per lane (``ssd_read``, ``ssd_write``, ``optimizer``, ``wait``), to report how long
+    each lane was busy in a span of wall time (overlapping requests count once)."""
+
+    def __init__(self, keep_seconds: float = 600.0) -> None:
+        self._lock = threading.Lock()
+        self._intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self._keep = keep_seconds
+
+    def add(self, lane: str, start: float, end: float) -> None:
+        with self._lock:
+            spans = self._intervals[lane]
+            spans.append((start, end))
+            if len(spans) > 4096 and spans[0][1] < end - self._keep:
+                self._intervals[lane] = [s for s in spans if s[1] >= end - self._keep]
+
+    def busy(self, lane: str, since: float, until: float) -> float:
+        with self._lock:
+            spans = sorted((max(a, since), min(b, until)) for a, b in self._intervals.get(lane, []) if b > since
+                           and a < until)
+        total, cur_a, cur_b = 0.0, None, None
+        for a, b in spans:
+            if cur_b is None or a > cur_b:
+                if cur_b is not None:
+                    total += cur_b - cur_a
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        if cur_b is not None:
+            total += cur_b - cur_a
+        return total
+
+
 class IOStats:
     """Thread-safe: I/O threads record completions while the training thread reads snapshots."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, str], IOCounter] = defaultdict(IOCounter)
+        self.lanes = LaneClock()
 
-    def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float) -> None:
+    def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float, start: float | None = None) -> None:
+        if start is not None:
+            self.lanes.add("ssd_read" if op == "read" else "ssd_write", start, start + seconds)
         with self._lock:
             c = self._counters[(kind, tier)]
             if op == "read":
@@ -42,11 +79,14 @@ class IOStats:
         """A frozen copy (later I/O does not change it)."""
         out = IOStats()
         out._counters.update(self.snapshot())
+        out.lanes = self.lanes
         return out
 
     def record_wait(self, kind: str, tier: str, seconds: float) -> None:
         with self._lock:
             self._counters[(kind, tier)].wait_seconds += seconds
+        now = time.perf_counter()
+        self.lanes.add("wait", now - seconds, now)
 
     def snapshot(self) -> dict[tuple[str, str], IOCounter]:
         with self._lock:

@@ -68,13 +68,18 @@ class SSDRegions:
     def host_buffer(self, unit: int) -> None:
         return None
 
-    def submit_read(self, unit: int, buf: AlignedBuffer, label: str | None = None) -> Future[None]:
-        """``label``: the kind to count the bytes under, when it differs from the region's (under 32-true
-        the optimizer reads the weights region as its master copy)."""
-        return self._submit("read", unit, buf, label)
+    def submit_read(
+        self, unit: int, buf: AlignedBuffer, label: str | None = None, byte_range: tuple[int, int] | None = None
+    ) -> Future[None]:
+        """Read unit ``unit``'s region (or the ``byte_range`` of it, 4 KiB aligned) into the same offsets
+        of ``buf``. ``label``: the kind to count the bytes under, when it differs from the region's
+        (under 32-true the optimizer reads the weights region as its master copy)."""
+        return self._submit("read", unit, buf, label, byte_range)
 
-    def submit_write(self, unit: int, buf: AlignedBuffer, label: str | None = None) -> Future[None]:
-        return self._submit("write", unit, buf, label)
+    def submit_write(
+        self, unit: int, buf: AlignedBuffer, label: str | None = None, byte_range: tuple[int, int] | None = None
+    ) -> Future[None]:
+        return self._submit("write", unit, buf, label, byte_range)
 
     def wait(self, unit: int) -> None:
         """Block until every operation submitted on ``unit``'s region has completed (raises its error)."""
@@ -89,21 +94,26 @@ class SSDRegions:
         for f in fences:
             f.result()
 
-    def _submit(self, op: str, unit: int, buf: AlignedBuffer, label: str | None) -> Future[None]:
-        nbytes = self.layout.sizes[unit]
-        assert buf.nbytes >= nbytes, (buf.nbytes, nbytes)
+    def _submit(
+        self, op: str, unit: int, buf: AlignedBuffer, label: str | None, byte_range: tuple[int, int] | None
+    ) -> Future[None]:
+        size = self.layout.sizes[unit]
+        lo, hi = byte_range if byte_range is not None else (0, size)
+        assert 0 <= lo <= hi <= size and buf.nbytes >= hi, (lo, hi, size, buf.nbytes)
+        nbytes = hi - lo
         # per-region ordering: the previous operation on this region must be complete first (its error,
         # if any, surfaces here rather than being lost)
         self.wait(unit)
         t0 = time.perf_counter()
+        offset = self.layout.offsets[unit] + lo
         if op == "read":
-            f = self._engine.submit_read(self.file, self.layout.offsets[unit], buf, 0, nbytes)
+            f = self._engine.submit_read(self.file, offset, buf, lo, nbytes)
         else:
-            f = self._engine.submit_write(self.file, self.layout.offsets[unit], buf, 0, nbytes)
+            f = self._engine.submit_write(self.file, offset, buf, lo, nbytes)
         kind = label or self.kind
         f.add_done_callback(
             lambda fut: fut.exception() is None
-            and self._stats.record(kind, self.tier, op, nbytes, time.perf_counter() - t0)
+            and self._stats.record(kind, self.tier, op, nbytes, time.perf_counter() - t0, t0)
         )
         with self._lock:
             self._fences[unit] = f
@@ -162,7 +172,7 @@ class SSDScratch:
             f = self._engine.submit_write(self.file, offset, buf, 0, nbytes)
         f.add_done_callback(
             lambda fut: fut.exception() is None
-            and self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0)
+            and self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0, t0)
         )
         return f
 

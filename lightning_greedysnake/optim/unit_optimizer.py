@@ -71,77 +71,145 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return tuple(slots)
 
 
-class UnitOptimizer:
-    """The optimizer for one unit: ``step`` updates the flat master buffer and state buffers in place."""
+SPLIT_ALIGN_NUMEL = 2048
+"""The split between a unit's backward and forward parts falls on a multiple of this many elements, so
+each part's bytes start on a 4 KiB boundary in every dtype (2-byte compute weights, 4-byte master/state)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layout: UnitLayout, slots: tuple[str, ...]) -> None:
+
+def split_numel(layout: UnitLayout, alpha: float) -> int:
+    """First element of the forward (alpha) part of a unit's flat buffers: ``[0, split)`` is stepped when
+    the unit's gradient completes, ``[split, numel)`` is deferred into the next iteration's forward."""
+    if alpha <= 0.0:
+        return layout.numel
+    if alpha >= 1.0:
+        return 0
+    cut = int(layout.numel * (1.0 - alpha)) // SPLIT_ALIGN_NUMEL * SPLIT_ALIGN_NUMEL
+    return min(max(cut, 0), layout.numel)
+
+
+class _Part:
+    """One element range of a unit with its own shadow optimizer over the pieces of parameters in it.
+
+    Each piece is a flat slice of one parameter; optimizers that work element by element (Adam, AdamW,
+    SGD) compute on a slice exactly what they compute on the whole parameter, and every piece of a
+    parameter is stepped once per iteration, so their step counters agree."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pieces: list[tuple[int, ParamSlot, int, int]]) -> None:
+        self.pieces = pieces  # (trainable index, slot, flat start, flat end)
+        self.shadow_params = [torch.zeros(1, requires_grad=True) for _ in pieces]
+        self.group_index: list[int] = []
+        groups: list[dict[str, Any]] = []
+        for gi, group in enumerate(optimizer.param_groups):
+            members = [sp for sp, (_, slot, _, _) in zip(self.shadow_params, pieces) if slot.group == gi]
+            if members:
+                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
+                self.group_index.append(gi)
+        self.shadow = _construct(type(optimizer), groups) if groups else None
+        self.scalar_state: list[dict[str, Any]] = [{} for _ in pieces]
+        self.initialized: list[bool] = [False] * len(pieces)
+
+
+class UnitOptimizer:
+    """The optimizer for one unit: ``step`` updates the flat master buffer and state buffers in place,
+    one part (element range) at a time."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, layout: UnitLayout, slots: tuple[str, ...], split: int | None = None
+    ) -> None:
         self.user_optimizer = optimizer
         self.layout = layout
         self.slots = slots
         self.trainable: list[ParamSlot] = [p for p in layout.params if p.group is not None]
-        self._shadow_params = [torch.zeros(1, requires_grad=True) for _ in self.trainable]
-        self._group_index: list[int] = []
-        groups: list[dict[str, Any]] = []
-        for gi, group in enumerate(optimizer.param_groups):
-            members = [sp for sp, slot in zip(self._shadow_params, self.trainable) if slot.group == gi]
-            if members:
-                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
-                self._group_index.append(gi)
-        self._shadow = _construct(type(optimizer), groups) if groups else None
-        self.scalar_state: list[dict[str, Any]] = [{} for _ in self.trainable]
-        """Non-per-element state (e.g. Adam's ``step`` tensor) per trainable parameter."""
-        self.initialized: list[bool] = [False] * len(self.trainable)
-        """Whether the optimizer has created the parameter's state (it does so on its first step)."""
+        self.split = layout.numel if split is None else split
+        ranges = [(0, self.split), (self.split, layout.numel)]
+        self.parts: list[_Part] = []
+        for lo, hi in ranges:
+            pieces = []
+            for j, slot in enumerate(self.trainable):
+                start, end = max(lo, slot.offset_numel), min(hi, slot.offset_numel + slot.numel)
+                if start < end:
+                    pieces.append((j, slot, start, end))
+            self.parts.append(_Part(optimizer, pieces))
 
     @property
     def has_trainable(self) -> bool:
-        return self._shadow is not None
+        return any(part.shadow is not None for part in self.parts)
 
-    def step(self, master: Tensor, grad: Tensor, state: dict[str, Tensor], has_grad: list[bool]) -> None:
-        """One optimizer step of this unit.
+    def part_range(self, part: int) -> tuple[int, int]:
+        return (0, self.split) if part == 0 else (self.split, self.layout.numel)
 
-        ``master``/``grad``: the unit's flat fp32 buffers (``layout.numel`` elements); ``state``: one flat
-        fp32 buffer per slot; ``has_grad[i]``: whether trainable parameter i got a gradient in this window
-        (torch skips parameters without one, and so do we).
+    def part_initialized(self, part: int) -> bool:
+        return any(self.parts[part].initialized)
+
+    # -- per-parameter view of the state (checkpoints) ----------------------------------------------
+    def param_initialized(self, j: int) -> bool:
+        return any(init for part in self.parts for (pj, *_), init in zip(part.pieces, part.initialized) if pj == j)
+
+    def param_scalar_state(self, j: int) -> dict[str, Any]:
+        for part in self.parts:
+            for (pj, *_), init, scalars in zip(part.pieces, part.initialized, part.scalar_state):
+                if pj == j and init:
+                    return scalars
+        return {}
+
+    def set_param_scalar_state(self, j: int, scalars: dict[str, Any]) -> None:
+        for part in self.parts:
+            for k, (pj, *_) in enumerate(part.pieces):
+                if pj == j:
+                    part.scalar_state[k] = {n: (v.clone() if isinstance(v, Tensor) else v) for n, v in scalars.items()}
+                    part.initialized[k] = True
+
+    # -- stepping -----------------------------------------------------------------------------------
+    def step(
+        self,
+        master: Tensor,
+        grad: Tensor,
+        state: dict[str, Tensor],
+        has_grad: list[bool],
+        part: int = 0,
+        hyper: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Step part ``part`` of this unit.
+
+        ``master``/``grad``: the unit's flat fp32 buffers (``layout.numel`` elements; only the part's
+        range is read); ``state``: one flat fp32 buffer per slot; ``has_grad[j]``: whether trainable
+        parameter j got a gradient in this window (torch skips parameters without one, and so do we);
+        ``hyper``: the user's param-group hyperparameters as they were when Lightning would have
+        stepped (default: as they are now).
         """
-        shadow = self._shadow
+        p = self.parts[part]
+        shadow = p.shadow
         if shadow is None:
             return
-        for shadow_group, gi in zip(shadow.param_groups, self._group_index):
-            for key, value in self.user_optimizer.param_groups[gi].items():
-                if key != "params":
-                    shadow_group[key] = value  # the LR in force now, as the LR scheduler left it
-        for i, (sp, slot) in enumerate(zip(self._shadow_params, self.trainable)):
-            sp.data = self._view(master, slot)
-            sp.grad = self._view(grad, slot) if has_grad[i] else None
-            if self.initialized[i]:
-                shadow.state[sp] = {
-                    **self.scalar_state[i],
-                    **{name: self._view(buf, slot) for name, buf in state.items()},
-                }
+        groups = hyper if hyper is not None else [
+            {k: v for k, v in g.items() if k != "params"} for g in self.user_optimizer.param_groups
+        ]
+        for shadow_group, gi in zip(shadow.param_groups, p.group_index):
+            shadow_group.update(groups[gi])  # the LR in force at this step, as the LR scheduler left it
+        for k, (sp, (j, _, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
+            sp.data = master[lo:hi]
+            sp.grad = grad[lo:hi] if has_grad[j] else None
+            if p.initialized[k]:
+                shadow.state[sp] = {**p.scalar_state[k], **{name: buf[lo:hi] for name, buf in state.items()}}
         try:
             shadow.step()
-            for i, (sp, slot) in enumerate(zip(self._shadow_params, self.trainable)):
+            for k, (sp, (_, _, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
                 st = shadow.state.get(sp)
                 if not st:
                     continue
                 scalars = {}
                 for name, value in st.items():
                     if name in state:
-                        view = self._view(state[name], slot)
+                        view = state[name][lo:hi]
                         if value is not view:  # created on the first step, or replaced: keep it in our buffer
                             view.copy_(value)
                     else:
                         scalars[name] = value
-                self.scalar_state[i] = scalars
-                self.initialized[i] = True
+                p.scalar_state[k] = scalars
+                p.initialized[k] = True
         finally:
             # drop every reference into the caller's buffers: they go back to the pool after this
             shadow.state.clear()
-            for sp in self._shadow_params:
+            for sp in p.shadow_params:
                 sp.grad = None
                 sp.data = torch.zeros(1)
-
-    @staticmethod
-    def _view(flat: Tensor, slot: ParamSlot) -> Tensor:
-        return flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)

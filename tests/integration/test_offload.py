@@ -28,7 +28,8 @@ class Snapshot(L.Callback):
     def on_train_end(self, trainer: Any, module: Any) -> None:
         manager = trainer.strategy.tensor_manager
         assert isinstance(manager, TieredTensorStore)
-        manager.flush()  # count the write-behind still in flight
+        manager.drain()  # count the steps and the write-behind still in flight
+        self.manager = manager
         self.stats = manager.stats.copy()
         self.region_bytes = {kind.value: list(sizes) for kind, sizes in manager._region_bytes.items()}
         self.loads = dict(manager.weight_loads)
@@ -62,7 +63,7 @@ def test_weights_read_per_step_vertical_once_per_pass_horizontal_2k(k):
     per_step = {}
     for schedule in ("vertical", "horizontal"):
         snap = Snapshot()
-        _fit(GreedySnakeStrategy(schedule=schedule), k, callbacks=[snap])
+        _fit(GreedySnakeStrategy(schedule=schedule, alpha=0.0), k, callbacks=[snap])
         assert snap.steps == 3
         w = snap.region_bytes["weights"]
         g = snap.region_bytes["gradients"]
@@ -90,6 +91,27 @@ def test_weights_read_per_step_vertical_once_per_pass_horizontal_2k(k):
         assert snap.stats.bytes_written("weights") == snap.steps * sum(w) + sum(w)  # + the initial write
     if k > 1:
         assert per_step["horizontal"] > (k - 1) * per_step["vertical"]
+
+
+def test_the_deferred_part_moves_only_its_own_bytes():
+    """alpha > 0: each step's forward part re-reads its range of the (fp32 master =) weights and its
+    gradient range goes to the gradients tier and back; nothing else changes."""
+    snap = Snapshot()
+    alpha = 0.5
+    _fit(GreedySnakeStrategy(alpha=alpha), 2, callbacks=[snap])
+    manager = snap.manager
+    from lightning_greedysnake.config import TensorKind
+
+    grad_range = sum(hi - lo for u in range(3) for lo, hi in manager._byte_ranges(
+        TensorKind.GRADIENTS, u, *manager.unit_optimizers[u].part_range(1)))
+    weight_range = sum(hi - lo for u in range(3) for lo, hi in manager._byte_ranges(
+        TensorKind.WEIGHTS, u, *manager.unit_optimizers[u].part_range(1)))
+    assert 0 < grad_range < sum(snap.region_bytes["gradients"])
+    assert snap.stats.bytes_written("gradients") == snap.steps * grad_range
+    assert snap.stats.bytes_read("gradients") == snap.steps * grad_range
+    assert snap.stats.bytes_read("master_weights") == snap.steps * weight_range
+    assert snap.stats.bytes_written("weights") == snap.steps * sum(snap.region_bytes["weights"]) + sum(
+        snap.region_bytes["weights"])
 
 
 def test_offload_files_use_o_direct_and_owner_only_permissions(tmp_path):
