@@ -111,6 +111,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         self._warned_hooks: set[str] = set()
         self._lock: OffloadDirLock | None = None
         self._created_offload_dir: Path | None = None
+        self._failed = False
 
     # -- Lightning plumbing ------------------------------------------------------------------------
     @property
@@ -331,12 +332,18 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             return ClipPolicy(value=float(value))
         return ClipPolicy(defer=True)
 
+    def on_exception(self, exception: BaseException) -> None:
+        # teardown follows: it must clean up without raising again over the original error
+        self._failed = True
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         manager = self.tensor_manager
+        failed, self._failed = getattr(self, "_failed", False), False
         try:
             if self._engine is not None:
                 self._engine.close()
-            if manager is not None and self.config.offload.return_weights and not manager.closed:
+            if manager is not None and self.config.offload.return_weights and not manager.closed and not failed:
                 # the LightningModule should be usable after fit, as with any other strategy
                 manager.restore_parameters()
         finally:

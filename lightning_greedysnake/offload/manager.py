@@ -24,6 +24,7 @@ Synchronous compute on the calling thread; only I/O runs on threads.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import threading
@@ -944,7 +945,12 @@ class TieredTensorStore:
                 self.release_unit(u)
             for u in list(self._prefetched):
                 self._drop_prefetch(u)
-            self.flush()
+            if self.lane.failed:
+                # the error already reached the training thread; finish cleaning up regardless
+                with contextlib.suppress(OSError):
+                    self.flush()
+            else:
+                self.flush()
         finally:
             self._close_regions()
             self.pool.close()

@@ -86,6 +86,11 @@ class StepLane:
             self._raise_if_failed()
 
     @property
+    def failed(self) -> bool:
+        with self._cond:
+            return self._error is not None
+
+    @property
     def idle(self) -> bool:
         with self._cond:
             return not self._jobs and not self._running
