@@ -56,6 +56,7 @@ class GreedySnakePrecision(Precision):
         self.device = device
         self._before_optimizer_step: Callable[[], None] | None = None
         self._gradient_owner: GradientOwner | None = None
+        self._after_step: Callable[[], None] | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -71,12 +72,16 @@ class GreedySnakePrecision(Precision):
             yield
 
     def attach(
-        self, before_optimizer_step: Callable[[], None] | None, gradient_owner: GradientOwner | None = None
+        self,
+        before_optimizer_step: Callable[[], None] | None,
+        gradient_owner: GradientOwner | None = None,
+        after_step: Callable[[], None] | None = None,
     ) -> None:
-        """The strategy passes the callback that finishes the window's remaining backward ops, and the
-        tensor manager when it owns gradients and the optimizer step."""
+        """The strategy passes the callback that finishes the window's remaining backward ops, the
+        tensor manager when it owns gradients and the optimizer step, and a callback for the step's end."""
         self._before_optimizer_step = before_optimizer_step
         self._gradient_owner = gradient_owner
+        self._after_step = after_step
 
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
         closure_result = closure()
@@ -90,6 +95,8 @@ class GreedySnakePrecision(Precision):
             # units whose step had to wait for clipping are stepped now; the user's optimizer.step()
             # that follows finds no gradients on the (offloaded) parameters and changes nothing
             self._gradient_owner.finish_step()
+        if self._after_step is not None:
+            self._after_step()
         return closure_result
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

@@ -45,6 +45,7 @@ from lightning_greedysnake.models import (
 from lightning_greedysnake.offload import InMemoryTensorStore, OffloadDirLock, TensorStore, preflight
 from lightning_greedysnake.offload.manager import ClipPolicy, TieredTensorStore
 from lightning_greedysnake.precision import GreedySnakePrecision
+from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
 
 
 class _CapturedInputs(BaseException):
@@ -112,6 +113,8 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         self._lock: OffloadDirLock | None = None
         self._created_offload_dir: Path | None = None
         self._failed = False
+        self._telemetry: StepRecorder | None = None
+        self._offload_dir: Path | None = None
 
     # -- Lightning plumbing ------------------------------------------------------------------------
     @property
@@ -154,6 +157,12 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         busy seconds and the seconds training waited, per kind and tier); empty without offload."""
         manager = self.tensor_manager
         return manager.stats.flat() if manager is not None else {}
+
+    @property
+    def step_telemetry(self) -> list[StepTelemetry]:
+        """Per optimizer step: lane busy seconds (SSD read, SSD write, optimizer), compute, the seconds the
+        training thread waited on reads and on the optimizer, bytes per kind. Empty without offload."""
+        return self._telemetry.history if self._telemetry is not None else []
 
     @property
     def tensor_manager(self) -> TieredTensorStore | None:
@@ -205,7 +214,8 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         if offload.uses_tensor_manager:
             manager = self._open_tensor_manager(trainer, module, units, fitting, layered if on_meta else None)
             self._store = manager
-            self.precision_plugin.attach(self._finish_window, manager)
+            self._telemetry = StepRecorder(manager)
+            self.precision_plugin.attach(self._finish_window, manager, self._telemetry.record)
         else:
             self._store = InMemoryTensorStore()
             self.precision_plugin.attach(self._finish_window)
@@ -288,6 +298,23 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             units, names, optimizer, offload, compute_dtype=self.precision_plugin.compute_dtype, clip=clip,
             alpha=self.config.alpha, lag=self.config.lag,
         )
+        try:
+            self._prepare_offload_dir(trainer, manager)
+            manager.open(self._offload_dir)
+            if meta_model is not None:
+                self._materialize(manager, meta_model, units)
+            else:
+                manager.initialize_from_parameters()
+        except BaseException:
+            # setup failed before the strategy owned the manager: release what it holds right here
+            manager.close()
+            self._cleanup_offload_dir(manager)
+            raise
+        return manager
+
+    def _prepare_offload_dir(self, trainer: Any, manager: TieredTensorStore) -> None:
+        """Preflight (directory, O_DIRECT, free space for ``manager``'s files) and the exclusive lock."""
+        offload = self.config.offload
         offload_dir: Path | None = None
         if offload.uses_ssd:
             offload_dir = Path(offload.path or Path(trainer.default_root_dir) / "greedysnake_offload")
@@ -303,12 +330,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             self._lock = OffloadDirLock(offload_dir)
             self._lock.acquire()
             rank_zero_info(report.text())
-        manager.open(offload_dir)
-        if meta_model is not None:
-            self._materialize(manager, meta_model, units)
-        else:
-            manager.initialize_from_parameters()
-        return manager
+        self._offload_dir = offload_dir
 
     def _placement_text(self) -> str:
         o = self.config.offload

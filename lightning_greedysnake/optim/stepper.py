@@ -38,13 +38,26 @@ class StepLane:
         self.wait_seconds = 0.0
         """Time the training thread spent blocked on this lane (the optimizer work not hidden)."""
         self._thread: threading.Thread | None = None
-        if lag > 0:
+        self._closed = False
+        # the thread starts with the first job, so a lane that never runs anything owns no thread
+
+    def _ensure_thread(self) -> bool:
+        """Start the worker if this lane runs in the background; False for a synchronous lane."""
+        if self.lag == 0 or self._closed:
+            return False
+        if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="greedysnake-optimizer", daemon=True)
             self._thread.start()
+        return True
 
     def submit(self, job: Job, heavy: bool) -> None:
-        if self._thread is None:
-            self._run(job)
+        if not self._ensure_thread():
+            # synchronous: the training thread runs the step itself, so all of it is unhidden
+            t0 = time.perf_counter()
+            try:
+                self._run(job)
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
             return
         with self._cond:
             self._raise_if_failed()
@@ -132,6 +145,7 @@ class StepLane:
 
     def close(self) -> None:
         """Finish queued jobs (unless one failed) and stop the thread. Idempotent; never raises."""
+        self._closed = True
         thread, self._thread = self._thread, None
         if thread is None:
             return

@@ -4,6 +4,7 @@ threads, descriptors, lock), and errors before any work starts."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 from pathlib import Path
@@ -317,7 +318,11 @@ def test_a_truncated_offload_file_is_a_named_error_not_garbage(tmp_path):
 
     L.seed_everything(0, verbose=False)
     trainer = make_trainer(GreedySnakeStrategy(offload_dir=tmp_path), 2, max_epochs=1, callbacks=[Truncate()])
-    with pytest.raises(ShortReadError, match=r"read of \d+ bytes at offset \d+ in .*weights\.bin"):
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the type depends on which thread reads first
         trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
+    chain = [info.value, info.value.__cause__]
+    short = [e for e in chain if isinstance(e, ShortReadError)]
+    assert short, chain  # directly, or as the cause of the background optimizer's error
+    assert re.search(r"read of \d+ bytes at offset \d+ in .*weights\.bin", str(short[0]))
     assert not (tmp_path / "weights.bin").exists()
 

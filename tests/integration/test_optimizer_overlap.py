@@ -144,3 +144,29 @@ def test_bad_alpha_and_lag(settings, words):
         GreedySnakeStrategy(**settings)
     for w in words:
         assert w in str(info.value)
+
+
+def test_step_telemetry_accounts_for_every_step_and_byte():
+    strategy = GreedySnakeStrategy(alpha=0.25, lag=2)
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(strategy, 2, max_epochs=1)
+    trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
+    history = strategy.step_telemetry
+    assert [e.step for e in history] == [1, 2, 3, 4] == list(range(1, trainer.global_step + 1))
+    for e in history:
+        for lane in (e.ssd_read_busy_s, e.ssd_write_busy_s, e.optimizer_busy_s):
+            assert 0 <= lane <= e.wall_s  # busy intervals are merged and clipped to the step
+        assert 0 <= e.io_wait_s and 0 <= e.optimizer_unhidden_s and e.compute_s <= e.wall_s
+        metrics = e.as_metrics()
+        assert metrics["read_bytes/weights"] > 0 and "optimizer_unhidden_s" in metrics
+    # every step after the first reads each unit's weights the same number of times
+    assert len({e.bytes_read["weights"] for e in history[1:]}) == 1
+
+
+def test_synchronous_steps_count_as_unhidden_optimizer_time():
+    strategy = GreedySnakeStrategy(alpha=0.0, lag=0)
+    L.seed_everything(0, verbose=False)
+    make_trainer(strategy, 2, max_epochs=1).fit(TinyGPTModule(lr=LR), token_loader(4))
+    for e in strategy.step_telemetry:
+        # the training thread runs each step itself: the lane's busy time is all unhidden (same clock)
+        assert e.optimizer_unhidden_s > 0 and e.optimizer_unhidden_s >= e.optimizer_busy_s - 1e-3

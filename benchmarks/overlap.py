@@ -1,0 +1,156 @@
+"""Optimizer overlap, measured side by side: the same model, data and K with
+
+- ``sync``: every unit stepped synchronously as its gradient completes (``lag=0, alpha=0``);
+- ``backward``: steps on the background lane, trailing backward by two units (``lag=2, alpha=0``);
+- ``alpha``: the same plus a quarter of each update deferred into the next forward (``lag=2, alpha=0.25``).
+
+Runs are interleaved (sync, backward, alpha, sync, ...) in fresh processes so machine drift hits all
+alike. Reports the median steady-state step time, the optimizer time the training thread could not hide
+(``optimizer_unhidden_s``: waits for a unit's update, a full queue, a drain) and its share of the step,
+the optimizer lane's busy time, and the optimizer's SSD traffic against compute time.
+
+    python benchmarks/overlap.py                  # GPT 1024x4 (vocab 8192), seq 128, K=8, fp32, SSD
+    python benchmarks/overlap.py --k 4 --rounds 1 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CONFIGS = {"sync": (0.0, 0), "backward": (0.0, 2), "alpha": (0.25, 2)}
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy
+
+    alpha, lag = CONFIGS[args.child]
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
+                       block_size=args.seq)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            logits = self.model(x)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+    data = torch.randint(0, args.vocab, (args.k * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=1)
+    strategy = GreedySnakeStrategy(alpha=alpha, lag=lag, offload_dir=Path(args.offload_dir) / args.child,
+                                   offload={"return_weights": False})
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
+                        max_steps=args.steps, accumulate_grad_batches=args.k, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=args.offload_dir)
+    torch.manual_seed(0)
+    with trainer.init_module(empty_init=True):
+        module = Module()
+    trainer.fit(module, loader)
+    steady = strategy.step_telemetry[1:]  # the first step includes warm-up and the first state reads
+    optimizer_kinds = ("optimizer_states", "master_weights")
+
+    def opt_bytes(e: Any) -> int:
+        written = sum(v for k, v in e.bytes_written.items() if k in optimizer_kinds or k == "weights")
+        return sum(v for k, v in e.bytes_read.items() if k in optimizer_kinds) + written
+
+    return {
+        "config": args.child,
+        "alpha": alpha,
+        "lag": lag,
+        "steps": [e.as_metrics() for e in steady],
+        "optimizer_ssd_bytes": statistics.mean(opt_bytes(e) for e in steady),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-embd", type=int, default=1024)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--offload-dir", default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "overlap.json"))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)))
+        return
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
+    with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
+        for r in range(args.rounds):
+            for name in CONFIGS:
+                cmd = [sys.executable, __file__, "--child", name, "--offload-dir", tmp]
+                for flag in ("n_embd", "n_layer", "n_head", "vocab", "seq", "k", "steps", "precision"):
+                    cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if proc.returncode != 0 or not line:
+                    print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+                    raise SystemExit(f"{name} failed")
+                runs[name].append(json.loads(line[0][len("RESULT "):]))
+                print(f"  round {r + 1}: {name} done", file=sys.stderr)
+    rows = []
+    for name, results in runs.items():
+        steps = [s for res in results for s in res["steps"]]
+        wall = statistics.median(s["wall_s"] for s in steps)
+        unhidden = statistics.median(s["optimizer_unhidden_s"] for s in steps)
+        rows.append({
+            "config": name,
+            "alpha": results[0]["alpha"],
+            "lag": results[0]["lag"],
+            "step_s": round(wall, 3),
+            "optimizer_unhidden_s": round(unhidden, 3),
+            "unhidden_share": round(unhidden / wall, 3),
+            "optimizer_busy_s": round(statistics.median(s["optimizer_busy_s"] for s in steps), 3),
+            "compute_s": round(statistics.median(s["compute_s"] for s in steps), 3),
+            "io_wait_s": round(statistics.median(s["io_wait_s"] for s in steps), 3),
+            "optimizer_ssd_gb": round(statistics.mean(res["optimizer_ssd_bytes"] for res in results) / 1e9, 3),
+            "steps_measured": len(steps),
+        })
+    base = rows[0]["step_s"]
+    for row in rows:
+        row["time_vs_sync"] = round(row["step_s"] / base, 3)
+    cols = ["config", "alpha", "lag", "step_s", "time_vs_sync", "optimizer_unhidden_s", "unhidden_share",
+            "optimizer_busy_s", "compute_s", "io_wait_s", "optimizer_ssd_gb"]
+    print(" | ".join(f"{c:>20}" for c in cols))
+    for row in rows:
+        print(" | ".join(f"{str(row[c]):>20}" for c in cols))
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "settings": {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head", "vocab", "seq", "k", "steps",
+                                                   "rounds", "precision")},
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
