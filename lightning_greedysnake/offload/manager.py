@@ -229,6 +229,7 @@ class TieredTensorStore:
                 f"least {self.min_budget_bytes}, lower layers_per_unit, or leave it None (automatic)."
             )
         self.pool = BufferPool(budget)
+        self.pool.others_active = lambda: not self.lane.idle
 
     def open(self, offload_dir: Path | None) -> None:
         """Create the host regions and the preallocated offload files (after preflight)."""
@@ -269,7 +270,9 @@ class TieredTensorStore:
                    for kind, sizes in self._region_bytes.items()}
             working = sum(per.values())
             held = per[TensorKind.WEIGHTS] + per[TensorKind.GRADIENTS]
-            need = max(need, working if self.lag == 0 else (self.lag + 1) * held + working)
+            # the training thread's unit and up to ``lag`` queued steps each hold weights and gradient;
+            # the running step adds its master and state ranges
+            need = max(need, working if self.lag == 0 else (self.lag + 1) * held + working - held)
         return max(need, 4096)
 
     def ssd_bytes(self) -> dict[str, int]:

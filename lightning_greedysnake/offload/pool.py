@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 from lightning_greedysnake.io import AlignedBuffer, align_up
 
@@ -31,6 +32,9 @@ class BufferPool:
         self._closed = False
         self._returning = 0
         """Buffers whose owners released them but that wait for I/O to finish before coming back."""
+        self.others_active: Callable[[], bool] | None = None
+        """Whether another thread (the optimizer lane) holds buffers it will give back: then waiting for
+        memory makes sense even when no I/O is in flight."""
 
     def acquire(
         self, nbytes: int, *, block: bool = True, what: str = "buffer", headroom: int = 0
@@ -61,7 +65,7 @@ class BufferPool:
                     break
                 if not block:
                     return None
-                if self._returning == 0:
+                if self._returning == 0 and not (self.others_active is not None and self.others_active()):
                     # nothing in flight will ever give memory back: waiting would hang
                     raise BufferBudgetError(
                         f"{what} needs {nbytes} bytes of staging memory but {self.in_use_bytes} of "

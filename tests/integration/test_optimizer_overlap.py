@@ -170,3 +170,25 @@ def test_synchronous_steps_count_as_unhidden_optimizer_time():
     for e in strategy.step_telemetry:
         # the training thread runs each step itself: the lane's busy time is all unhidden (same clock)
         assert e.optimizer_unhidden_s > 0 and e.optimizer_unhidden_s >= e.optimizer_busy_s - 1e-3
+
+
+class CustomClipping(TinyGPTModule):
+    """Clips by norm itself, through Lightning's own API (no Trainer flag)."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+def test_a_configure_gradient_clipping_override_through_clip_gradients_is_honoured():
+    def fit(strategy: Any) -> dict[str, torch.Tensor]:
+        L.seed_everything(0, verbose=False)
+        module = CustomClipping(n_layer=3, lr=LR)
+        make_trainer(strategy, 3, max_epochs=2).fit(module, token_loader(10))
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    ref = fit("auto")
+    with pytest.warns(UserWarning, match="configure_gradient_clipping.*param.grad is not populated"):
+        got = fit(GreedySnakeStrategy())
+    assert max_abs_diff(got, ref) <= 1e-5
+    assert max_abs_diff(ref, lightning_reference(False)) > 1e-4  # the clipping was active
