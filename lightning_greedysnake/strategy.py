@@ -215,7 +215,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             manager = self._open_tensor_manager(trainer, module, units, fitting, layered if on_meta else None)
             self._store = manager
             self._telemetry = StepRecorder(manager)
-            self.precision_plugin.attach(self._finish_window, manager, self._telemetry.record)
+            self.precision_plugin.attach(self._finish_window, manager, self._after_step)
         else:
             self._store = InMemoryTensorStore()
             self.precision_plugin.attach(self._finish_window)
@@ -553,6 +553,19 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
 
     def _finish_window(self) -> None:
         self.engine.finish_window()
+
+    def _after_step(self) -> None:
+        """Record the step's telemetry and hand it to the Trainer's loggers (CSV, TensorBoard, ...) as
+        ``greedysnake/<metric>``, every ``log_every_n_steps`` steps, as Lightning logs its own metrics."""
+        assert self._telemetry is not None
+        entry = self._telemetry.record()
+        trainer = self.lightning_module.trainer
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
+        step = trainer.global_step
+        if trainer.loggers and step % every == 0:
+            metrics = {f"greedysnake/{k}": v for k, v in entry.as_metrics().items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
 
     # -- state dicts (the tensor manager holds the real values) ---------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:

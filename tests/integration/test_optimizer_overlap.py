@@ -192,3 +192,20 @@ def test_a_configure_gradient_clipping_override_through_clip_gradients_is_honour
         got = fit(GreedySnakeStrategy())
     assert max_abs_diff(got, ref) <= 1e-5
     assert max_abs_diff(ref, lightning_reference(False)) > 1e-4  # the clipping was active
+
+
+def test_step_telemetry_reaches_the_trainers_loggers(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(GreedySnakeStrategy(), 2, max_epochs=1, logger=CSVLogger(tmp_path, name="logs"),
+                           log_every_n_steps=1)
+    trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
+    (path,) = list((tmp_path / "logs").rglob("metrics.csv"))
+    rows = list(csv.DictReader(path.open()))
+    logged = [r for r in rows if r.get("greedysnake/optimizer_unhidden_s")]
+    assert len(logged) == trainer.global_step == 4
+    assert all(float(r["greedysnake/read_bytes/weights"]) > 0 for r in logged)
+    assert {"greedysnake/ssd_read_busy_s", "greedysnake/compute_s", "train_loss_step"} <= set(rows[0])
