@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,30 +48,13 @@ def _rss_mb() -> float:
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy, OffloadConfig
-
-    import lightning_greedysnake  # noqa: F401
+    from _common import gpt_module, token_loader
+    from lightning_greedysnake import GreedySnakeStrategy, OffloadConfig
 
     idle_mb = _rss_mb()  # an idle process with everything imported: the baseline of "growth"
     torch.set_num_threads(os.cpu_count() or 1)
-    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
-                       block_size=args.seq, dropout=0.0)
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = GPT(config)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            logits = self.model(x)
-            return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+    Module, config = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
 
     class Timer(L.Callback):
         def __init__(self) -> None:
@@ -92,10 +73,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                     self.io.append(manager.stats.flat())
 
     name = args.child
-    g = torch.Generator().manual_seed(0)
-    n = args.k * args.steps
-    data = torch.randint(0, args.vocab, (n, args.seq + 1), generator=g)
-    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=args.micro_batch)
+    loader = token_loader(args.vocab, args.seq, args.k * args.steps * args.micro_batch, args.micro_batch)
     offload_root = Path(args.offload_dir)
     if name == "lightning_auto":
         strategy: Any = "auto"
@@ -158,18 +136,13 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(child(args)))
         return
+    from _common import machine, print_table, run_child
+
     rows = []
+    flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "micro_batch", "k", "steps"]
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         for name in args.configs:
-            cmd = [sys.executable, __file__, "--child", name, "--offload-dir", tmp]
-            for flag in ("n_embd", "n_layer", "n_head", "vocab", "seq", "micro_batch", "k", "steps"):
-                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not line:
-                print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-                raise SystemExit(f"{name} failed")
-            rows.append(json.loads(line[0][len("RESULT "):]))
+            rows.append(run_child(__file__, name, args, flags, ["--offload-dir", tmp]))
             print(f"  done {name}", file=sys.stderr)
     base = next((r for r in rows if r["config"] == "lightning_auto"), rows[0])
     for r in rows:
@@ -177,13 +150,10 @@ def main() -> None:
         r["time_vs_lightning"] = round(r["step_s"] / base["step_s"], 3)
     cols = ["config", "state_mb", "peak_rss_mb", "growth_mb", "growth_vs_state", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
             "ssd_read_gb_per_step", "ssd_written_gb_per_step", "read_wait_s_per_step"]
-    print(" | ".join(f"{c:>24}" if i == 0 else f"{c:>12}" for i, c in enumerate(cols)))
-    for r in rows:
-        print(" | ".join(f"{str(r.get(c, '-')):>24}" if i == 0 else f"{str(r.get(c, '-')):>12}"
-                         for i, c in enumerate(cols)))
+    print_table(rows, cols)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "n_head": args.n_head, "vocab": args.vocab,
                   "seq": args.seq, "micro_batch": args.micro_batch, "k": args.k, "steps": args.steps},
         "rows": rows,

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,30 +29,13 @@ CONFIGS = {"sync": (0.0, 0), "backward": (0.0, 2), "alpha": (0.25, 2)}
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy
+    from _common import gpt_module, token_loader
+    from lightning_greedysnake import GreedySnakeStrategy
 
     alpha, lag = CONFIGS[args.child]
-    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
-                       block_size=args.seq)
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = GPT(config)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            logits = self.model(x)
-            return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
-
-    data = torch.randint(0, args.vocab, (args.k * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=1)
+    Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
+    loader = token_loader(args.vocab, args.seq, args.k * args.steps)
     strategy = GreedySnakeStrategy(alpha=alpha, lag=lag, offload_dir=Path(args.offload_dir) / args.child,
                                    offload={"return_weights": False})
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
@@ -100,19 +80,14 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(child(args)))
         return
+    from _common import machine, print_table, run_child
+
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
+    flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "k", "steps", "precision"]
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         for r in range(args.rounds):
             for name in CONFIGS:
-                cmd = [sys.executable, __file__, "--child", name, "--offload-dir", tmp]
-                for flag in ("n_embd", "n_layer", "n_head", "vocab", "seq", "k", "steps", "precision"):
-                    cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if proc.returncode != 0 or not line:
-                    print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-                    raise SystemExit(f"{name} failed")
-                runs[name].append(json.loads(line[0][len("RESULT "):]))
+                runs[name].append(run_child(__file__, name, args, flags, ["--offload-dir", tmp]))
                 print(f"  round {r + 1}: {name} done", file=sys.stderr)
     rows = []
     for name, results in runs.items():
@@ -137,12 +112,10 @@ def main() -> None:
         row["time_vs_sync"] = round(row["step_s"] / base, 3)
     cols = ["config", "alpha", "lag", "step_s", "time_vs_sync", "optimizer_unhidden_s", "unhidden_share",
             "optimizer_busy_s", "compute_s", "io_wait_s", "optimizer_ssd_gb"]
-    print(" | ".join(f"{c:>20}" for c in cols))
-    for row in rows:
-        print(" | ".join(f"{str(row[c]):>20}" for c in cols))
+    print_table(rows, cols)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "settings": {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head", "vocab", "seq", "k", "steps",
                                                    "rounds", "precision")},
         "rows": rows,

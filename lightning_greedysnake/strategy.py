@@ -16,7 +16,6 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any

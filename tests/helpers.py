@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger
@@ -162,3 +167,17 @@ def assert_series_close(a: list[tuple[Any, float]], b: list[tuple[Any, float]], 
     for (step_a, va), (step_b, vb) in zip(a, b):
         assert step_a == step_b, (step_a, step_b)
         assert math.isclose(va, vb, rel_tol=0.0, abs_tol=atol), (step_a, va, vb)
+
+
+@contextlib.contextmanager
+def mounted(path: Path, fstype: str = "tmpfs", size: str | None = None) -> Iterator[Path]:
+    """A real small filesystem at ``path`` for the body (tmpfs of ``size``, or ramfs, which refuses
+    O_DIRECT); skips the test where mounting is not permitted; unmounted afterwards."""
+    path.mkdir()
+    options = ["-o", f"size={size}"] if size else []
+    if subprocess.run(["mount", "-t", fstype, *options, fstype, str(path)], capture_output=True).returncode != 0:
+        pytest.skip(f"mounting a {fstype} is not permitted here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)

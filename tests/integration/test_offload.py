@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload import OffloadDirLock
 from lightning_greedysnake.offload.manager import TieredTensorStore
-from tests.helpers import TinyGPTModule, make_trainer, token_loader
+from tests.helpers import TinyGPTModule, make_trainer, mounted, token_loader
 
 LR = 3e-3
 
@@ -241,24 +240,17 @@ def test_recompute_false_with_offload_is_refused():
 
 
 def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs is not permitted here")
-    try:
-        class Big(NeverTrained):
-            def __init__(self) -> None:
-                super().__init__()
-                from lightning_greedysnake import GPT, GPTConfig
+    class Big(NeverTrained):
+        def __init__(self) -> None:
+            super().__init__()
+            from lightning_greedysnake import GPT, GPTConfig
 
-                self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=32, block_size=8))
+            self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=32, block_size=8))
 
+    with mounted(tmp_path / "tiny", size="2M") as mount:
         with pytest.raises(ValueError, match=r"has .* free but this model and placement need"):
             make_trainer(GreedySnakeStrategy(offload_dir=mount), 2, max_epochs=1).fit(Big(), token_loader(4))
         assert list(mount.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_the_smallest_budget_still_trains_exactly():
@@ -283,19 +275,14 @@ def test_the_smallest_budget_still_trains_exactly():
 def test_disk_full_during_training_names_the_file_and_cleans_up(tmp_path):
     """Activation checkpoints on a 4 MiB filesystem: preflight cannot know their size, so the scratch
     file's growth hits ENOSPC mid-run; the error names the file and the fix, and nothing is left."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs is not permitted here")
-    try:
-        from lightning_greedysnake import GPT, GPTConfig
+    from lightning_greedysnake import GPT, GPTConfig
 
-        class Wide(TinyGPTModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=32, block_size=64))
+    class Wide(TinyGPTModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=32, block_size=64))
 
+    with mounted(tmp_path / "tiny", size="4M") as mount:
         offload = dict(OffloadConfig.everywhere("host").__dict__, checkpoints="ssd", path=str(mount))
         L.seed_everything(0, verbose=False)
         trainer = make_trainer(GreedySnakeStrategy(offload=offload), 4, max_epochs=1)
@@ -303,8 +290,6 @@ def test_disk_full_during_training_names_the_file_and_cleans_up(tmp_path):
             trainer.fit(Wide(), token_loader(8, batch_size=64, seq=64))
         assert list(mount.iterdir()) == []
         assert _io_threads() == []
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_a_truncated_offload_file_is_a_named_error_not_garbage(tmp_path):

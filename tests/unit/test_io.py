@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from lightning_greedysnake.io import (
     open_offload_file,
 )
 from lightning_greedysnake.offload import probe_o_direct
+from tests.helpers import mounted
 
 MiB = 1 << 20
 
@@ -100,11 +99,7 @@ def test_buffered_fallback_when_o_direct_is_refused(tmp_path):
 
 def test_buffered_fallback_on_a_real_filesystem_without_o_direct(tmp_path):
     """ramfs really refuses O_DIRECT: one warning, buffered I/O, and the data round-trips."""
-    mount = tmp_path / "ram"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True).returncode != 0:
-        pytest.skip("mounting a ramfs is not permitted here")
-    try:
+    with mounted(tmp_path / "ram", fstype="ramfs") as mount:
         with pytest.warns(RuntimeWarning, match="refuses O_DIRECT"):
             file = open_offload_file(mount / "a.bin", 2 * 4096, direct=True)
         with ThreadedIOEngine(IOConfig(num_threads=2, chunk_bytes=4096)) as engine, AlignedBuffer(8192) as buf:
@@ -116,28 +111,13 @@ def test_buffered_fallback_on_a_real_filesystem_without_o_direct(tmp_path):
         assert not file.direct
         file.close()
         assert not probe_o_direct(mount)
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
-
-
-def _mount_tiny_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                            capture_output=True)
-    return result.returncode == 0
 
 
 def test_full_filesystem_fails_up_front_with_enospc(tmp_path):
-    mount = tmp_path / "tiny"
-    if not _mount_tiny_tmpfs(mount, "4M"):
-        pytest.skip("mounting a tmpfs is not permitted here")
-    try:
-        with ThreadedIOEngine() as io:
-            with pytest.raises(OffloadIOError, match=r"preallocate of .* in .*big\.bin failed.*full") as info:
-                io.open(mount / "big.bin", 16 * MiB)
-            assert info.value.errno == errno.ENOSPC
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
+    with mounted(tmp_path / "tiny", size="4M") as mount, ThreadedIOEngine() as io:
+        with pytest.raises(OffloadIOError, match=r"preallocate of .* in .*big\.bin failed.*full") as info:
+            io.open(mount / "big.bin", 16 * MiB)
+        assert info.value.errno == errno.ENOSPC
 
 
 def test_config_errors():

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from lightning_greedysnake.offload import OffloadDirLock, preflight
+from tests.helpers import mounted
 
 GiB = 1 << 30
 
@@ -57,17 +58,10 @@ def test_too_little_space_with_an_injected_probe(tmp_path):
 
 
 def test_too_little_space_on_a_tiny_filesystem(tmp_path):
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20M", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs is not permitted here")
-    try:
+    with mounted(tmp_path / "tiny", size="20M") as mount:
         preflight(mount, {"weights": 10 << 20})  # fits
         with pytest.raises(ValueError, match="free but this model and placement need"):
             preflight(mount, {"weights": 64 << 20})
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_lock_refuses_a_second_run_and_is_released(tmp_path):

@@ -1,0 +1,70 @@
+"""Shared pieces of the benchmark scripts: the benchmark GPT module, synthetic data, running one
+configuration in a fresh process, and the table and machine record every script prints and writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+
+def gpt_module(n_embd: int, n_layer: int, n_head: int, vocab: int, seq: int) -> Any:
+    """A LightningModule around the package GPT with fused AdamW (built lazily: imports torch)."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_greedysnake import GPT, GPTConfig
+
+    config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=seq)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            logits = self.model(x)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+    return Module, config
+
+
+def token_loader(vocab: int, seq: int, num_samples: int, batch_size: int = 1) -> Any:
+    """Random tokens (no download), the same every run."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = torch.randint(0, vocab, (num_samples, seq + 1), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size)
+
+
+def run_child(script: str, name: str, args: Any, flags: list[str], extra: list[str]) -> dict[str, Any]:
+    """Run ``script --child name`` in a fresh process with ``args``' ``flags``; return its RESULT line."""
+    cmd = [sys.executable, script, "--child", name, *extra]
+    for flag in flags:
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"{name} failed")
+    return json.loads(line[0][len("RESULT "):])
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    width = max(20, *(len(c) for c in cols))
+    print(" | ".join(f"{c:>{width}}" for c in cols))
+    for row in rows:
+        print(" | ".join(f"{str(row.get(c, '-')):>{width}}" for c in cols))
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
