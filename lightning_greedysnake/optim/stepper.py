@@ -18,6 +18,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import torch
+
 Job = Callable[[], None]
 
 
@@ -121,6 +123,10 @@ class StepLane:
                 self._on_busy(t0, time.perf_counter())
 
     def _loop(self) -> None:
+        # One intra-op thread for the optimizer's kernels: on a CPU the training thread's kernels use
+        # every core, and two full OpenMP teams spinning against each other slow both down badly. (The
+        # setting is per thread: the training thread keeps its own.)
+        torch.set_num_threads(1)
         while True:
             with self._cond:
                 while not self._jobs and not self._stop:
