@@ -195,8 +195,20 @@ class GreedySnakeConfig:
     """How many units the background optimizer may trail the backward by (it steps unit j+lag while
     unit j computes); bounds the gradients held for it. 0: each unit is stepped synchronously."""
 
+    trace_steps: int = 0
+    """Write a Chrome trace (open it in Perfetto) of the compute, SSD and optimizer lanes of the first
+    ``trace_steps`` optimizer steps. 0: no trace."""
+
+    trace_path: str | None = None
+    """Where the trace goes; ``None``: ``<Trainer default_root_dir>/greedysnake_trace.json``."""
+
     def __post_init__(self) -> None:
         self.offload = OffloadConfig.from_value(self.offload)
+        if isinstance(self.trace_steps, bool) or not isinstance(self.trace_steps, int) or self.trace_steps < 0:
+            raise ValueError(
+                f"trace_steps={self.trace_steps!r} must be a non-negative integer (optimizer steps to trace). "
+                "Fix: e.g. trace_steps=3, or 0 for no trace."
+            )
         self.schedule = _enum_value(ScheduleKind, "schedule", self.schedule)
         if isinstance(self.layers_per_unit, bool) or not isinstance(self.layers_per_unit, int):
             raise ValueError(

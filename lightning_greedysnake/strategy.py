@@ -16,6 +16,7 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.engine import WindowEngine
@@ -56,6 +58,14 @@ class _CapturedInputs(BaseException):
         super().__init__()
         self.args = args
         self.kwargs = kwargs
+
+
+def _tokens_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Tokens in a model call: the elements of its first integer tensor input (token ids), else 0."""
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, Tensor) and not leaf.is_floating_point() and not leaf.is_complex():
+            return leaf.numel()
+    return 0
 
 
 def _loss_of(output: Any) -> Tensor | None:
@@ -214,6 +224,9 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             manager = self._open_tensor_manager(trainer, module, units, fitting, layered if on_meta else None)
             self._store = manager
             self._telemetry = StepRecorder(manager)
+            if fitting and self.config.trace_steps:
+                path = Path(self.config.trace_path or Path(trainer.default_root_dir) / "greedysnake_trace.json")
+                self._telemetry.start_trace(self.config.trace_steps, path)
             self.precision_plugin.attach(self._finish_window, manager, self._after_step)
         else:
             self._store = InMemoryTensorStore()
@@ -221,6 +234,9 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         self._engine = WindowEngine(
             chain, units, self.config, self._store, self.root_device, self.precision_plugin.forward_context
         )
+        if self.tensor_manager is not None:
+            lanes = self.tensor_manager.stats.lanes
+            self._engine.observer = lambda name, a, b: lanes.add("compute", a, b, name)
 
     # -- models created on the meta device ------------------------------------------------------------
     @contextlib.contextmanager
@@ -528,10 +544,21 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
                 step_args, step_kwargs = self._step_args(raw, self._window_start + needed), {}
             engine.set_inputs(needed, *self._capture_inputs(step_args, step_kwargs))
         engine.run_until_fused(microbatch)
-        with self._forward_replaced(lambda *a, **kw: engine.fused_forward(microbatch, a, kw)):
+
+        def fused(*a: Any, **kw: Any) -> Any:
+            if self._telemetry is not None:
+                self._telemetry.tokens += _tokens_in(a, kw)
+            t0 = time.perf_counter()
+            out = engine.fused_forward(microbatch, a, kw)
+            self._observe(f"L{engine.units[-1].index}.{microbatch} forward", t0)
+            return out
+
+        with self._forward_replaced(fused):
             output = super().training_step(*args, **kwargs)
         if engine.fused_pending != microbatch:
             raise ValueError(self._no_model_call_message())
+        if microbatch == 0:
+            self._log_progress()
         if _loss_of(output) is None:
             # Lightning skips backward when training_step returns no loss: this micro-batch adds nothing
             engine.fused_backward_done(microbatch)
@@ -544,7 +571,9 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        t0 = time.perf_counter()
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._observe(f"L{engine.units[-1].index}.{microbatch} backward", t0)
         engine.fused_backward_done(microbatch)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -552,6 +581,23 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
 
     def _finish_window(self) -> None:
         self.engine.finish_window()
+
+    def _observe(self, name: str, start: float) -> None:
+        manager = self.tensor_manager
+        if manager is not None:
+            manager.stats.lanes.add("compute", start, time.perf_counter(), name)
+
+    def _log_progress(self) -> None:
+        """Tokens/s and SSD GB/s of the last optimizer step on the progress bar (not to the loggers:
+        they get the full per-step telemetry)."""
+        if self._telemetry is None or not self._telemetry.history:
+            return
+        last = self._telemetry.history[-1]
+        values = {"gs/ssd_GBps": round(last.ssd_gb_per_s, 3)}
+        if last.tokens:
+            values["gs/tok_s"] = round(last.tokens_per_s, 1)
+        self.lightning_module.log_dict(values, prog_bar=True, logger=False, on_step=True, on_epoch=False,
+                                       batch_size=1)
 
     def _after_step(self) -> None:
         """Record the step's telemetry and hand it to the Trainer's loggers (CSV, TensorBoard, ...) as

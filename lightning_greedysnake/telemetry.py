@@ -3,8 +3,10 @@ time the training thread could not hide. Pure bookkeeping over the manager's cou
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -27,9 +29,22 @@ class StepTelemetry:
     a full queue, a drain): the optimizer time not hidden behind compute."""
     bytes_read: dict[str, int] = field(default_factory=dict)
     bytes_written: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    """Tokens (elements of the model's integer inputs) the step's micro-batches fed the model."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def ssd_gb_per_s(self) -> float:
+        moved = sum(self.bytes_read.values()) + sum(self.bytes_written.values())
+        return moved / 1e9 / self.wall_s if self.wall_s > 0 else 0.0
 
     def as_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {
+            "tokens_per_s": self.tokens_per_s,
+            "ssd_gb_per_s": self.ssd_gb_per_s,
             "wall_s": self.wall_s,
             "compute_s": self.compute_s,
             "ssd_read_busy_s": self.ssd_read_busy_s,
@@ -54,6 +69,17 @@ class StepRecorder:
         self._counters = manager.stats.snapshot()
         self._lane_wait = manager.lane.wait_seconds
         self._step = 0
+        self.tokens = 0
+        """Tokens fed to the model since the last step (the strategy adds them as it sees inputs)."""
+        self.trace_steps = 0
+        self.trace_path: Path | None = None
+        self._trace_start: float | None = None
+
+    def start_trace(self, steps: int, path: Path) -> None:
+        """Keep every interval of the next ``steps`` steps and write them as a Chrome trace to ``path``."""
+        self.trace_steps, self.trace_path = steps, path
+        self._trace_start = time.perf_counter()
+        self.manager.stats.lanes.keep_all = True
 
     def record(self) -> StepTelemetry:
         now = time.perf_counter()
@@ -85,8 +111,37 @@ class StepRecorder:
             optimizer_unhidden_s=unhidden,
             bytes_read=delta("bytes_read"),
             bytes_written=delta("bytes_written"),
+            tokens=self.tokens,
         )
+        self.tokens = 0
         self._t, self._counters, self._lane_wait = now, counters, self.manager.lane.wait_seconds
         self.history.append(entry)
         del self.history[: -self.keep]
+        if self.trace_path is not None and self._trace_start is not None and self._step >= self.trace_steps:
+            write_chrome_trace(self.manager.stats.lanes.spans(self._trace_start, now), self._trace_start,
+                               self.trace_path)
+            self.manager.stats.lanes.keep_all = False
+            self._trace_start = None
         return entry
+
+
+LANE_ORDER = ("compute", "wait", "optimizer", "ssd_read", "ssd_write")
+
+
+def write_chrome_trace(spans: dict[str, list[tuple[float, float, str]]], origin: float, path: Path) -> None:
+    """Write ``spans`` (per lane: start, end, name in ``perf_counter`` seconds) as a Chrome trace (the
+    JSON event format Perfetto and chrome://tracing open): one track per lane, complete ("X") events in
+    microseconds from ``origin``."""
+    lanes = sorted(spans, key=lambda lane: (LANE_ORDER.index(lane) if lane in LANE_ORDER else 99, lane))
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "greedysnake"}}
+    ]
+    for tid, lane in enumerate(lanes, start=1):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}})
+        for start, end, name in spans[lane]:
+            events.append({
+                "name": name or lane, "cat": lane, "ph": "X", "pid": 0, "tid": tid,
+                "ts": round((start - origin) * 1e6, 3), "dur": round(max(end - start, 0.0) * 1e6, 3),
+            })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

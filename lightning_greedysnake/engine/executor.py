@@ -19,10 +19,10 @@ offloaded tiers arrive.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
-from typing import ContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor
@@ -127,6 +127,8 @@ class WindowEngine:
         """``forward_context``: entered around every forward the engine runs itself (the precision
         plugin's autocast), as Lightning enters it around ``training_step``."""
         self.forward_context = forward_context
+        self.observer: Callable[[str, float, float], None] | None = None
+        """Told ``(op name, start, end)`` of every forward and backward op the engine runs (telemetry)."""
         self.chain = chain
         self.units = units
         self.config = config
@@ -299,6 +301,14 @@ class WindowEngine:
 
     # -- ops ----------------------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
+        if self.observer is not None and op.kind is not OpKind.OPTIMIZER:
+            t0 = time.perf_counter()
+            self._run_op(op)
+            self.observer(str(op), t0, time.perf_counter())
+        else:
+            self._run_op(op)
+
+    def _run_op(self, op: Op) -> None:
         if op.kind is OpKind.FORWARD:
             self._forward(op.unit, op.microbatch)
         elif op.kind is OpKind.BACKWARD:

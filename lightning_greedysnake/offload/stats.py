@@ -26,19 +26,27 @@ class LaneClock:
 
     def __init__(self, keep_seconds: float = 600.0) -> None:
         self._lock = threading.Lock()
-        self._intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self._intervals: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
         self._keep = keep_seconds
+        self.keep_all = False
+        """Keep every interval (while a trace is being recorded) instead of the last ``keep_seconds``."""
 
-    def add(self, lane: str, start: float, end: float) -> None:
+    def add(self, lane: str, start: float, end: float, name: str = "") -> None:
         with self._lock:
             spans = self._intervals[lane]
-            spans.append((start, end))
-            if len(spans) > 4096 and spans[0][1] < end - self._keep:
+            spans.append((start, end, name))
+            if not self.keep_all and len(spans) > 4096 and spans[0][1] < end - self._keep:
                 self._intervals[lane] = [s for s in spans if s[1] >= end - self._keep]
+
+    def spans(self, since: float, until: float) -> dict[str, list[tuple[float, float, str]]]:
+        """Every recorded interval overlapping ``[since, until]``, per lane."""
+        with self._lock:
+            return {lane: [s for s in spans if s[1] > since and s[0] < until]
+                    for lane, spans in self._intervals.items()}
 
     def busy(self, lane: str, since: float, until: float) -> float:
         with self._lock:
-            spans = sorted((max(a, since), min(b, until)) for a, b in self._intervals.get(lane, []) if b > since
+            spans = sorted((max(a, since), min(b, until)) for a, b, _ in self._intervals.get(lane, []) if b > since
                            and a < until)
         total, cur_a, cur_b = 0.0, None, None
         for a, b in spans:
@@ -63,7 +71,7 @@ class IOStats:
 
     def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float, start: float | None = None) -> None:
         if start is not None:
-            self.lanes.add("ssd_read" if op == "read" else "ssd_write", start, start + seconds)
+            self.lanes.add("ssd_read" if op == "read" else "ssd_write", start, start + seconds, f"{op} {kind}")
         with self._lock:
             c = self._counters[(kind, tier)]
             if op == "read":
@@ -86,7 +94,7 @@ class IOStats:
         with self._lock:
             self._counters[(kind, tier)].wait_seconds += seconds
         now = time.perf_counter()
-        self.lanes.add("wait", now - seconds, now)
+        self.lanes.add("wait", now - seconds, now, f"wait {kind}")
 
     def snapshot(self) -> dict[tuple[str, str], IOCounter]:
         with self._lock:
