@@ -555,7 +555,9 @@ class TieredTensorStore:
             self._donated.discard(unit)  # the step job owns the buffer now and gives it back
         else:
             self._done_with(held)
-        if unit in self._grads and unit not in self._grad_complete:
+        if unit in self._grads:
+            # an incomplete gradient (the horizontal order) or one waiting for the global norm goes to
+            # its tier: host memory never holds more than the units in use
             self._spill_grad(unit)
 
     def prefetch(self, unit: int) -> None:
@@ -691,9 +693,7 @@ class TieredTensorStore:
             self._norms[unit] = [next(norms) if has else None for has in self._has_grad[unit]]
             self._grad_complete.append(unit)
             if unit not in self._weights:
-                # wait on the gradients tier until finish_step; a unit the engine still holds (the fused
-                # last unit) keeps its gradient in memory until then
-                self._spill_grad(unit)
+                self._spill_grad(unit)  # wait on the gradients tier until finish_step (else: at release)
             return
         self._flat_or_none(unit)
         grad_held = self._grads.pop(unit)

@@ -1,0 +1,140 @@
+"""The roofline of one training step, from measured costs: pure arithmetic, no torch.
+
+A step of K micro-batches takes at least the largest of its compute time, its SSD time (bytes moved
+over the measured O_DIRECT bandwidths; reads and writes share one device) and its optimizer time
+(elements over the measured optimizer rate): the paper's roofline. ``traffic`` gives the SSD bytes per
+step the tensor manager moves for a schedule and placement, term by term as it moves them (the tests
+check these formulas against the manager's own byte counters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit: its compute per micro-batch and its bytes per kind (region sizes, 4 KiB aligned)."""
+
+    forward_s: float
+    backward_s: float
+    """Recompute plus backward, per micro-batch."""
+    weight_bytes: int
+    """Compute weights (16-bit under bf16-mixed)."""
+    grad_bytes: int
+    """fp32 gradient region."""
+    master_bytes: int
+    """fp32 master weights (0 under 32-true: the weights are the master copy)."""
+    state_bytes: int
+    """Optimizer state, every slot."""
+    params: int
+    """Trainable elements."""
+    alpha_weight_bytes: int = 0
+    """Bytes of the deferred (alpha) range in the weights region (the range re-read as master)."""
+    alpha_grad_bytes: int = 0
+    """Bytes of the deferred (alpha) range in the gradient region."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+    optimizer_elements_per_s: float
+
+
+@dataclass(frozen=True)
+class Traffic:
+    read_bytes: int
+    write_bytes: int
+    terms: dict[str, int] = field(default_factory=dict)
+    """Each term by name (``read/weights``, ``write/optimizer_states``, ...), for reports."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    compute_s: float
+    ssd_s: float
+    optimizer_s: float
+    traffic: Traffic
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.ssd_s, self.optimizer_s)
+
+    @property
+    def bound(self) -> str:
+        """What limits the step: ``compute``, ``ssd`` or ``optimizer``."""
+        return max(("compute", self.compute_s), ("ssd", self.ssd_s), ("optimizer", self.optimizer_s),
+                   key=lambda kv: kv[1])[0]
+
+
+def traffic(units: list[UnitCost], schedule: str, k: int, *, weights_on_ssd: bool = True,
+            state_on_ssd: bool = True, grads_on_ssd: bool = True, clip_norm: bool = False) -> Traffic:
+    """SSD bytes of one steady-state step (after the first, whose optimizer state is not read yet).
+
+    Vertical: every unit's weights are read for its forward and again for its backward (the fused last
+    unit once). Horizontal: per micro-batch; unit 0 stays in memory from one micro-batch's backward into
+    the next forward, and partial gradients go out and back once per micro-batch (unit 0's not at the
+    end). The optimizer reads and writes its state, writes the new compute weights, and under 32-true
+    reads the weights as master where they are not in memory; the deferred range of each gradient
+    goes to the gradients tier and back.
+    """
+    assert schedule in ("vertical", "horizontal") and k >= 1 and units
+    t: dict[str, int] = {}
+
+    def add(name: str, nbytes: int) -> None:
+        if nbytes:
+            t[name] = t.get(name, 0) + nbytes
+
+    w = [u.weight_bytes for u in units]
+    g = [u.grad_bytes if u.params else 0 for u in units]
+    if weights_on_ssd:
+        if schedule == "vertical":
+            add("read/weights", 2 * sum(w[:-1]) + w[-1])
+        else:
+            add("read/weights", k * (2 * sum(w[:-1]) + w[-1]) - (k - 1) * w[0])
+        add("write/weights", sum(x for x, u in zip(w, units) if u.params))
+    separate_master = any(u.master_bytes for u in units)
+    if state_on_ssd:
+        add("read/optimizer_states", sum(u.state_bytes for u in units))
+        add("write/optimizer_states", sum(u.state_bytes for u in units))
+        if separate_master:
+            add("read/master_weights", sum(u.master_bytes for u in units))
+            add("write/master_weights", sum(u.master_bytes for u in units))
+    if weights_on_ssd:
+        # a step reads the unit's weights range (as master under 32-true, to refresh the 16-bit copy
+        # under bf16-mixed) unless the unit is still in memory when its step comes: in the vertical
+        # order every unit is, for its backward part; horizontally only unit 0; with norm clipping none
+        trainable = [x if u.params else 0 for x, u in zip(w, units)]
+        if clip_norm:
+            refresh = sum(trainable)
+        elif schedule == "vertical":
+            refresh = sum(u.alpha_weight_bytes for u in units)
+        else:
+            refresh = sum(trainable[1:]) + units[0].alpha_weight_bytes
+        add("read/weights" if separate_master else "read/master_weights", refresh)
+    if grads_on_ssd:
+        if clip_norm:
+            assert schedule == "vertical", "the traffic model covers norm clipping in the vertical order"
+            # every gradient waits on SSD for the global norm
+            add("read/gradients", sum(g))
+            add("write/gradients", sum(g))
+        else:
+            if schedule == "horizontal":
+                # partial sums out and back after every micro-batch, but unit 0's at the end
+                add("read/gradients", k * sum(g) - g[0])
+                add("write/gradients", k * sum(g) - g[0])
+            add("read/gradients", sum(u.alpha_grad_bytes for u in units))
+            add("write/gradients", sum(u.alpha_grad_bytes for u in units))
+    reads = sum(v for name, v in t.items() if name.startswith("read/"))
+    writes = sum(v for name, v in t.items() if name.startswith("write/"))
+    return Traffic(reads, writes, t)
+
+
+def predict(units: list[UnitCost], machine: Machine, schedule: str, k: int, **placement: bool) -> Prediction:
+    """The roofline prediction of one step."""
+    tr = traffic(units, schedule, k, **placement)
+    compute = k * sum(u.forward_s + u.backward_s for u in units)
+    ssd = tr.read_bytes / machine.read_bytes_per_s + tr.write_bytes / machine.write_bytes_per_s
+    optimizer = sum(u.params for u in units) / machine.optimizer_elements_per_s
+    return Prediction(compute, ssd, optimizer, tr)
