@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 from lightning_greedysnake.config import TensorKind
@@ -33,3 +36,64 @@ def unit_costs(manager: Any, forward_s: list[float] | None = None, backward_s: l
             alpha_grad_bytes=alpha_g,
         ))
     return out
+
+
+def disk_bandwidth(directory: Path, nbytes: int = 256 << 20, chunk_bytes: int = 16 << 20,
+                   threads: int = 4) -> tuple[float, float]:
+    """O_DIRECT (read, write) bytes/s of ``directory``'s filesystem, through the tensor manager's own
+    I/O engine, on a scratch file removed afterwards. Written first, then read back."""
+    from lightning_greedysnake.io import AlignedBuffer, IOConfig, ThreadedIOEngine
+
+    path = Path(directory) / ".greedysnake-bandwidth.bin"
+    try:
+        with ThreadedIOEngine(IOConfig(threads, chunk_bytes, True)) as engine, AlignedBuffer(nbytes) as buf:
+            file = engine.open(path, nbytes)
+            buf.tensor.fill_(1)
+            t0 = time.perf_counter()
+            engine.write(file, 0, buf, 0, nbytes)
+            os.fsync(file.fd) if file.fd is not None else None
+            write_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            engine.read(file, 0, buf, 0, nbytes)
+            read_s = time.perf_counter() - t0
+    finally:
+        path.unlink(missing_ok=True)
+    return nbytes / read_s, nbytes / write_s
+
+
+def optimizer_rate(numel: int = 1 << 23, repeats: int = 3) -> float:
+    """Elements per second of one fused AdamW step on the host (the optimizer lane's kernel)."""
+    import torch
+
+    p = torch.zeros(numel, requires_grad=True)
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()  # creates the state
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - t0)
+    return numel / best
+
+
+def unit_times(spans: dict[str, list[tuple[float, float, str]]], num_units: int
+               ) -> tuple[list[float], list[float]]:
+    """Mean forward and backward (recompute included) seconds per micro-batch of each unit, from the
+    compute lane of a trace (op names ``F{u}.{m}``, ``B{u}.{m}``, ``L{u}.{m} forward/backward``)."""
+    fwd: dict[int, list[float]] = {}
+    bwd: dict[int, list[float]] = {}
+    for start, end, name in spans.get("compute", []):
+        op = name.split(" ")[0]
+        if not op or op[0] not in "FBL" or "." not in op:
+            continue
+        unit = int(op[1:].split(".")[0])
+        if op[0] == "F" or name.endswith("forward"):
+            fwd.setdefault(unit, []).append(end - start)
+        else:
+            bwd.setdefault(unit, []).append(end - start)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    return [mean(fwd.get(u, [])) for u in range(num_units)], [mean(bwd.get(u, [])) for u in range(num_units)]

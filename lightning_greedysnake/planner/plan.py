@@ -1,0 +1,129 @@
+"""Choosing alpha, lag, layers_per_unit, checkpoint placement and the staging budget from measured
+costs: an exhaustive search over a small grid, scored by a two-phase roofline. Pure arithmetic.
+
+Step time (vertical order, K micro-batches):
+
+- forward phase: the slowest of its compute (K x sum of unit forwards), its SSD time (each unit's
+  weights read once, checkpoints written when they live on SSD, the deferred ``alpha`` share of the
+  optimizer's traffic) and the deferred share of the optimizer's CPU time;
+- backward phase: likewise with the recomputing backward, the second weights read, checkpoint reads and
+  the other ``1 - alpha`` of the optimizer. With ``lag = 0`` the optimizer does not overlap: its
+  backward share adds to the phase instead of racing it.
+
+Memory: the staging the tensor manager needs for that lag (the training thread's unit and ``lag``
+queued steps each hold weights and gradient; the running step adds master and state) plus the next
+unit's weights for prefetch, plus every checkpoint kept in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_greedysnake.planner.roofline import Machine, UnitCost
+
+
+@dataclass(frozen=True)
+class Choice:
+    alpha: float
+    lag: int
+    layers_per_unit: int
+    checkpoints: str
+    """``host`` or ``ssd``."""
+    buffer_budget_bytes: int
+    host_bytes: int
+    """Staging plus host-resident checkpoints."""
+    step_s: float
+    forward_s: float
+    backward_s: float
+
+    def table(self) -> str:
+        rows = [
+            ("alpha", f"{self.alpha:.2f}"), ("lag", str(self.lag)), ("layers_per_unit", str(self.layers_per_unit)),
+            ("checkpoints", self.checkpoints), ("buffer_budget_bytes", f"{self.buffer_budget_bytes:,}"),
+            ("host memory (bytes)", f"{self.host_bytes:,}"), ("predicted step (s)", f"{self.step_s:.3f}"),
+            ("  forward phase (s)", f"{self.forward_s:.3f}"), ("  backward phase (s)", f"{self.backward_s:.3f}"),
+        ]
+        return "\n".join(f"{name:<22}{value:>20}" for name, value in rows)
+
+
+class PlanError(ValueError):
+    pass
+
+
+def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
+    """Costs of units made of ``layers_per_unit`` consecutive ones (times and bytes add)."""
+    out = []
+    for i in range(0, len(units), layers_per_unit):
+        group = units[i : i + layers_per_unit]
+        out.append(UnitCost(
+            forward_s=sum(u.forward_s for u in group), backward_s=sum(u.backward_s for u in group),
+            weight_bytes=sum(u.weight_bytes for u in group), grad_bytes=sum(u.grad_bytes for u in group),
+            master_bytes=sum(u.master_bytes for u in group), state_bytes=sum(u.state_bytes for u in group),
+            params=sum(u.params for u in group),
+        ))
+    return out
+
+
+def staging_bytes(units: list[UnitCost], lag: int) -> int:
+    """The tensor manager's staging need (as its own minimum budget) plus one unit's prefetch."""
+    need = 0
+    for u in units:
+        held = u.weight_bytes + u.grad_bytes
+        working = held + u.master_bytes + u.state_bytes
+        need = max(need, working if lag == 0 else (lag + 1) * held + working - held)
+    return need + max(u.weight_bytes for u in units)
+
+
+def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: int, checkpoint_bytes: int,
+          checkpoints: str) -> tuple[float, float]:
+    """(forward phase, backward phase) seconds of one vertical step."""
+    read, write = machine.read_bytes_per_s, machine.write_bytes_per_s
+    weights = sum(u.weight_bytes for u in units)
+    opt_read = sum(u.state_bytes + u.master_bytes for u in units)
+    opt_write = sum(u.state_bytes + u.master_bytes + u.weight_bytes for u in units)
+    opt_io = opt_read / read + opt_write / write
+    opt_cpu = sum(u.params for u in units) / machine.optimizer_elements_per_s
+    ckpt = k * (len(units) - 1) * checkpoint_bytes if checkpoints == "ssd" else 0
+    f_compute = k * sum(u.forward_s for u in units)
+    b_compute = k * sum(u.backward_s for u in units)
+    f_ssd = weights / read + ckpt / write + alpha * opt_io
+    b_ssd = weights / read + ckpt / read + (1 - alpha) * opt_io
+    if lag == 0:
+        forward = max(f_compute, f_ssd - alpha * opt_io) + alpha * (opt_io + opt_cpu)
+        backward = max(b_compute, b_ssd - (1 - alpha) * opt_io) + (1 - alpha) * (opt_io + opt_cpu)
+    else:
+        forward = max(f_compute, f_ssd, alpha * opt_cpu)
+        backward = max(b_compute, b_ssd, (1 - alpha) * opt_cpu)
+    return forward, backward
+
+
+def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int, checkpoint_bytes: int,
+         alphas: tuple[float, ...] = tuple(a / 20 for a in range(11)), lags: tuple[int, ...] = (0, 1, 2),
+         layers_per_unit: tuple[int, ...] = (1, 2, 4)) -> Choice:
+    """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory).
+
+    ``units``: per-layer costs (one block each); ``checkpoint_bytes``: one unit input of one micro-batch.
+    """
+    best: Choice | None = None
+    smallest = None
+    for lpu in layers_per_unit:
+        merged = merge(units, lpu)
+        for lag in lags:
+            staging = staging_bytes(merged, lag)
+            for checkpoints in ("host", "ssd"):
+                host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
+                host = staging + host_ckpt + (16 << 20 if checkpoints == "ssd" else 0)
+                smallest = host if smallest is None else min(smallest, host)
+                if host > host_budget_bytes:
+                    continue
+                for alpha in alphas:
+                    f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints)
+                    choice = Choice(alpha, lag, lpu, checkpoints, staging + (16 << 20), host, f + b, f, b)
+                    if best is None or (choice.step_s, choice.host_bytes) < (best.step_s, best.host_bytes):
+                        best = choice
+    if best is None:
+        raise PlanError(
+            f"no configuration fits a host memory budget of {host_budget_bytes:,} bytes; the smallest needs "
+            f"{smallest:,}. Fix: allow more host memory, or use fewer micro-batches (K) or a smaller model."
+        )
+    return best

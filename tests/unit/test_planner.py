@@ -1,0 +1,73 @@
+import pytest
+
+from lightning_greedysnake.planner import Machine, PlanError, UnitCost, plan, score, staging_bytes
+
+MB = 1 << 20
+
+
+def layers(n: int = 8, forward_s: float = 0.01, backward_s: float = 0.03, params: int = 1_000_000) -> list[UnitCost]:
+    return [UnitCost(forward_s, backward_s, weight_bytes=4 * params, grad_bytes=4 * params, master_bytes=0,
+                     state_bytes=8 * params, params=params) for _ in range(n)]
+
+
+FAST = Machine(read_bytes_per_s=1e13, write_bytes_per_s=1e13, optimizer_elements_per_s=1e12)
+
+
+def test_a_slow_optimizer_is_split_between_the_phases():
+    """Backward is busy with compute; when the optimizer's CPU time exceeds it, deferring part of the
+    update into the (lighter) forward phase shortens the step: alpha > 0 wins, with overlap on."""
+    slow_cpu = Machine(read_bytes_per_s=1e13, write_bytes_per_s=1e13, optimizer_elements_per_s=8e6)
+    choice = plan(layers(), slow_cpu, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    assert choice.alpha > 0 and choice.lag > 0
+    f0, b0 = score(layers(), slow_cpu, 4, 0.0, choice.lag, MB, "host")
+    assert choice.step_s < f0 + b0
+
+
+def test_a_cheap_optimizer_needs_no_deferral_and_the_step_is_compute_bound():
+    choice = plan(layers(), FAST, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    compute = 4 * sum(u.forward_s + u.backward_s for u in layers())
+    assert choice.step_s == pytest.approx(compute)
+
+
+def test_without_overlap_the_optimizer_adds_to_the_step():
+    f, b = score(layers(), Machine(1e13, 1e13, 8e6), 4, 0.0, 0, MB, "host")
+    f2, b2 = score(layers(), Machine(1e13, 1e13, 8e6), 4, 0.0, 2, MB, "host")
+    assert f + b > f2 + b2
+
+
+def test_a_tight_budget_moves_checkpoints_to_ssd_and_lowers_lag():
+    disk = Machine(read_bytes_per_s=2e9, write_bytes_per_s=2e9, optimizer_elements_per_s=1e12)
+    roomy = plan(layers(), disk, k=16, host_budget_bytes=10**12, checkpoint_bytes=64 * MB, layers_per_unit=(1,))
+    assert roomy.checkpoints == "host"  # seven checkpoint writes per micro-batch would cost disk time
+    tight_budget = staging_bytes(layers(), 0) + 20 * MB  # the 16 MiB SSD-checkpoint slack, and 4 MiB: not lag 1
+    tight = plan(layers(), disk, k=16, host_budget_bytes=tight_budget, checkpoint_bytes=64 * MB,
+                 layers_per_unit=(1,))
+    assert tight.checkpoints == "ssd" and tight.lag == 0 and tight.host_bytes <= tight_budget
+
+
+def test_nothing_fits_is_a_clear_error_with_the_smallest_need():
+    with pytest.raises(PlanError, match=r"budget of 1,000 bytes; the smallest needs [\d,]+.*Fix"):
+        plan(layers(), FAST, k=4, host_budget_bytes=1000, checkpoint_bytes=MB)
+
+
+def test_the_planners_memory_model_is_the_tensor_managers():
+    """staging_bytes must be what the tensor manager itself requires (its minimum budget) plus one
+    unit's weights for prefetch, for every lag."""
+    import torch
+
+    from lightning_greedysnake import GPT, GPTConfig, OffloadConfig
+    from lightning_greedysnake.models import find_layered_model, make_units
+    from lightning_greedysnake.offload.manager import TieredTensorStore
+    from lightning_greedysnake.planner.measure import unit_costs
+
+    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=64, block_size=8))
+    _, _, chain = find_layered_model(model)
+    units = make_units(chain, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    for lag in (0, 1, 2):
+        manager = TieredTensorStore(units, {}, opt, OffloadConfig(), lag=lag)
+        try:
+            costs = unit_costs(manager)
+            assert staging_bytes(costs, lag) == manager.min_budget_bytes + max(c.weight_bytes for c in costs)
+        finally:
+            manager.close()
