@@ -302,6 +302,8 @@ class WindowEngine:
     # -- ops ----------------------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
         if self.observer is not None and op.kind is not OpKind.OPTIMIZER:
+            if op.kind is OpKind.FORWARD or self._inputs(op.microbatch).act_grad is not None:
+                self._ensure_unit(op.unit)  # waiting for the weights is I/O, not this op's compute
             t0 = time.perf_counter()
             self._run_op(op)
             self.observer(str(op), t0, time.perf_counter())

@@ -71,3 +71,14 @@ def test_the_planners_memory_model_is_the_tensor_managers():
             assert staging_bytes(costs, lag) == manager.min_budget_bytes + max(c.weight_bytes for c in costs)
         finally:
             manager.close()
+
+
+def test_the_plan_command_measures_and_prints_a_strategy(tmp_path, capsys):
+    from lightning_greedysnake.plan import main
+
+    main(["--n-embd", "64", "--n-layer", "2", "--n-head", "2", "--vocab", "128", "--seq", "16", "--k", "4",
+          "--offload-dir", str(tmp_path), "--probe-mb", "8", "--precision", "32-true"])
+    out = capsys.readouterr().out
+    assert "measured: SSD read" in out and "predicted step (s)" in out
+    assert "GreedySnakeStrategy(alpha=" in out
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone

@@ -1,0 +1,82 @@
+"""``python -m lightning_greedysnake.plan``: measure this machine briefly and print the configuration the
+planner picks for a GPT, with its predicted step time.
+
+    python -m lightning_greedysnake.plan --n-embd 1024 --n-layer 12 --n-head 16 --vocab 8192 --seq 128 \\
+        --k 8 --offload-dir /mnt/nvme/gs --host-budget-gb 8
+
+Measures: the offload directory's O_DIRECT read and write bandwidth, the fused AdamW element rate, and
+one block's forward and backward time at the given micro-batch shape (on this CPU). Prints the
+measurements, the choice as a table, and the settings to pass to ``GreedySnakeStrategy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_greedysnake.models import GPT, GPTConfig
+from lightning_greedysnake.planner import Machine, UnitCost, plan
+from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
+
+
+def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype, repeats: int = 3
+                ) -> tuple[float, float]:
+    """Seconds of one block's forward, and of its recomputing backward (forward again + backward)."""
+    block = GPT(GPTConfig(**{**config.__dict__, "n_layer": 1})).blocks[0].to(dtype)
+    x = torch.randn(micro_batch, seq, config.n_embd, dtype=dtype)
+    fwd = bwd = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            block(x)
+        fwd = min(fwd, time.perf_counter() - t0)
+        leaf = x.detach().requires_grad_()
+        t0 = time.perf_counter()
+        block(leaf).sum().backward()
+        bwd = min(bwd, time.perf_counter() - t0)
+    return fwd, bwd
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-embd", type=int, default=1024)
+    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--k", type=int, default=8, help="micro-batches per step (accumulate_grad_batches)")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="bf16-mixed")
+    parser.add_argument("--offload-dir", default=".", help="where the offload files will live")
+    parser.add_argument("--host-budget-gb", type=float, default=8.0, help="host memory for staging and checkpoints")
+    parser.add_argument("--probe-mb", type=int, default=256, help="size of the bandwidth probe file")
+    args = parser.parse_args(argv)
+
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
+                       block_size=args.seq)
+    bf16 = args.precision == "bf16-mixed"
+    read_bps, write_bps = disk_bandwidth(Path(args.offload_dir), nbytes=args.probe_mb << 20)
+    rate = optimizer_rate()
+    fwd, bwd = block_times(config, args.micro_batch, args.seq, torch.bfloat16 if bf16 else torch.float32)
+    block_params = 12 * args.n_embd**2 + 13 * args.n_embd
+    wsize = 2 if bf16 else 4
+    units = [UnitCost(fwd, bwd, weight_bytes=wsize * block_params, grad_bytes=4 * block_params,
+                      master_bytes=4 * block_params if bf16 else 0, state_bytes=8 * block_params,
+                      params=block_params) for _ in range(args.n_layer)]
+    checkpoint_bytes = args.micro_batch * args.seq * args.n_embd * (2 if bf16 else 4)
+    machine = Machine(read_bps, write_bps, rate)
+    choice = plan(units, machine, args.k, int(args.host_budget_gb * 2**30), checkpoint_bytes)
+    print(f"measured: SSD read {read_bps / 1e9:.2f} GB/s, write {write_bps / 1e9:.2f} GB/s; optimizer "
+          f"{rate / 1e6:.0f} M elements/s; block forward {fwd * 1e3:.1f} ms, recompute+backward {bwd * 1e3:.1f} ms")
+    print(choice.table())
+    print(
+        f"\nGreedySnakeStrategy(alpha={choice.alpha}, lag={choice.lag}, layers_per_unit={choice.layers_per_unit}, "
+        f"offload={{'checkpoints': '{choice.checkpoints}', 'buffer_budget_bytes': {choice.buffer_budget_bytes}}})"
+    )
+
+
+if __name__ == "__main__":
+    main()
