@@ -1,0 +1,222 @@
+"""Side by side in one run: greedysnake vertical, greedysnake horizontal (ZeRO-Infinity's order on our
+engine), Lightning's default strategy in memory, and DeepSpeed ZeRO-Infinity (ZeRO-3 with parameters
+and optimizer on NVMe), on one model, one data stream and each K; runs interleaved (every system at a
+K before the next K) in fresh processes, so machine drift hits all alike.
+
+DeepSpeed is optional and kept out of CI. To include it on a CPU machine:
+
+    apt-get install -y libaio-dev && pip install --no-build-isolation deepspeed   # after torch
+    DS_ACCELERATOR=cpu python benchmarks/compare.py      # first run compiles DeepSpeed's ops (~200 s)
+
+    python benchmarks/compare.py --seq 128 --ks 8                     # the reference configuration
+    python benchmarks/compare.py --seq 32 --ks 1 2 4 8 16             # the I/O-bound regime, K sweep
+
+Writes a table, ``benchmarks/results/compare.json`` and a plot of tokens/s against K per system with
+greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ["gs_vertical", "gs_horizontal", "lightning_auto", "deepspeed"]
+
+
+def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, Any]:
+    import lightning as L
+
+    from _common import gpt_module, token_loader
+    from lightning_greedysnake import GreedySnakeStrategy
+    from lightning_greedysnake.planner import Machine, predict
+    from lightning_greedysnake.planner.measure import unit_costs, unit_times
+
+    Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
+    times: list[float] = []
+    extra: dict[str, Any] = {}
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *a: Any) -> None:
+            if (trainer.fit_loop.epoch_loop.batch_idx + 1) % k == 0:
+                now = time.perf_counter()
+                times.append(now - self.t)
+                self.t = now
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            manager = getattr(trainer.strategy, "tensor_manager", None)
+            if manager is None or system != "gs_vertical":
+                return
+            manager.drain()
+            fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
+            machine = Machine(args.read_bps, args.write_bps, args.opt_rate)
+            extra["roofline_s"] = predict(unit_costs(manager, fwd, bwd), machine, "vertical", k).step_s
+
+    if system == "lightning_auto":
+        strategy: Any = "auto"
+    else:
+        strategy = GreedySnakeStrategy(schedule="vertical" if system == "gs_vertical" else "horizontal",
+                                       offload_dir=Path(args.offload_dir) / f"{system}_{k}",
+                                       offload={"return_weights": False})
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
+                        max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+                        default_root_dir=args.offload_dir)
+    with trainer.init_module(empty_init=system != "lightning_auto"):
+        module = Module()
+    trainer.fit(module, token_loader(args.vocab, args.seq, k * args.steps))
+    return {"step_times": times, **extra}
+
+
+def run_deepspeed(args: argparse.Namespace, k: int) -> dict[str, Any]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29531")):
+        os.environ.setdefault(key, value)
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+
+    from _common import token_loader
+    from lightning_greedysnake import GPT, GPTConfig
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    nvme = Path(args.offload_dir) / f"deepspeed_{k}"
+    nvme.mkdir(parents=True, exist_ok=True)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": k,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "bf16": {"enabled": args.precision == "bf16-mixed"},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": False},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": False},
+        },
+        "steps_per_print": 10**9,
+    }
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
+                          block_size=args.seq))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    batches = list(token_loader(args.vocab, args.seq, k * args.steps))
+    times = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        for x, y in batches[step * k : (step + 1) * k]:
+            logits = engine(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
+            engine.backward(loss)
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return {"step_times": times}
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    system, k = args.child.split(":")
+    k = int(k)
+    result = run_deepspeed(args, k) if system == "deepspeed" else run_lightning(args, system, k)
+    steady = result["step_times"][1:] or result["step_times"]
+    step_s = statistics.median(steady)
+    return {"system": system, "k": k, "step_s": round(step_s, 3),
+            "tokens_per_s": round(k * args.seq / step_s, 1), **{k_: v for k_, v in result.items() if k_ != "step_times"}}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in SYSTEMS:
+        pts = sorted((r["k"], r["tokens_per_s"]) for r in rows if r["system"] == system)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=system)
+    roof = sorted((r["k"], r["k"] * r["seq"] / r["roofline_s"]) for r in rows if r.get("roofline_s"))
+    if roof:
+        ax.plot(*zip(*roof), linestyle="--", marker="x", color="gray", label="gs_vertical roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("K (micro-batches per step)")
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-embd", type=int, default=1024)
+    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--ks", type=int, nargs="+", default=[8])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--offload-dir", default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compare.json"))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    for name in ("read-bps", "write-bps", "opt-rate"):
+        parser.add_argument(f"--{name}", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)))
+        return
+    from _common import machine, print_table, run_child
+    from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
+
+    systems = list(args.systems)
+    if "deepspeed" in systems and importlib.util.find_spec("deepspeed") is None:
+        print("  deepspeed is not installed: skipping it (see this script's docstring)", file=sys.stderr)
+        systems.remove("deepspeed")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
+        args.read_bps, args.write_bps = disk_bandwidth(Path(tmp))
+        args.opt_rate = optimizer_rate()
+        flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "steps", "precision", "read_bps", "write_bps",
+                 "opt_rate"]
+        for k in args.ks:
+            for system in systems:
+                row = run_child(__file__, f"{system}:{k}", args, flags, ["--offload-dir", tmp])
+                row["seq"] = args.seq
+                rows.append(row)
+                print(f"  done {system} K={k}: {row['tokens_per_s']} tokens/s", file=sys.stderr)
+    for row in rows:
+        same_k = {r["system"]: r for r in rows if r["k"] == row["k"]}
+        if "deepspeed" in same_k:
+            row["vs_deepspeed"] = round(row["tokens_per_s"] / same_k["deepspeed"]["tokens_per_s"], 2)
+        if row.get("roofline_s"):
+            row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
+    print_table(rows, ["system", "k", "step_s", "tokens_per_s", "vs_deepspeed", "fraction_of_roofline"])
+    out = Path(args.out)
+    plotted = plot(rows, out.with_suffix(".png"))
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {**machine(), "read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9},
+        "settings": {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head", "vocab", "seq", "ks", "steps",
+                                                   "precision")},
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
+
+
+if __name__ == "__main__":
+    main()
