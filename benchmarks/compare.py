@@ -67,7 +67,8 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     else:
         strategy = GreedySnakeStrategy(schedule="vertical" if system == "gs_vertical" else "horizontal",
                                        offload_dir=Path(args.offload_dir) / f"{system}_{k}",
-                                       offload={"return_weights": False})
+                                       offload={"return_weights": False,
+                                                "buffer_budget_bytes": int(args.budget_gb * 2**30) or None})
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
@@ -169,6 +170,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--budget-gb", type=float, default=0.0,
+                        help="greedysnake's offload.buffer_budget_bytes in GiB (0: its default)")
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compare.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -190,7 +193,7 @@ def main() -> None:
         args.read_bps, args.write_bps = disk_bandwidth(Path(tmp))
         args.opt_rate = optimizer_rate()
         flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "steps", "precision", "read_bps", "write_bps",
-                 "opt_rate"]
+                 "opt_rate", "budget_gb"]
         for k in args.ks:
             for system in systems:
                 row = run_child(__file__, f"{system}:{k}", args, flags, ["--offload-dir", tmp])
@@ -210,7 +213,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {**machine(), "read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9},
         "settings": {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head", "vocab", "seq", "ks", "steps",
-                                                   "precision")},
+                                                   "precision", "budget_gb")},
         "rows": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -97,6 +97,9 @@ class _Held:
     buf: AlignedBuffer
     pooled: bool
     pending: list[Future[None]] = field(default_factory=list)
+    """Writes from this buffer still in flight (it goes back to the pool after them)."""
+    reads: list[Future[None]] = field(default_factory=list)
+    """Reads into this buffer not yet waited for (``_stage(..., wait=False)``)."""
 
 
 @dataclass
@@ -453,10 +456,12 @@ class TieredTensorStore:
         read: bool,
         label: str | None = None,
         ranges: list[tuple[int, int]] | None = None,
+        wait: bool = True,
     ) -> _Held:
         """A buffer holding unit ``u``'s region of ``kind``: the region itself on the host tier; a pool
         buffer on the SSD tier, filled from the SSD when ``read`` (only ``ranges``, byte ranges of the
-        region, if given; counted under ``label`` if given)."""
+        region, if given; counted under ``label`` if given). ``wait=False``: return with the reads in
+        flight; :meth:`_await` them (so several regions load at once)."""
         regions = self._regions[kind]
         host = regions.host_buffer(u)
         if host is not None:
@@ -466,17 +471,34 @@ class TieredTensorStore:
         assert buf is not None
         held = _Held(buf, pooled=True)
         if read:
-            t0 = time.perf_counter()
             try:
-                futures = [regions.submit_read(u, buf, label, r) for r in (ranges or [None])]  # type: ignore[list-item]
-                for f in futures:
-                    f.result()
+                held.reads = [regions.submit_read(u, buf, label, r) for r in (ranges or [None])]  # type: ignore[list-item]
             except BaseException:
                 self.pool.release(buf)
                 raise
-            if threading.current_thread() is threading.main_thread():
-                self.stats.record_wait(label or kind.value, "ssd", time.perf_counter() - t0)
+            if wait:
+                self._await(held, label=label or kind.value)
         return held
+
+    def _await(self, *helds: _Held | None, label: str = "optimizer") -> None:
+        """Wait for the reads of ``helds``; on a failure give every staged buffer back and raise."""
+        t0 = time.perf_counter()
+        try:
+            for held in helds:
+                if held is not None:
+                    for f in held.reads:
+                        f.result()
+                    held.reads = []
+        except BaseException:
+            for held in helds:
+                if held is not None and held.pooled:
+                    for f in held.reads:
+                        f.exception()  # let the other reads finish before the buffer is reused
+                    held.reads = []
+                    self.pool.release(held.buf)
+            raise
+        if threading.current_thread() is threading.main_thread():
+            self.stats.record_wait(label, "ssd", time.perf_counter() - t0)
 
     def _put_back(
         self, kind: TensorKind, u: int, held: _Held, ranges: list[tuple[int, int]] | None = None, *,
@@ -840,18 +862,24 @@ class TieredTensorStore:
             return
         lay = self.layouts[unit]
         w_ranges = self._byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
+        # every read this part needs goes out at once, then one wait
         if self.separate_master:
-            master = self._stage(TensorKind.MASTER_WEIGHTS, unit, read=True,
+            master = self._stage(TensorKind.MASTER_WEIGHTS, unit, read=True, wait=False,
                                  ranges=self._byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
         elif weights_held is not None:
             master = weights_held  # fp32: the compute weights in memory are the master copy
         else:
             master = self._stage(TensorKind.WEIGHTS, unit, read=True, label=TensorKind.MASTER_WEIGHTS.value,
-                                 ranges=w_ranges)
+                                 ranges=w_ranges, wait=False)
         states = None
         if self.slots:
-            states = self._stage(TensorKind.OPTIMIZER_STATES, unit, read=opt.part_initialized(part),
+            states = self._stage(TensorKind.OPTIMIZER_STATES, unit, read=opt.part_initialized(part), wait=False,
                                  ranges=self._byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
+        compute = None
+        if self.separate_master:
+            compute = weights_held if weights_held is not None else self._stage(
+                TensorKind.WEIGHTS, unit, read=True, ranges=w_ranges, wait=False)
+        self._await(master, states, compute)
         mflat = master.buf.view(torch.float32, lay.numel)
         state_views = {
             name: states.buf.view(torch.float32, lay.numel, offset_bytes=k * lay.nbytes(4))
@@ -865,8 +893,7 @@ class TieredTensorStore:
         if self.separate_master:
             self._put_back(TensorKind.MASTER_WEIGHTS, unit, master,
                            self._byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
-            compute = weights_held if weights_held is not None else self._stage(
-                TensorKind.WEIGHTS, unit, read=True, ranges=w_ranges)
+            assert compute is not None
             cflat = compute.buf.view(self.compute_dtype, lay.numel)
             for slot in lay.params:
                 a, b = max(lo, slot.offset_numel), min(hi, slot.offset_numel + slot.numel)
