@@ -68,3 +68,49 @@ def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
 
 def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def add_model_args(parser: Any, n_layer: int, seq: int) -> None:
+    """The GPT shape every benchmark takes (and the child flags that carry it)."""
+    parser.add_argument("--n-embd", type=int, default=1024)
+    parser.add_argument("--n-layer", type=int, default=n_layer)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=seq)
+
+
+MODEL_FLAGS = ["n_embd", "n_layer", "n_head", "vocab", "seq"]
+
+
+def add_machine_args(parser: Any) -> None:
+    """Hidden flags that carry the parent's machine measurement to each child."""
+    for name in ("read-bps", "write-bps", "opt-rate"):
+        parser.add_argument(f"--{name}", type=float, default=0.0, help="==SUPPRESS==")  # argparse.SUPPRESS
+
+
+def measure_machine(args: Any, directory: str) -> None:
+    """O_DIRECT bandwidth of ``directory`` and the optimizer's rate, onto ``args`` (once, in the parent)."""
+    from pathlib import Path
+
+    from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
+
+    args.read_bps, args.write_bps = disk_bandwidth(Path(directory))
+    args.opt_rate = optimizer_rate()
+    print(f"  disk: read {args.read_bps / 1e9:.2f} GB/s, write {args.write_bps / 1e9:.2f} GB/s; "
+          f"optimizer {args.opt_rate / 1e6:.0f} M elements/s", file=sys.stderr)
+
+
+def write_result(out: str, args: Any, settings: list[str], rows: list[dict[str, Any]],
+                 machine_extra: dict[str, Any] | None = None) -> None:
+    """The JSON every benchmark writes: the exact command, the machine, the settings and the rows."""
+    from pathlib import Path
+
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {**machine(), **(machine_extra or {})},
+        "settings": {k: getattr(args, k) for k in settings},
+        "rows": rows,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")

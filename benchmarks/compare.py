@@ -160,12 +160,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def main() -> None:
+    from _common import add_machine_args, add_model_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n-embd", type=int, default=1024)
-    parser.add_argument("--n-layer", type=int, default=12)
-    parser.add_argument("--n-head", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
+    add_model_args(parser, n_layer=12, seq=128)
     parser.add_argument("--ks", type=int, nargs="+", default=[8])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--precision", default="bf16-mixed")
@@ -175,14 +173,12 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compare.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    for name in ("read-bps", "write-bps", "opt-rate"):
-        parser.add_argument(f"--{name}", type=float, default=0.0, help=argparse.SUPPRESS)
+    add_machine_args(parser)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args)))
         return
-    from _common import machine, print_table, run_child
-    from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
+    from _common import MODEL_FLAGS, measure_machine, print_table, run_child, write_result
 
     systems = list(args.systems)
     if "deepspeed" in systems and importlib.util.find_spec("deepspeed") is None:
@@ -190,10 +186,8 @@ def main() -> None:
         systems.remove("deepspeed")
     rows = []
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
-        args.read_bps, args.write_bps = disk_bandwidth(Path(tmp))
-        args.opt_rate = optimizer_rate()
-        flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "steps", "precision", "read_bps", "write_bps",
-                 "opt_rate", "budget_gb"]
+        measure_machine(args, tmp)
+        flags = [*MODEL_FLAGS, "steps", "precision", "read_bps", "write_bps", "opt_rate", "budget_gb"]
         for k in args.ks:
             for system in systems:
                 row = run_child(__file__, f"{system}:{k}", args, flags, ["--offload-dir", tmp])
@@ -209,16 +203,10 @@ def main() -> None:
     print_table(rows, ["system", "k", "step_s", "tokens_per_s", "vs_deepspeed", "fraction_of_roofline"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {**machine(), "read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9},
-        "settings": {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head", "vocab", "seq", "ks", "steps",
-                                                   "precision", "budget_gb")},
-        "rows": rows,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plotted else ""))
+    write_result(str(out), args, [*MODEL_FLAGS, "ks", "steps", "precision", "budget_gb"], rows,
+                 {"read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9})
+    if plotted:
+        print(f"and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -119,12 +119,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    from _common import add_model_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n-embd", type=int, default=1024)
-    parser.add_argument("--n-layer", type=int, default=20)
-    parser.add_argument("--n-head", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
+    add_model_args(parser, n_layer=20, seq=128)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
@@ -136,10 +134,10 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(child(args)))
         return
-    from _common import machine, print_table, run_child
+    from _common import MODEL_FLAGS, print_table, run_child, write_result
 
     rows = []
-    flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "micro_batch", "k", "steps"]
+    flags = [*MODEL_FLAGS, "micro_batch", "k", "steps"]
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         for name in args.configs:
             rows.append(run_child(__file__, name, args, flags, ["--offload-dir", tmp]))
@@ -151,16 +149,7 @@ def main() -> None:
     cols = ["config", "state_mb", "peak_rss_mb", "growth_mb", "growth_vs_state", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
             "ssd_read_gb_per_step", "ssd_written_gb_per_step", "read_wait_s_per_step"]
     print_table(rows, cols)
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine(),
-        "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "n_head": args.n_head, "vocab": args.vocab,
-                  "seq": args.seq, "micro_batch": args.micro_batch, "k": args.k, "steps": args.steps},
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, args, [*MODEL_FLAGS, "micro_batch", "k", "steps"], rows)
 
 
 if __name__ == "__main__":

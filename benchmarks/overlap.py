@@ -63,12 +63,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    from _common import add_model_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n-embd", type=int, default=1024)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-head", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
+    add_model_args(parser, n_layer=4, seq=128)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
@@ -80,10 +78,10 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(child(args)))
         return
-    from _common import machine, print_table, run_child
+    from _common import MODEL_FLAGS, print_table, run_child, write_result
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
-    flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "k", "steps", "precision"]
+    flags = [*MODEL_FLAGS, "k", "steps", "precision"]
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         for r in range(args.rounds):
             for name in CONFIGS:
@@ -113,16 +111,7 @@ def main() -> None:
     cols = ["config", "alpha", "lag", "step_s", "time_vs_sync", "optimizer_unhidden_s", "unhidden_share",
             "optimizer_busy_s", "compute_s", "io_wait_s", "optimizer_ssd_gb"]
     print_table(rows, cols)
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine(),
-        "settings": {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head", "vocab", "seq", "k", "steps",
-                                                   "rounds", "precision")},
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, args, [*MODEL_FLAGS, "k", "steps", "rounds", "precision"], rows)
 
 
 if __name__ == "__main__":

@@ -63,12 +63,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    from _common import add_machine_args, add_model_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n-embd", type=int, default=1024)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-head", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=32)
+    add_model_args(parser, n_layer=4, seq=32)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--schedules", nargs="+", default=["vertical", "horizontal"])
     parser.add_argument("--steps", type=int, default=3)
@@ -76,40 +74,26 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "roofline.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    for name in ("read-bps", "write-bps", "opt-rate"):
-        parser.add_argument(f"--{name}", type=float, default=0.0, help=argparse.SUPPRESS)
+    add_machine_args(parser)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args)))
         return
-    from _common import machine, print_table, run_child
-    from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
+    from _common import MODEL_FLAGS, measure_machine, print_table, run_child, write_result
 
     rows = []
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
-        args.read_bps, args.write_bps = disk_bandwidth(Path(tmp))
-        args.opt_rate = optimizer_rate()
-        print(f"  disk: read {args.read_bps / 1e9:.2f} GB/s, write {args.write_bps / 1e9:.2f} GB/s; "
-              f"optimizer {args.opt_rate / 1e6:.0f} M elements/s", file=sys.stderr)
-        flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "steps", "precision", "read_bps", "write_bps",
-                 "opt_rate"]
+        measure_machine(args, tmp)
+        flags = [*MODEL_FLAGS, "steps", "precision", "read_bps", "write_bps", "opt_rate"]
         for k in args.ks:  # interleaved: each K runs every schedule back to back
             for schedule in args.schedules:
                 rows.append(run_child(__file__, f"{schedule}:{k}", args, flags, ["--offload-dir", tmp]))
                 print(f"  done {schedule} K={k}", file=sys.stderr)
     print_table(rows, ["schedule", "k", "measured_s", "predicted_s", "measured_over_predicted", "bound",
                        "compute_s", "ssd_s", "optimizer_s", "ssd_gb", "tokens_per_s"])
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {**machine(), "read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9,
-                    "optimizer_Melem_per_s": args.opt_rate / 1e6},
-        "settings": {k: getattr(args, k) for k in ("n_embd", "n_layer", "n_head", "vocab", "seq", "steps",
-                                                   "precision")},
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, args, [*MODEL_FLAGS, "steps", "precision"], rows,
+                 {"read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9,
+                  "optimizer_Melem_per_s": args.opt_rate / 1e6})
 
 
 if __name__ == "__main__":
