@@ -18,6 +18,7 @@ greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -28,7 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ["gs_vertical", "gs_horizontal", "lightning_auto", "deepspeed"]
+SYSTEMS = ["gs_vertical", "gs_planned", "gs_horizontal", "lightning_auto", "deepspeed"]
+"""``gs_planned``: the vertical schedule with the planner's choice, planned from the costs ``gs_vertical``
+measured at the same K (so it runs after it)."""
 
 
 def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, Any]:
@@ -55,20 +58,28 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
 
         def on_train_end(self, trainer: Any, module: Any) -> None:
             manager = getattr(trainer.strategy, "tensor_manager", None)
-            if manager is None or system != "gs_vertical":
+            if manager is None or system == "gs_horizontal":
                 return
             manager.drain()
             fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
             machine = Machine(args.read_bps, args.write_bps, args.opt_rate)
-            extra["roofline_s"] = predict(unit_costs(manager, fwd, bwd), machine, "vertical", k).step_s
+            costs = unit_costs(manager, fwd, bwd)
+            extra["roofline_s"] = predict(costs, machine, "vertical", k).step_s
+            extra["units"] = [dataclasses.asdict(c) for c in costs]
 
+    offload: dict[str, Any] = {"return_weights": False, "buffer_budget_bytes": int(args.budget_gb * 2**30) or None}
+    settings: dict[str, Any] = {}
+    if system == "gs_planned":
+        chosen = json.loads(args.plan)
+        settings = {"alpha": chosen["alpha"], "lag": chosen["lag"], "layers_per_unit": chosen["layers_per_unit"]}
+        offload.update(checkpoints=chosen["checkpoints"], buffer_budget_bytes=chosen["buffer_budget_bytes"])
+        extra["plan"] = chosen
     if system == "lightning_auto":
         strategy: Any = "auto"
     else:
-        strategy = GreedySnakeStrategy(schedule="vertical" if system == "gs_vertical" else "horizontal",
-                                       offload_dir=Path(args.offload_dir) / f"{system}_{k}",
-                                       offload={"return_weights": False,
-                                                "buffer_budget_bytes": int(args.budget_gb * 2**30) or None})
+        strategy = GreedySnakeStrategy(schedule="horizontal" if system == "gs_horizontal" else "vertical",
+                                       offload_dir=Path(args.offload_dir) / f"{system}_{k}", offload=offload,
+                                       **settings)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
@@ -133,6 +144,21 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": round(k * args.seq / step_s, 1), **{k_: v for k_, v in result.items() if k_ != "step_times"}}
 
 
+
+def _plan_for(rows: list[dict[str, Any]], args: argparse.Namespace, k: int) -> dict[str, Any]:
+    """The planner's choice from the costs gs_vertical measured at ``k`` (pure arithmetic)."""
+    from lightning_greedysnake.planner import Machine, UnitCost, plan
+
+    measured = next((r for r in rows if r["system"] == "gs_vertical" and r["k"] == k), None)
+    if measured is None:
+        raise SystemExit("gs_planned needs gs_vertical at the same K (list it first in --systems)")
+    units = [UnitCost(**u) for u in measured["units"]]
+    itemsize = 2 if args.precision == "bf16-mixed" else 4
+    choice = plan(units, Machine(args.read_bps, args.write_bps, args.opt_rate), k,
+                  int(args.host_budget_gb * 2**30), checkpoint_bytes=args.seq * args.n_embd * itemsize)
+    return dataclasses.asdict(choice)
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     try:
         import matplotlib
@@ -170,6 +196,9 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--budget-gb", type=float, default=0.0,
                         help="greedysnake's offload.buffer_budget_bytes in GiB (0: its default)")
+    parser.add_argument("--host-budget-gb", type=float, default=4.0,
+                        help="host memory the planner may use for gs_planned (staging and checkpoints)")
+    parser.add_argument("--plan", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compare.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -190,7 +219,10 @@ def main() -> None:
         flags = [*MODEL_FLAGS, "steps", "precision", "read_bps", "write_bps", "opt_rate", "budget_gb"]
         for k in args.ks:
             for system in systems:
-                row = run_child(__file__, f"{system}:{k}", args, flags, ["--offload-dir", tmp])
+                extra_flags = ["--offload-dir", tmp]
+                if system == "gs_planned":
+                    extra_flags += ["--plan", json.dumps(_plan_for(rows, args, k))]
+                row = run_child(__file__, f"{system}:{k}", args, flags, extra_flags)
                 row["seq"] = args.seq
                 rows.append(row)
                 print(f"  done {system} K={k}: {row['tokens_per_s']} tokens/s", file=sys.stderr)

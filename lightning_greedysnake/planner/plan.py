@@ -5,14 +5,16 @@ Step time (vertical order, K micro-batches):
 
 - forward phase: the slowest of its compute (K x sum of unit forwards), its SSD time (each unit's
   weights read once, checkpoints written when they live on SSD, the deferred ``alpha`` share of the
-  optimizer's traffic) and the deferred share of the optimizer's CPU time;
+  optimizer's traffic plus what deferring adds: the deferred gradients out and back, their weights
+  range read again) and the deferred share of the optimizer's CPU time;
 - backward phase: likewise with the recomputing backward, the second weights read, checkpoint reads and
   the other ``1 - alpha`` of the optimizer. With ``lag = 0`` the optimizer does not overlap: its
   backward share adds to the phase instead of racing it.
 
 Memory: the staging the tensor manager needs for that lag (the training thread's unit and ``lag``
 queued steps each hold weights and gradient; the running step adds master and state) plus the next
-unit's weights for prefetch, plus every checkpoint kept in host memory.
+unit's weights for prefetch, optionally a second optimizer working set (so the optimizer's reads of
+one unit overlap the write-back of the previous one), plus every checkpoint kept in host memory.
 """
 
 from __future__ import annotations
@@ -75,21 +77,29 @@ def staging_bytes(units: list[UnitCost], lag: int) -> int:
 
 
 def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: int, checkpoint_bytes: int,
-          checkpoints: str) -> tuple[float, float]:
-    """(forward phase, backward phase) seconds of one vertical step."""
+          checkpoints: str, double_buffered: bool = False) -> tuple[float, float]:
+    """(forward phase, backward phase) seconds of one vertical step. ``double_buffered``: the staging
+    budget holds a second optimizer working set, so one unit's state reads overlap the previous unit's
+    write-back instead of following it."""
     read, write = machine.read_bytes_per_s, machine.write_bytes_per_s
     weights = sum(u.weight_bytes for u in units)
     opt_read = sum(u.state_bytes + u.master_bytes for u in units)
     opt_write = sum(u.state_bytes + u.master_bytes + u.weight_bytes for u in units)
-    opt_io = opt_read / read + opt_write / write
+    if double_buffered:
+        opt_io = max(opt_read / read, opt_write / write)
+    else:
+        opt_io = opt_read / read + opt_write / write
+    # deferring costs bytes too: the deferred range's gradient goes to SSD and back, and its weights
+    # range is read again (as master under 32-true, to refresh the 16-bit copy under bf16-mixed)
+    deferred_io = alpha * sum(u.grad_bytes for u in units) * (1 / read + 1 / write) + alpha * weights / read
     opt_cpu = sum(u.params for u in units) / machine.optimizer_elements_per_s
     ckpt = k * (len(units) - 1) * checkpoint_bytes if checkpoints == "ssd" else 0
     f_compute = k * sum(u.forward_s for u in units)
     b_compute = k * sum(u.backward_s for u in units)
-    f_ssd = weights / read + ckpt / write + alpha * opt_io
+    f_ssd = weights / read + ckpt / write + alpha * opt_io + deferred_io
     b_ssd = weights / read + ckpt / read + (1 - alpha) * opt_io
     if lag == 0:
-        forward = max(f_compute, f_ssd - alpha * opt_io) + alpha * (opt_io + opt_cpu)
+        forward = max(f_compute, f_ssd - alpha * opt_io - deferred_io) + alpha * (opt_io + opt_cpu) + deferred_io
         backward = max(b_compute, b_ssd - (1 - alpha) * opt_io) + (1 - alpha) * (opt_io + opt_cpu)
     else:
         forward = max(f_compute, f_ssd, alpha * opt_cpu)
@@ -108,19 +118,21 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
     smallest = None
     for lpu in layers_per_unit:
         merged = merge(units, lpu)
+        second_set = max(u.master_bytes + u.state_bytes + u.weight_bytes for u in merged)
         for lag in lags:
-            staging = staging_bytes(merged, lag)
-            for checkpoints in ("host", "ssd"):
-                host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
-                host = staging + host_ckpt + (16 << 20 if checkpoints == "ssd" else 0)
-                smallest = host if smallest is None else min(smallest, host)
-                if host > host_budget_bytes:
-                    continue
-                for alpha in alphas:
-                    f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints)
-                    choice = Choice(alpha, lag, lpu, checkpoints, staging + (16 << 20), host, f + b, f, b)
-                    if best is None or (choice.step_s, choice.host_bytes) < (best.step_s, best.host_bytes):
-                        best = choice
+            for double in (False, True):
+                staging = staging_bytes(merged, lag) + (second_set if double else 0)
+                for checkpoints in ("host", "ssd"):
+                    host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
+                    host = staging + (16 << 20) + host_ckpt
+                    smallest = host if smallest is None else min(smallest, host)
+                    if host > host_budget_bytes:
+                        continue
+                    for alpha in alphas:
+                        f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints, double)
+                        choice = Choice(alpha, lag, lpu, checkpoints, staging + (16 << 20), host, f + b, f, b)
+                        if best is None or (choice.step_s, choice.host_bytes) < (best.step_s, best.host_bytes):
+                            best = choice
     if best is None:
         raise PlanError(
             f"no configuration fits a host memory budget of {host_budget_bytes:,} bytes; the smallest needs "

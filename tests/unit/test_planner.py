@@ -82,3 +82,18 @@ def test_the_plan_command_measures_and_prints_a_strategy(tmp_path, capsys):
     assert "measured: SSD read" in out and "predicted step (s)" in out
     assert "GreedySnakeStrategy(alpha=" in out
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+def test_on_a_disk_bound_machine_deferral_only_costs_and_alpha_stays_zero():
+    slow_disk = Machine(read_bytes_per_s=2e8, write_bytes_per_s=2e8, optimizer_elements_per_s=1e12)
+    choice = plan(layers(), slow_disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    assert choice.alpha == 0.0
+
+
+def test_spare_memory_buys_a_second_optimizer_buffer_that_overlaps_reads_and_writes():
+    disk = Machine(read_bytes_per_s=5e8, write_bytes_per_s=5e8, optimizer_elements_per_s=1e12)  # SSD-bound
+    lean = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=False)
+    double = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=True)
+    assert sum(double) < sum(lean)
+    roomy = plan(layers(), disk, k=1, host_budget_bytes=10**12, checkpoint_bytes=MB, layers_per_unit=(1,))
+    assert roomy.buffer_budget_bytes > staging_bytes(layers(), roomy.lag) + (16 << 20)
