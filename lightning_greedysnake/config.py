@@ -62,8 +62,10 @@ class OffloadConfig:
 
     buffer_budget_bytes: int | None = None
     """Host bytes the tensor manager may hold in staging buffers (weights being used or prefetched, the
-    optimizer's working set, checkpoints in flight). ``None``: one unit's working set, plus room to
-    prefetch the next unit's weights, plus 16 MiB."""
+    optimizer's working set, checkpoints in flight). ``None``: the least that works for ``lag`` (the
+    training thread's unit and ``lag`` queued steps hold weights and gradient, the running step its
+    master and state), plus room to prefetch the next unit's weights, plus 16 MiB. More lets the
+    optimizer read one unit's state while the previous unit's writes drain."""
 
     io_threads: int = 4
     """Threads issuing O_DIRECT reads and writes."""
