@@ -197,6 +197,16 @@ class GreedySnakeConfig:
     """How many units the background optimizer may trail the backward by (it steps unit j+lag while
     unit j computes); bounds the gradients held for it. 0: each unit is stepped synchronously."""
 
+    auto: bool = False
+    """Plan alpha, lag and the staging budget from this run's own measurements: after the first
+    optimizer step, measure the offload disk and the optimizer, take each unit's compute time from
+    that step, and apply the planner's choice (printed as a table with its predicted step time).
+    ``layers_per_unit`` and checkpoint placement stay as set (``python -m lightning_greedysnake.plan``
+    plans those before a run)."""
+
+    auto_host_budget_bytes: int | None = None
+    """Host memory the planner may use for staging and checkpoints; ``None``: a quarter of RAM."""
+
     trace_steps: int = 0
     """Write a Chrome trace (open it in Perfetto) of the compute, SSD and optimizer lanes of the first
     ``trace_steps`` optimizer steps. 0: no trace."""
@@ -232,6 +242,16 @@ class GreedySnakeConfig:
             raise ValueError(
                 f"lag={self.lag!r} must be a non-negative integer (units the background optimizer may trail "
                 "backward by). Fix: e.g. lag=2, or lag=0 for synchronous steps."
+            )
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"auto={self.auto!r} must be true or false.")
+        if self.auto_host_budget_bytes is not None and (
+            isinstance(self.auto_host_budget_bytes, bool) or not isinstance(self.auto_host_budget_bytes, int)
+            or self.auto_host_budget_bytes <= 0
+        ):
+            raise ValueError(
+                f"auto_host_budget_bytes={self.auto_host_budget_bytes!r} must be a positive number of bytes or "
+                "None (a quarter of RAM). Fix: e.g. auto_host_budget_bytes=8589934592 (8 GiB)."
             )
         if not isinstance(self.recompute, bool):
             raise ValueError(f"recompute={self.recompute!r} must be true or false.")

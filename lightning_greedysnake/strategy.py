@@ -16,6 +16,7 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -124,6 +125,8 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         self._failed = False
         self._telemetry: StepRecorder | None = None
         self._offload_dir: Path | None = None
+        self.plan_choice: Any = None
+        """The planner's choice when ``auto=True`` (after the first optimizer step)."""
 
     # -- Lightning plumbing ------------------------------------------------------------------------
     @property
@@ -582,6 +585,31 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
     def _finish_window(self) -> None:
         self.engine.finish_window()
 
+    def _auto_plan(self) -> None:
+        """``auto=True``: plan from the first step's measurements and apply the choice."""
+        from lightning_greedysnake.planner import Machine, plan
+        from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate, unit_costs, unit_times
+
+        manager = self.tensor_manager
+        assert manager is not None
+        manager.drain()
+        probe_dir = manager.offload_dir or Path(self.lightning_module.trainer.default_root_dir)
+        read_bps, write_bps = disk_bandwidth(probe_dir, nbytes=64 << 20)
+        fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
+        costs = unit_costs(manager, fwd, bwd)
+        budget = self.config.auto_host_budget_bytes or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4
+        placement = "ssd" if self.config.offload.checkpoints is Tier.SSD else "host"
+        choice = plan(costs, Machine(read_bps, write_bps, optimizer_rate()),
+                      self.lightning_module.trainer.accumulate_grad_batches, int(budget),
+                      manager.checkpoint_bytes, layers_per_unit=(1,),  # costs are per current unit
+                      checkpoint_placements=(placement,))
+        manager.reconfigure(choice.alpha, choice.lag, choice.buffer_budget_bytes)
+        self.plan_choice = choice
+        rank_zero_info(
+            f"greedysnake auto plan (SSD read {read_bps / 1e9:.2f} GB/s, write {write_bps / 1e9:.2f} GB/s):\n"
+            + choice.table()
+        )
+
     def _observe(self, name: str, start: float) -> None:
         manager = self.tensor_manager
         if manager is not None:
@@ -604,6 +632,8 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         ``greedysnake/<metric>``, every ``log_every_n_steps`` steps, as Lightning logs its own metrics."""
         assert self._telemetry is not None
         entry = self._telemetry.record()
+        if self.config.auto and self.plan_choice is None and self.tensor_manager is not None:
+            self._auto_plan()
         trainer = self.lightning_module.trainer
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
         step = trainer.global_step

@@ -218,6 +218,8 @@ class TieredTensorStore:
         self._clip_coef: Tensor | None = None
         self._value_clips: list[float] = []
         self.steps_taken = 0
+        self.checkpoint_bytes = 0
+        """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
         self.min_budget_bytes = self._min_budget()
         budget = config.buffer_budget_bytes
         if budget is None:
@@ -357,6 +359,25 @@ class TieredTensorStore:
             finally:
                 self._done_with(master)
         return out
+
+    def reconfigure(self, alpha: float, lag: int, buffer_budget_bytes: int) -> None:
+        """Change alpha, lag and the staging budget between steps (the planner's choice): drains every
+        pending step, re-splits each unit's optimizer keeping its state, resizes the lane and the pool."""
+        self.drain()
+        assert self.optimizer is not None
+        for u, old in enumerate(self.unit_optimizers):
+            if old is None:
+                continue
+            new = UnitOptimizer(self.optimizer, self.layouts[u], self.slots, split_numel(self.layouts[u], alpha))
+            for j in range(len(old.trainable)):
+                if old.param_initialized(j):
+                    new.set_param_scalar_state(j, old.param_scalar_state(j))
+            self.unit_optimizers[u] = new
+        self.alpha, self.lag = alpha, lag
+        self.lane.close()
+        self.lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
+        self.min_budget_bytes = self._min_budget()
+        self.pool.budget_bytes = max(buffer_budget_bytes, self.min_budget_bytes)
 
     def restore_parameters(self) -> None:
         """Give the parameters real memory again, holding the trained weights (end of a run)."""
@@ -608,6 +629,7 @@ class TieredTensorStore:
     # -- checkpoints ------------------------------------------------------------------------------------
     def save_checkpoint(self, unit: int, microbatch: int, hidden: Tensor) -> None:
         key = (unit, microbatch)
+        self.checkpoint_bytes = max(self.checkpoint_bytes, hidden.numel() * hidden.element_size())
         assert key not in self._host_checkpoints and key not in self._ssd_checkpoints, f"checkpoint {key} twice"
         if self._scratch is None:
             self._host_checkpoints[key] = hidden

@@ -109,7 +109,8 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
 
 def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int, checkpoint_bytes: int,
          alphas: tuple[float, ...] = tuple(a / 20 for a in range(11)), lags: tuple[int, ...] = (0, 1, 2),
-         layers_per_unit: tuple[int, ...] = (1, 2, 4)) -> Choice:
+         layers_per_unit: tuple[int, ...] = (1, 2, 4),
+         checkpoint_placements: tuple[str, ...] = ("host", "ssd")) -> Choice:
     """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory).
 
     ``units``: per-layer costs (one block each); ``checkpoint_bytes``: one unit input of one micro-batch.
@@ -122,7 +123,7 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
         for lag in lags:
             for double in (False, True):
                 staging = staging_bytes(merged, lag) + (second_set if double else 0)
-                for checkpoints in ("host", "ssd"):
+                for checkpoints in checkpoint_placements:
                     host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
                     host = staging + (16 << 20) + host_ckpt
                     smallest = host if smallest is None else min(smallest, host)
