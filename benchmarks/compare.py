@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ["gs_vertical", "gs_planned", "gs_horizontal", "lightning_auto", "deepspeed"]
+SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_horizontal", "lightning_auto", "deepspeed"]
 """``gs_planned``: the vertical schedule with the planner's choice, planned from the costs ``gs_vertical``
-measured at the same K (so it runs after it)."""
+measured at the same K (so it runs after it); ``gs_auto``: ``GreedySnakeStrategy(auto=True)``, which
+plans from its own first step."""
 
 
 def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, Any]:
@@ -60,6 +61,8 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
             manager = getattr(trainer.strategy, "tensor_manager", None)
             if manager is None or system == "gs_horizontal":
                 return
+            if trainer.strategy.plan_choice is not None:
+                extra["plan"] = dataclasses.asdict(trainer.strategy.plan_choice)
             manager.drain()
             fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
             machine = Machine(args.read_bps, args.write_bps, args.opt_rate)
@@ -74,6 +77,8 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
         settings = {"alpha": chosen["alpha"], "lag": chosen["lag"], "layers_per_unit": chosen["layers_per_unit"]}
         offload.update(checkpoints=chosen["checkpoints"], buffer_budget_bytes=chosen["buffer_budget_bytes"])
         extra["plan"] = chosen
+    if system == "gs_auto":
+        settings = {"auto": True, "auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}
     if system == "lightning_auto":
         strategy: Any = "auto"
     else:
