@@ -97,3 +97,11 @@ def test_spare_memory_buys_a_second_optimizer_buffer_that_overlaps_reads_and_wri
     assert sum(double) < sum(lean)
     roomy = plan(layers(), disk, k=1, host_budget_bytes=10**12, checkpoint_bytes=MB, layers_per_unit=(1,))
     assert roomy.buffer_budget_bytes > staging_bytes(layers(), roomy.lag) + (16 << 20)
+
+
+def test_checkpoints_stay_in_host_memory_when_they_fit():
+    """Checkpoints on SSD are read on the backward's critical path: with room for them in host memory,
+    the planner keeps them there even when compute would hide the bytes."""
+    disk = Machine(read_bytes_per_s=2e9, write_bytes_per_s=2e9, optimizer_elements_per_s=1e12)
+    choice = plan(layers(backward_s=1.0), disk, k=8, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    assert choice.checkpoints == "host"
