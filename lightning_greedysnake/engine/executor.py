@@ -301,6 +301,7 @@ class WindowEngine:
 
     # -- ops ----------------------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
+        self._hint_next_checkpoint()
         if self.observer is not None and op.kind is not OpKind.OPTIMIZER:
             if op.kind is OpKind.FORWARD or self._inputs(op.microbatch).act_grad is not None:
                 self._ensure_unit(op.unit)  # waiting for the weights is I/O, not this op's compute
@@ -393,6 +394,16 @@ class WindowEngine:
         nxt = self._next_unit_after_cursor(u)
         if nxt is not None:
             self.store.prefetch(nxt)
+
+    def _hint_next_checkpoint(self) -> None:
+        """The op after the current one reads a checkpoint (any op on a unit past the first): let the
+        store start reading it while the current op computes."""
+        w = self._window
+        if w is None or w.cursor + 1 >= len(w.plan.ops):
+            return
+        nxt = w.plan.ops[w.cursor + 1]
+        if nxt.kind is not OpKind.OPTIMIZER and nxt.unit > 0:
+            self.store.prefetch_checkpoint(nxt.unit, nxt.microbatch)
 
     def _next_unit_after_cursor(self, u: int) -> int | None:
         """The next different unit the plan will need (the prefetch target); None at the window's end."""

@@ -110,6 +110,7 @@ class _SSDCheckpoint:
     dtype: torch.dtype
     write: Future[None]
     loaded: _Held | None = None
+    """The checkpoint's bytes in memory; with ``loaded.reads`` in flight while read ahead."""
 
 
 class TieredTensorStore:
@@ -219,6 +220,8 @@ class TieredTensorStore:
         self._value_clips: list[float] = []
         self.steps_taken = 0
         self.checkpoint_bytes = 0
+        self.checkpoint_prefetches = 0
+        """SSD checkpoint reads started ahead of need, since construction."""
         """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
         self.min_budget_bytes = self._min_budget()
         budget = config.buffer_budget_bytes
@@ -653,21 +656,39 @@ class TieredTensorStore:
             ck.write.result()  # the read must see the completed write
             buf = self.pool.acquire(ck.nbytes, what=f"checkpoint of unit {unit}")
             assert buf is not None
+            ck.loaded = _Held(buf, pooled=True, reads=[self._scratch.submit("read", ck.offset, buf, ck.nbytes)])
+        if ck.loaded.reads:
+            held = ck.loaded
             try:
-                self._scratch.submit("read", ck.offset, buf, ck.nbytes).result()
+                self._await(held, label=TensorKind.CHECKPOINTS.value)
             except BaseException:
-                self.pool.release(buf)
+                ck.loaded = None  # _await gave the buffer back
                 raise
-            ck.loaded = _Held(buf, pooled=True)
         numel = ck.shape.numel()
         return ck.loaded.buf.view(ck.dtype, numel).view(ck.shape)
+
+    def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
+        """Start reading an SSD-resident checkpoint the engine will need next (from spare budget, and
+        only once its write is complete: a read never races the write)."""
+        ck = self._ssd_checkpoints.get((unit, microbatch))
+        if ck is None or ck.loaded is not None or not ck.write.done() or self._scratch is None:
+            return
+        buf = self.pool.acquire(ck.nbytes, block=False, what=f"checkpoint of unit {unit} read-ahead",
+                                headroom=self.min_budget_bytes)
+        if buf is None:
+            return
+        ck.loaded = _Held(buf, pooled=True, reads=[self._scratch.submit("read", ck.offset, buf, ck.nbytes)])
+        self.checkpoint_prefetches += 1
 
     def drop_checkpoint(self, unit: int, microbatch: int) -> None:
         key = (unit, microbatch)
         self._host_checkpoints.pop(key, None)
         ck = self._ssd_checkpoints.pop(key, None)
         if ck is not None and ck.loaded is not None:
-            self.pool.release(ck.loaded.buf)
+            held = ck.loaded  # a read-ahead may still be filling it: give it back once that is done
+            held.pending.extend(held.reads)
+            held.reads = []
+            self._release_when_done(held)
 
     @property
     def num_checkpoints(self) -> int:

@@ -33,6 +33,9 @@ class TensorStore(Protocol):
     def prefetch(self, unit: int) -> None:
         """A hint: ``unit``'s weights will be acquired next; start bringing them in if that is cheap."""
 
+    def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
+        """A hint: that checkpoint will be loaded soon; start reading it if that is cheap."""
+
     def end_window(self, completed: bool = True) -> None:
         """The window is over: forget its checkpoints; ``completed=False``: it was abandoned before its
         optimizer step, so its gradients are dropped too."""
@@ -75,6 +78,9 @@ class InMemoryTensorStore:
         self.gradient_ready_order.append(unit)
 
     def prefetch(self, unit: int) -> None:
+        pass
+
+    def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
         pass
 
     @property

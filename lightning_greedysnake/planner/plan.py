@@ -104,8 +104,8 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     else:
         forward = max(f_compute, f_ssd, alpha * opt_cpu)
         backward = max(b_compute, b_ssd, (1 - alpha) * opt_cpu)
-    # a checkpoint on SSD is read when its unit's backward needs it (no read-ahead yet): that wait is on
-    # the critical path, not hidden behind compute
+    # a checkpoint on SSD is read at most one op ahead, and only from spare staging budget: counted on
+    # the backward's critical path rather than hidden behind compute (conservative)
     backward += ckpt / read
     return forward, backward
 

@@ -311,3 +311,19 @@ def test_a_truncated_offload_file_is_a_named_error_not_garbage(tmp_path):
     assert re.search(r"read of \d+ bytes at offset \d+ in .*weights\.bin", str(short[0]))
     assert not (tmp_path / "weights.bin").exists()
 
+
+
+def test_ssd_checkpoints_are_read_ahead_and_stay_exact():
+    """With checkpoints on SSD the engine hints the next op's checkpoint, so backward does not wait for
+    each read; the result is the resident one bit for bit."""
+    prefetches = {}
+
+    class Count(L.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            prefetches["n"] = trainer.strategy.tensor_manager.checkpoint_prefetches
+
+    _, got = _fit(GreedySnakeStrategy(offload={"checkpoints": "ssd"}), 4, callbacks=[Count()])
+    _, ref = _fit(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")), 4)
+    assert prefetches["n"] > 0
+    for (n, a), (_, b) in zip(got.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), n
