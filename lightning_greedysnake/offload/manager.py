@@ -58,11 +58,15 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 _MALLOC_TRIM = _load_malloc_trim()
 
 
-def trim_heap() -> None:
+TRIM_MIN_BYTES = 4 << 20
+
+
+def trim_heap(freed_bytes: int = TRIM_MIN_BYTES) -> None:
     """Give freed heap pages back to the OS. Backward allocates and frees unit-sized gradient tensors
     every micro-batch; glibc's adaptive mmap threshold moves such sizes onto the heap, whose free pages
-    it keeps, and host memory would creep up by several units' worth. A few milliseconds per unit."""
-    if _MALLOC_TRIM is not None:
+    it keeps, and host memory would creep up by several units' worth. About a millisecond per call, so
+    only worth it when the unit's tensors are large (``freed_bytes``)."""
+    if _MALLOC_TRIM is not None and freed_bytes >= TRIM_MIN_BYTES:
         _MALLOC_TRIM(0)
 
 
@@ -320,7 +324,7 @@ class TieredTensorStore:
             self.load_unit_weights(u, [p.data for p in self.params[u]])
             for i, p in enumerate(self.params[u]):
                 p.data = self._placeholders[u][i]
-            trim_heap()
+            trim_heap(self.layouts[u].numel * 4)
         self.flush()
         self._register_hooks()
 
@@ -930,6 +934,7 @@ class TieredTensorStore:
         } if states is not None else {}
         opt.step(mflat, grad, state_views, has_grad, part, hyper)
         self.steps_taken += 1
+        step_bytes = (hi - lo) * 4
         if states is not None:
             self._put_back(TensorKind.OPTIMIZER_STATES, unit, states,
                            self._byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
@@ -947,7 +952,7 @@ class TieredTensorStore:
             # the updated fp32 weights are the new compute weights; an acquired buffer is given back by
             # its owner once this write is done
             self._put_back(TensorKind.WEIGHTS, unit, master, w_ranges, release=weights_held is None)
-        trim_heap()
+        trim_heap(step_bytes)
 
     # -- window and lifetime --------------------------------------------------------------------------
     def end_window(self, completed: bool = True) -> None:
