@@ -1,6 +1,6 @@
 """Train a small GPT with the greedysnake strategy on a byte-level corpus of the Python stdlib.
 
-    python examples/train_gpt.py                                  # embedded defaults, CPU, ~3 minutes
+    python examples/train_gpt.py                                  # embedded defaults, CPU, ~2.5 minutes
     python examples/train_gpt.py trainer.max_steps=20 trainer.accumulate_grad_batches=4 \
         strategy.schedule=horizontal model.n_layer=4
     python examples/train_gpt.py strategy=lightning_auto           # Lightning's default, for comparison
