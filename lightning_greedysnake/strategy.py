@@ -314,7 +314,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             clip = self._clip_policy(trainer, module)
         manager = TieredTensorStore(
             units, names, optimizer, offload, compute_dtype=self.precision_plugin.compute_dtype, clip=clip,
-            alpha=self.config.alpha, lag=self.config.lag,
+            alpha=self.config.alpha, lag=self._effective_lag(),
         )
         try:
             self._prepare_offload_dir(trainer, manager)
@@ -349,6 +349,20 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             self._lock.acquire()
             rank_zero_info(report.text())
         self._offload_dir = offload_dir
+
+    def _effective_lag(self) -> int:
+        """The optimizer lane's lag. Under bf16-mixed the background lane is off for now: a stress run
+        (about 2 in 14 runs) found results differing from the synchronous ones with lag > 0 in bf16
+        only (fp32 is exact under every test); until that race is found, exactness comes first."""
+        lag = self.config.lag
+        if lag > 0 and self.precision_plugin.compute_dtype != torch.float32:
+            self._warn_once(
+                "bf16-lag",
+                f"greedysnake: lag={lag} is not used under bf16-mixed yet (a race with the background optimizer "
+                "is being fixed); optimizer steps run synchronously (lag=0), results stay exact.",
+            )
+            return 0
+        return lag
 
     def _placement_text(self) -> str:
         o = self.config.offload
@@ -602,7 +616,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         choice = plan(costs, Machine(read_bps, write_bps, optimizer_rate()),
                       self.lightning_module.trainer.accumulate_grad_batches, int(budget),
                       manager.checkpoint_bytes, layers_per_unit=(1,),  # costs are per current unit
-                      checkpoint_placements=(placement,))
+                      checkpoint_placements=(placement,), lags=(0,) if self._effective_lag() == 0 else (0, 1, 2))
         manager.reconfigure(choice.alpha, choice.lag, choice.buffer_budget_bytes)
         self.plan_choice = choice
         rank_zero_info(
