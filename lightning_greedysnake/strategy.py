@@ -351,18 +351,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         self._offload_dir = offload_dir
 
     def _effective_lag(self) -> int:
-        """The optimizer lane's lag. Under bf16-mixed the background lane is off for now: a stress run
-        (about 2 in 14 runs) found results differing from the synchronous ones with lag > 0 in bf16
-        only (fp32 is exact under every test); until that race is found, exactness comes first."""
-        lag = self.config.lag
-        if lag > 0 and self.precision_plugin.compute_dtype != torch.float32:
-            self._warn_once(
-                "bf16-lag",
-                f"greedysnake: lag={lag} is not used under bf16-mixed yet (a race with the background optimizer "
-                "is being fixed); optimizer steps run synchronously (lag=0), results stay exact.",
-            )
-            return 0
-        return lag
+        return self.config.lag
 
     def _placement_text(self) -> str:
         o = self.config.offload

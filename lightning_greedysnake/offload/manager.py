@@ -939,14 +939,17 @@ class TieredTensorStore:
             self._put_back(TensorKind.OPTIMIZER_STATES, unit, states,
                            self._byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
         if self.separate_master:
-            self._put_back(TensorKind.MASTER_WEIGHTS, unit, master,
-                           self._byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
             assert compute is not None
             cflat = compute.buf.view(self.compute_dtype, lay.numel)
             for slot in lay.params:
                 a, b = max(lo, slot.offset_numel), min(hi, slot.offset_numel + slot.numel)
                 if slot.group is not None and a < b:
                     cflat[a:b].copy_(mflat[a:b])
+            # only now may the master buffer go back: once its write completes the pool can hand it to
+            # the training thread (a gradient accumulator of the same size is zeroed at once), so reading
+            # it for the cast after _put_back raced with that (found by benchmarks/stress_bf16_lane.py)
+            self._put_back(TensorKind.MASTER_WEIGHTS, unit, master,
+                           self._byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
             self._put_back(TensorKind.WEIGHTS, unit, compute, w_ranges, release=weights_held is None)
         else:
             # the updated fp32 weights are the new compute weights; an acquired buffer is given back by
