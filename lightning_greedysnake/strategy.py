@@ -314,7 +314,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             clip = self._clip_policy(trainer, module)
         manager = TieredTensorStore(
             units, names, optimizer, offload, compute_dtype=self.precision_plugin.compute_dtype, clip=clip,
-            alpha=self.config.alpha, lag=self._effective_lag(),
+            alpha=self.config.alpha, lag=self.config.lag,
         )
         try:
             self._prepare_offload_dir(trainer, manager)
@@ -349,9 +349,6 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             self._lock.acquire()
             rank_zero_info(report.text())
         self._offload_dir = offload_dir
-
-    def _effective_lag(self) -> int:
-        return self.config.lag
 
     def _placement_text(self) -> str:
         o = self.config.offload
@@ -605,7 +602,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         choice = plan(costs, Machine(read_bps, write_bps, optimizer_rate()),
                       self.lightning_module.trainer.accumulate_grad_batches, int(budget),
                       manager.checkpoint_bytes, layers_per_unit=(1,),  # costs are per current unit
-                      checkpoint_placements=(placement,), lags=(0,) if self._effective_lag() == 0 else (0, 1, 2))
+                      checkpoint_placements=(placement,))
         manager.reconfigure(choice.alpha, choice.lag, choice.buffer_budget_bytes)
         self.plan_choice = choice
         rank_zero_info(

@@ -764,7 +764,7 @@ class TieredTensorStore:
             if unit not in self._weights:
                 self._spill_grad(unit)  # wait on the gradients tier until finish_step (else: at release)
             return
-        self._flat_or_none(unit)
+        self._ensure_grad_in_memory(unit)
         grad_held = self._grads.pop(unit)
         weights_held = self._weights.get(unit)
         if weights_held is not None:
@@ -800,7 +800,7 @@ class TieredTensorStore:
 
         self.lane.submit(backward_part, heavy=True)
 
-    def _flat_or_none(self, unit: int) -> None:
+    def _ensure_grad_in_memory(self, unit: int) -> None:
         """Make sure ``unit``'s gradient accumulator is in memory (read back if it was spilled)."""
         if unit not in self._grads:
             self._grad_flat(unit)
