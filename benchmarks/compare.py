@@ -50,12 +50,15 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     class Timer(L.Callback):
         def __init__(self) -> None:
             self.t = time.perf_counter()
+            self.steady_from = 0.0
 
         def on_train_batch_end(self, trainer: Any, module: Any, *a: Any) -> None:
             if (trainer.fit_loop.epoch_loop.batch_idx + 1) % k == 0:
                 now = time.perf_counter()
                 times.append(now - self.t)
                 self.t = now
+                if len(times) == 1:
+                    self.steady_from = now  # unit times from the steps after the first (and after auto's plan)
 
         def on_train_end(self, trainer: Any, module: Any) -> None:
             manager = getattr(trainer.strategy, "tensor_manager", None)
@@ -64,9 +67,12 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
             if trainer.strategy.plan_choice is not None:
                 extra["plan"] = dataclasses.asdict(trainer.strategy.plan_choice)
             manager.drain()
-            fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
+            fwd, bwd = unit_times(manager.stats.lanes.spans(self.steady_from, float("inf")), manager.num_units)
             machine = Machine(args.read_bps, args.write_bps, args.opt_rate)
-            costs = unit_costs(manager, fwd, bwd)
+            costs = unit_costs(manager, fwd, bwd, trainer.strategy.engine.activation_bytes)
+            if not trainer.strategy.config.recompute:  # measured without recompute: nothing to take out
+                costs = [dataclasses.replace(c, recompute_s=0.0) for c in costs]
+            extra["recompute"] = trainer.strategy.config.recompute
             extra["roofline_s"] = predict(costs, machine, "vertical", k).step_s
             extra["units"] = [dataclasses.asdict(c) for c in costs]
 
@@ -74,8 +80,11 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     settings: dict[str, Any] = {}
     if system == "gs_planned":
         chosen = json.loads(args.plan)
-        settings = {"alpha": chosen["alpha"], "lag": chosen["lag"], "layers_per_unit": chosen["layers_per_unit"]}
-        offload.update(checkpoints=chosen["checkpoints"], buffer_budget_bytes=chosen["buffer_budget_bytes"])
+        settings = {"alpha": chosen["alpha"], "lag": chosen["lag"], "layers_per_unit": chosen["layers_per_unit"],
+                    "recompute": chosen["recompute"]}
+        offload.update(buffer_budget_bytes=chosen["buffer_budget_bytes"])
+        if chosen["recompute"]:
+            offload.update(checkpoints=chosen["checkpoints"])
         extra["plan"] = chosen
     if system == "gs_auto":
         settings = {"auto": True, "auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}

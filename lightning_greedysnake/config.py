@@ -178,8 +178,10 @@ class GreedySnakeConfig:
 
     recompute: bool = True
     """Backward recomputes each unit from its checkpointed input (RNG restored so dropout masks match).
-    ``False`` keeps every unit's autograd graph from the forward instead: more memory, no recompute;
-    meant for debugging and for checking that recomputation is exact."""
+    ``False`` keeps every unit's autograd graph (its activations, for all K micro-batches) from the
+    forward until the unit's backward instead: no recompute, about a quarter less compute, and K times
+    one model's activations in memory. The weights still leave memory between uses (views of them that
+    autograd saves are kept as references). ``auto=True`` picks it where it fits the host budget."""
 
     layered_module: str | None = None
     """Dotted name of the submodule that is the layered model (``""`` for the LightningModule itself).

@@ -17,16 +17,21 @@ from pathlib import Path
 
 import torch
 
+from lightning_greedysnake.engine import SavedBytes
 from lightning_greedysnake.models import GPT, GPTConfig
 from lightning_greedysnake.planner import Machine, UnitCost, plan
 from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
 
 
 def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype, repeats: int = 3
-                ) -> tuple[float, float]:
-    """Seconds of one block's forward, and of its recomputing backward (forward again + backward)."""
+                ) -> tuple[float, float, int]:
+    """Seconds of one block's forward and of its recomputing backward (forward again + backward), and
+    the bytes its autograd graph holds for one micro-batch."""
     block = GPT(GPTConfig(**{**config.__dict__, "n_layer": 1})).blocks[0].to(dtype)
     x = torch.randn(micro_batch, seq, config.n_embd, dtype=dtype)
+    counter = SavedBytes(list(block.parameters()))
+    with counter.hooks():
+        block(x.detach().requires_grad_())
     fwd = bwd = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -37,7 +42,7 @@ def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtyp
         t0 = time.perf_counter()
         block(leaf).sum().backward()
         bwd = min(bwd, time.perf_counter() - t0)
-    return fwd, bwd
+    return fwd, bwd, counter.nbytes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,12 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     bf16 = args.precision == "bf16-mixed"
     read_bps, write_bps = disk_bandwidth(Path(args.offload_dir), nbytes=args.probe_mb << 20)
     rate = optimizer_rate()
-    fwd, bwd = block_times(config, args.micro_batch, args.seq, torch.bfloat16 if bf16 else torch.float32)
+    fwd, bwd, act = block_times(config, args.micro_batch, args.seq, torch.bfloat16 if bf16 else torch.float32)
     block_params = 12 * args.n_embd**2 + 13 * args.n_embd
     wsize = 2 if bf16 else 4
     units = [UnitCost(fwd, bwd, weight_bytes=wsize * block_params, grad_bytes=4 * block_params,
                       master_bytes=4 * block_params if bf16 else 0, state_bytes=8 * block_params,
-                      params=block_params) for _ in range(args.n_layer)]
+                      params=block_params, recompute_s=fwd if i < args.n_layer - 1 else 0.0,
+                      activation_bytes=act) for i in range(args.n_layer)]
     checkpoint_bytes = args.micro_batch * args.seq * args.n_embd * (2 if bf16 else 4)
     machine = Machine(read_bps, write_bps, rate)
     choice = plan(units, machine, args.k, int(args.host_budget_gb * 2**30), checkpoint_bytes)
@@ -74,7 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     print(choice.table())
     print(
         f"\nGreedySnakeStrategy(alpha={choice.alpha}, lag={choice.lag}, layers_per_unit={choice.layers_per_unit}, "
-        f"offload={{'checkpoints': '{choice.checkpoints}', 'buffer_budget_bytes': {choice.buffer_budget_bytes}}})"
+        f"recompute={choice.recompute}, offload={{"
+        + (f"'checkpoints': '{choice.checkpoints}', " if choice.recompute else "")
+        + f"'buffer_budget_bytes': {choice.buffer_budget_bytes}}})"
     )
 
 

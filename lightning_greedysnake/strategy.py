@@ -16,6 +16,7 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -299,12 +300,6 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
                 f"offload placement {self._placement_text()} on a {self.root_device.type} device: the tensor "
                 "manager's accelerator path (pinned buffers, copy streams) is not built yet. Fix: "
                 "Trainer(accelerator='cpu'), or keep everything on the device with "
-                "offload=OffloadConfig.everywhere('device')."
-            )
-        if not self.config.recompute:
-            raise ValueError(
-                "recompute=False keeps every unit's autograd graph, which pins its weights in memory; it only "
-                "works with everything on the device. Fix: recompute=True, or "
                 "offload=OffloadConfig.everywhere('device')."
             )
         optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
@@ -596,7 +591,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         probe_dir = manager.offload_dir or Path(self.lightning_module.trainer.default_root_dir)
         read_bps, write_bps = disk_bandwidth(probe_dir, nbytes=64 << 20)
         fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
-        costs = unit_costs(manager, fwd, bwd)
+        costs = unit_costs(manager, fwd, bwd, self.engine.activation_bytes)
         budget = self.config.auto_host_budget_bytes or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4
         placement = "ssd" if self.config.offload.checkpoints is Tier.SSD else "host"
         choice = plan(costs, Machine(read_bps, write_bps, optimizer_rate()),
@@ -604,6 +599,10 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
                       manager.checkpoint_bytes, layers_per_unit=(1,),  # costs are per current unit
                       checkpoint_placements=(placement,))
         manager.reconfigure(choice.alpha, choice.lag, choice.buffer_budget_bytes)
+        if choice.recompute != self.config.recompute:
+            # between windows: the engine reads it op by op, from the next forward on
+            self.config = dataclasses.replace(self.config, recompute=choice.recompute)
+            self.engine.config = self.config
         self.plan_choice = choice
         rank_zero_info(
             f"greedysnake auto plan (SSD read {read_bps / 1e9:.2f} GB/s, write {write_bps / 1e9:.2f} GB/s):\n"

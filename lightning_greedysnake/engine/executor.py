@@ -80,12 +80,84 @@ class _Window:
     cursor: int = 0
     rng: dict[tuple[int, int], _RngState] = field(default_factory=dict)
     graphs: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = field(default_factory=dict)
+    kept_inputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    """recompute=False: each unit's input per micro-batch, as the autograd leaf the next unit's graph
+    starts from (the store's checkpoints are copies, without the graph)."""
     fused_leaf: dict[int, Tensor | None] = field(default_factory=dict)
     fused_pending: int | None = None
 
     @property
     def next_op(self) -> Op | None:
         return self.plan.ops[self.cursor] if self.cursor < len(self.plan.ops) else None
+
+
+@dataclass(frozen=True)
+class _WeightRef:
+    """A saved tensor that views one of a unit's parameters, kept as (which parameter, how viewed)."""
+
+    param: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _as_weight_ref(t: Tensor, params: list[Tensor]) -> _WeightRef | None:
+    """``t`` as a view of one of ``params`` (None when it is not one)."""
+    if t.layout is not torch.strided or t.device.type == "meta":
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    if ptr == 0:
+        return None
+    for i, p in enumerate(params):
+        d = p.data
+        if d.untyped_storage().data_ptr() == ptr and d.dtype == t.dtype:
+            return _WeightRef(i, t.storage_offset() - d.storage_offset(), tuple(t.shape), tuple(t.stride()))
+    return None
+
+
+class SavedBytes:
+    """Saved-tensor hooks that add up the bytes autograd keeps for a graph (the storages of every saved
+    tensor that is not a view of one of ``params``): what ``recompute=False`` holds per micro-batch.
+    The planner reads it."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.nbytes = 0
+        self._seen: set[int] = set()
+
+    def _pack(self, t: Tensor) -> Tensor:
+        if t.layout is torch.strided and _as_weight_ref(t, self.params) is None:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._seen:
+                self._seen.add(storage.data_ptr())
+                self.nbytes += storage.nbytes()
+        return t
+
+    def hooks(self) -> ContextManager[Any]:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+
+def _weight_refs(unit: Unit) -> ContextManager[Any]:
+    """Saved-tensor hooks for a unit's forward whose graph is kept until its backward.
+
+    Autograd saves views of the weights (``weight.t()`` for a matmul); those would pin the weights'
+    buffer, which the tensor manager hands to the next unit once this one is released. Instead each
+    such view is packed as a reference and rebuilt at backward from the parameter's current data,
+    which by then holds the same values again (the unit is re-acquired before its backward, and its
+    weights are not stepped before their backward is done)."""
+    params = unit.parameters()
+
+    def pack(t: Tensor) -> Any:
+        ref = _as_weight_ref(t, params)
+        return t if ref is None else ref
+
+    def unpack(packed: Any) -> Tensor:
+        if not isinstance(packed, _WeightRef):
+            return packed
+        d = params[packed.param].data
+        return d.as_strided(packed.size, packed.stride, d.storage_offset() + packed.offset)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _check_hidden(value: Any, where: str) -> Tensor:
@@ -136,6 +208,9 @@ class WindowEngine:
         self.device = device
         self._window: _Window | None = None
         self._held_unit: int | None = None
+        self.activation_bytes: dict[int, int] = {}
+        """Per unit, the bytes its autograd graph holds for one micro-batch (measured at the first
+        recompute of each unit): what keeping the graphs instead would cost."""
 
     # -- window lifecycle ---------------------------------------------------------------------------
     @property
@@ -239,8 +314,7 @@ class WindowEngine:
                 mb.ctx = ctx
                 leaf = None
             else:
-                stored = self.store.load_checkpoint(op.unit, microbatch)
-                leaf = stored.detach().requires_grad_(stored.is_floating_point())
+                leaf = self._load_input(op.unit, microbatch, for_grad=True)
                 hidden = leaf
             hidden = self._blocks(unit, hidden, mb.ctx)
             out = self.chain.post(hidden, mb.ctx)
@@ -260,7 +334,7 @@ class WindowEngine:
         leaf = w.fused_leaf.pop(microbatch, None)
         mb.act_grad = leaf.grad if leaf is not None else None
         if op.unit > 0:
-            self.store.drop_checkpoint(op.unit, microbatch)
+            self._drop_input(op.unit, microbatch)
         w.fused_pending = None
         w.cursor += 1
         while (nxt := w.next_op) is not None and nxt.kind in (OpKind.BACKWARD, OpKind.OPTIMIZER):
@@ -329,23 +403,37 @@ class WindowEngine:
         recompute = self.config.recompute
         if recompute:
             w.rng[(u, m)] = _RngState.capture(self.device)
-        # Recompute mode: no graph now, backward rebuilds it. Otherwise keep the graph until B u.m.
-        with torch.no_grad() if recompute else torch.enable_grad(), self.forward_context():
+        # Recompute mode: no graph now, backward rebuilds it. Otherwise keep the graph until B u.m, with
+        # its saved views of the unit's weights held as references (the weights leave memory meanwhile).
+        grad_mode = torch.no_grad() if recompute else torch.enable_grad()
+        hooks = contextlib.nullcontext() if recompute else _weight_refs(unit)
+        with grad_mode, hooks, self.forward_context():
             if u == 0:
                 hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
                 hidden = _check_hidden(hidden, "pre")
                 mb.ctx = ctx
                 leaf = None
             else:
-                leaf = self.store.load_checkpoint(u, m)
+                leaf = self._load_input(u, m, for_grad=not recompute)
                 hidden = leaf
             out = self._blocks(unit, hidden, mb.ctx)
         if recompute:
             self.store.save_checkpoint(u + 1, m, out)
         else:
-            nxt = out.detach().requires_grad_(out.is_floating_point())
             w.graphs[(u, m)] = (leaf, out)
-            self.store.save_checkpoint(u + 1, m, nxt)
+            w.kept_inputs[(u + 1, m)] = out.detach().requires_grad_(out.is_floating_point())
+
+    def _load_input(self, u: int, m: int, for_grad: bool) -> Tensor:
+        """Unit ``u``'s input for micro-batch ``m``: an autograd leaf when ``for_grad``."""
+        w = self._require_window()
+        if (u, m) in w.kept_inputs:
+            return w.kept_inputs[(u, m)]
+        stored = self.store.load_checkpoint(u, m)
+        return stored.detach().requires_grad_(stored.is_floating_point()) if for_grad else stored
+
+    def _drop_input(self, u: int, m: int) -> None:
+        if self._require_window().kept_inputs.pop((u, m), None) is None:
+            self.store.drop_checkpoint(u, m)
 
     def _backward(self, u: int, m: int) -> None:
         w = self._require_window()
@@ -355,28 +443,31 @@ class WindowEngine:
             w.rng.pop((u, m), None)
             w.graphs.pop((u, m), None)
             if u > 0:
-                self.store.drop_checkpoint(u, m)
+                self._drop_input(u, m)
             return
         unit = self.units[u]
         self._ensure_unit(u)
         leaf: Tensor | None
-        if self.config.recompute:
-            with w.rng.pop((u, m)).replay(), torch.enable_grad(), self.forward_context():
+        if (u, m) in w.graphs:
+            leaf, out = w.graphs.pop((u, m))
+        else:
+            counter = SavedBytes(unit.parameters()) if u not in self.activation_bytes else None
+            measure = counter.hooks() if counter is not None else contextlib.nullcontext()
+            with w.rng.pop((u, m)).replay(), torch.enable_grad(), measure, self.forward_context():
                 if u == 0:
                     hidden, _ = self.chain.pre(*mb.args, **mb.kwargs)
                     leaf = None
                 else:
-                    stored = self.store.load_checkpoint(u, m)
-                    leaf = stored.detach().requires_grad_(stored.is_floating_point())
+                    leaf = self._load_input(u, m, for_grad=True)
                     hidden = leaf
                 out = self._blocks(unit, hidden, mb.ctx)
-        else:
-            leaf, out = w.graphs.pop((u, m))
+            if counter is not None:
+                self.activation_bytes[u] = counter.nbytes
         if out.requires_grad:
             torch.autograd.backward(out, grad)
         mb.act_grad = leaf.grad if leaf is not None else None
         if u > 0:
-            self.store.drop_checkpoint(u, m)
+            self._drop_input(u, m)
 
     def _blocks(self, unit: Unit, hidden: Tensor, ctx: Any) -> Tensor:
         for i in unit.block_indices:

@@ -407,36 +407,64 @@ class TieredTensorStore:
         flat = states.buf.view(torch.float32, lay.numel, offset_bytes=k * lay.nbytes(4))
         return _view(flat, slot)
 
+    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
+        """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's
+        layout (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
+        assert self.optimizer is not None
+        self.drain()
+        opt = self.unit_optimizers[u]
+        if opt is None or not opt.has_trainable:
+            return {}
+        tindex = self._trainable_index(u)
+        if not any(opt.param_initialized(j) for j in tindex.values()):
+            return {}
+        states = self._stage(TensorKind.OPTIMIZER_STATES, u, read=True) if self.slots else None
+        try:
+            entries: dict[int, dict[str, Any]] = {}
+            for i, j in tindex.items():
+                if not opt.param_initialized(j):
+                    continue
+                entry = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.param_scalar_state(j).items()}
+                if states is not None:
+                    for k, name in enumerate(self.slots):
+                        entry[name] = self._slot_view(states, u, k, self.layouts[u].params[i]).clone()
+                entries[i] = entry
+            return entries
+        finally:
+            if states is not None:
+                self._done_with(states)
+
+    def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
+        """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
+        assert self.optimizer is not None
+        self.drain()
+        opt = self.unit_optimizers[u]
+        assert opt is not None
+        lay = self.layouts[u]
+        tindex = self._trainable_index(u)
+        states = self._stage(TensorKind.OPTIMIZER_STATES, u, read=True) if self.slots else None
+        for i, entry in entries.items():
+            if i not in tindex:
+                raise ValueError(f"optimizer state for {lay.params[i].name} (unit {u}), which the optimizer "
+                                 "does not train")
+            scalars = {}
+            for name, value in entry.items():
+                if name in self.slots and isinstance(value, Tensor) and value.shape == lay.params[i].shape:
+                    assert states is not None
+                    self._slot_view(states, u, self.slots.index(name), lay.params[i]).copy_(value)
+                else:
+                    scalars[name] = value
+            opt.set_param_scalar_state(tindex[i], scalars)
+        if states is not None:
+            self._put_back(TensorKind.OPTIMIZER_STATES, u, states)
+
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
         """The optimizer's per-parameter state in ``torch.optim`` form, keyed by the parameter's index
         in the user's optimizer (the ``state`` entry of ``optimizer.state_dict()``). Drains pending
-        steps first."""
+        steps first. Holds the whole state in memory: checkpoints stream it unit by unit instead."""
         assert self.optimizer is not None
-        self.drain()
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
-        per_unit: dict[int, dict[int, dict[str, Any]]] = {}
-        for u, opt in enumerate(self.unit_optimizers):
-            if opt is None or not opt.has_trainable:
-                continue
-            tindex = self._trainable_index(u)
-            if not any(opt.param_initialized(j) for j in tindex.values()):
-                continue
-            states = self._stage(TensorKind.OPTIMIZER_STATES, u, read=True) if self.slots else None
-            try:
-                entries: dict[int, dict[str, Any]] = {}
-                for i, j in tindex.items():
-                    if not opt.param_initialized(j):
-                        continue
-                    entry = {k: (v.clone() if isinstance(v, Tensor) else v)
-                             for k, v in opt.param_scalar_state(j).items()}
-                    if states is not None:
-                        for k, name in enumerate(self.slots):
-                            entry[name] = self._slot_view(states, u, k, self.layouts[u].params[i]).clone()
-                    entries[i] = entry
-                per_unit[u] = entries
-            finally:
-                if states is not None:
-                    self._done_with(states)
+        per_unit = {u: self.unit_optimizer_state(u) for u in range(self.num_units)}
         out: dict[int, dict[str, Any]] = {}
         for idx, p in enumerate(order):
             where = self._where.get(id(p))
@@ -457,22 +485,7 @@ class TieredTensorStore:
                 raise ValueError(f"optimizer state for parameter {idx}, which is outside the layered model")
             by_unit.setdefault(where[0], {})[where[1]] = entry
         for u, entries in by_unit.items():
-            opt = self.unit_optimizers[u]
-            assert opt is not None
-            lay = self.layouts[u]
-            tindex = self._trainable_index(u)
-            states = self._stage(TensorKind.OPTIMIZER_STATES, u, read=True) if self.slots else None
-            for i, entry in entries.items():
-                scalars = {}
-                for name, value in entry.items():
-                    if name in self.slots and isinstance(value, Tensor) and value.shape == lay.params[i].shape:
-                        assert states is not None
-                        self._slot_view(states, u, self.slots.index(name), lay.params[i]).copy_(value)
-                    else:
-                        scalars[name] = value
-                opt.set_param_scalar_state(tindex[i], scalars)
-            if states is not None:
-                self._put_back(TensorKind.OPTIMIZER_STATES, u, states)
+            self.load_unit_optimizer_state(u, entries)
         self.flush()
 
     # -- staging ----------------------------------------------------------------------------------------

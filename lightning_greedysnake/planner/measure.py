@@ -11,9 +11,12 @@ from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.planner.roofline import UnitCost
 
 
-def unit_costs(manager: Any, forward_s: list[float] | None = None, backward_s: list[float] | None = None
-               ) -> list[UnitCost]:
-    """:class:`UnitCost` per unit of a :class:`TieredTensorStore` (sizes as laid out; times if given)."""
+def unit_costs(manager: Any, forward_s: list[float] | None = None, backward_s: list[float] | None = None,
+               activation_bytes: dict[int, int] | None = None) -> list[UnitCost]:
+    """:class:`UnitCost` per unit of a :class:`TieredTensorStore` (sizes as laid out; times if given;
+    ``activation_bytes`` as the engine measured them). Every unit but the fused last one recomputes its
+    forward in backward."""
+    last = len(manager.layouts) - 1
     sizes = manager._region_bytes
     out = []
     for u, lay in enumerate(manager.layouts):
@@ -34,6 +37,8 @@ def unit_costs(manager: Any, forward_s: list[float] | None = None, backward_s: l
             params=lay.trainable_numel,
             alpha_weight_bytes=alpha_w,
             alpha_grad_bytes=alpha_g,
+            recompute_s=(forward_s[u] if forward_s and u < last else 0.0),
+            activation_bytes=(activation_bytes or {}).get(u, 0),
         ))
     return out
 

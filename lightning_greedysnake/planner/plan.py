@@ -11,6 +11,10 @@ Step time (vertical order, K micro-batches):
   the other ``1 - alpha`` of the optimizer. With ``lag = 0`` the optimizer does not overlap: its
   backward share adds to the phase instead of racing it.
 
+Keeping the autograd graphs (``recompute=False``) takes each unit's recompute out of the backward
+phase and its checkpoint traffic out of both, and costs every unit's graph for all K micro-batches in
+host memory, from the forward until the unit's backward: it is chosen when that fits the budget.
+
 Memory: the staging the tensor manager needs for that lag (the training thread's unit and ``lag``
 queued steps each hold weights and gradient; the running step adds master and state) plus the next
 unit's weights for prefetch, optionally a second optimizer working set (so the optimizer's reads of
@@ -30,17 +34,19 @@ class Choice:
     lag: int
     layers_per_unit: int
     checkpoints: str
-    """``host`` or ``ssd``."""
+    """``host`` or ``ssd``; ``none`` when the graphs are kept (no checkpoints then)."""
     buffer_budget_bytes: int
     host_bytes: int
     """Staging plus host-resident checkpoints."""
     step_s: float
     forward_s: float
     backward_s: float
+    recompute: bool = True
 
     def table(self) -> str:
         rows = [
             ("alpha", f"{self.alpha:.2f}"), ("lag", str(self.lag)), ("layers_per_unit", str(self.layers_per_unit)),
+            ("recompute", str(self.recompute)),
             ("checkpoints", self.checkpoints), ("buffer_budget_bytes", f"{self.buffer_budget_bytes:,}"),
             ("host memory (bytes)", f"{self.host_bytes:,}"), ("predicted step (s)", f"{self.step_s:.3f}"),
             ("  forward phase (s)", f"{self.forward_s:.3f}"), ("  backward phase (s)", f"{self.backward_s:.3f}"),
@@ -61,7 +67,8 @@ def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
             forward_s=sum(u.forward_s for u in group), backward_s=sum(u.backward_s for u in group),
             weight_bytes=sum(u.weight_bytes for u in group), grad_bytes=sum(u.grad_bytes for u in group),
             master_bytes=sum(u.master_bytes for u in group), state_bytes=sum(u.state_bytes for u in group),
-            params=sum(u.params for u in group),
+            params=sum(u.params for u in group), recompute_s=sum(u.recompute_s for u in group),
+            activation_bytes=sum(u.activation_bytes for u in group),
         ))
     return out
 
@@ -77,10 +84,10 @@ def staging_bytes(units: list[UnitCost], lag: int) -> int:
 
 
 def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: int, checkpoint_bytes: int,
-          checkpoints: str, double_buffered: bool = False) -> tuple[float, float]:
+          checkpoints: str, double_buffered: bool = False, recompute: bool = True) -> tuple[float, float]:
     """(forward phase, backward phase) seconds of one vertical step. ``double_buffered``: the staging
     budget holds a second optimizer working set, so one unit's state reads overlap the previous unit's
-    write-back instead of following it."""
+    write-back instead of following it. ``recompute=False``: graphs kept, no recompute, no checkpoints."""
     read, write = machine.read_bytes_per_s, machine.write_bytes_per_s
     weights = sum(u.weight_bytes for u in units)
     opt_read = sum(u.state_bytes + u.master_bytes for u in units)
@@ -93,9 +100,9 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     # range is read again (as master under 32-true, to refresh the 16-bit copy under bf16-mixed)
     deferred_io = alpha * sum(u.grad_bytes for u in units) * (1 / read + 1 / write) + alpha * weights / read
     opt_cpu = sum(u.params for u in units) / machine.optimizer_elements_per_s
-    ckpt = k * (len(units) - 1) * checkpoint_bytes if checkpoints == "ssd" else 0
+    ckpt = k * (len(units) - 1) * checkpoint_bytes if (checkpoints == "ssd" and recompute) else 0
     f_compute = k * sum(u.forward_s for u in units)
-    b_compute = k * sum(u.backward_s for u in units)
+    b_compute = k * sum(u.backward_s - (0.0 if recompute else u.recompute_s) for u in units)
     f_ssd = weights / read + ckpt / write + alpha * opt_io + deferred_io
     b_ssd = weights / read + ckpt / read + (1 - alpha) * opt_io
     if lag == 0:
@@ -113,11 +120,17 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
 def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int, checkpoint_bytes: int,
          alphas: tuple[float, ...] = tuple(a / 20 for a in range(11)), lags: tuple[int, ...] = (0, 1, 2),
          layers_per_unit: tuple[int, ...] = (1, 2, 4),
-         checkpoint_placements: tuple[str, ...] = ("host", "ssd")) -> Choice:
+         checkpoint_placements: tuple[str, ...] = ("host", "ssd"),
+         recompute: tuple[bool, ...] = (True, False)) -> Choice:
     """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory).
 
     ``units``: per-layer costs (one block each); ``checkpoint_bytes``: one unit input of one micro-batch.
+    Keeping the graphs is considered only where every recomputed unit's activation bytes were measured.
     """
+    measured = all(u.activation_bytes > 0 for u in units[:-1])
+    options = [(True, c) for c in checkpoint_placements] if True in recompute else []
+    if False in recompute and measured:
+        options.append((False, "none"))
     best: Choice | None = None
     smallest = None
     for lpu in layers_per_unit:
@@ -126,16 +139,23 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
         for lag in lags:
             for double in (False, True):
                 staging = staging_bytes(merged, lag) + (second_set if double else 0)
-                for checkpoints in checkpoint_placements:
-                    host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
+                for recomputing, checkpoints in options:
+                    if recomputing:
+                        host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
+                    else:  # every unit's graph for every micro-batch, but the fused last unit's
+                        host_ckpt = k * sum(u.activation_bytes for u in merged[:-1])
                     host = staging + (16 << 20) + host_ckpt
                     smallest = host if smallest is None else min(smallest, host)
                     if host > host_budget_bytes:
                         continue
                     for alpha in alphas:
-                        f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints, double)
-                        choice = Choice(alpha, lag, lpu, checkpoints, staging + (16 << 20), host, f + b, f, b)
-                        if best is None or (choice.step_s, choice.host_bytes) < (best.step_s, best.host_bytes):
+                        f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints, double,
+                                     recompute=recomputing)
+                        choice = Choice(alpha, lag, lpu, checkpoints, staging + (16 << 20), host, f + b, f, b,
+                                        recomputing)
+                        # ties: less memory, then recompute (the method's default)
+                        key = (choice.step_s, choice.host_bytes, not choice.recompute)
+                        if best is None or key < (best.step_s, best.host_bytes, not best.recompute):
                             best = choice
     if best is None:
         raise PlanError(

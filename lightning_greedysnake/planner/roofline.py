@@ -33,6 +33,12 @@ class UnitCost:
     """Bytes of the deferred (alpha) range in the weights region (the range re-read as master)."""
     alpha_grad_bytes: int = 0
     """Bytes of the deferred (alpha) range in the gradient region."""
+    recompute_s: float = 0.0
+    """The part of ``backward_s`` that recomputes the forward (0 for the fused last unit, which keeps
+    its graph anyway): what ``recompute=False`` saves."""
+    activation_bytes: int = 0
+    """Bytes autograd keeps for one micro-batch's graph of this unit (0: not measured): what
+    ``recompute=False`` holds in memory per micro-batch until the unit's backward."""
 
 
 @dataclass(frozen=True)

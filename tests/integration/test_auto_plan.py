@@ -3,6 +3,8 @@ with them; the math stays exact."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import pytest
 
@@ -26,6 +28,7 @@ def test_auto_plans_after_the_first_step_and_stays_exact(start, caplog):
     choice = strategy.plan_choice
     assert choice is not None and 0.0 <= choice.alpha <= 1.0 and choice.lag in (0, 1, 2)
     assert choice.host_bytes <= 1 << 30
+    assert strategy.config.recompute == choice.recompute  # applied (keeping graphs is a choice too)
     assert "greedysnake auto plan" in caplog.text and "predicted step (s)" in caplog.text
     assert max_abs_diff(got, ref) == 0  # re-splitting the optimizer keeps its state: same numbers
 
@@ -53,3 +56,25 @@ def test_reconfiguring_alpha_and_lag_mid_run_keeps_the_optimizer_state():
     make_trainer(strategy, 3, max_epochs=2, callbacks=[Switch()]).fit(module, token_loader(12))
     got = {n: p.detach().clone() for n, p in module.named_parameters()}
     assert max_abs_diff(got, ref) == 0
+
+
+def test_auto_can_switch_to_kept_graphs_mid_run_exactly():
+    """With room for the graphs and dropout on, a run that starts recomputing and then keeps graphs
+    (as auto=True may decide after step 1) lands where recomputing all along lands."""
+
+    class Switch(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            strategy = trainer.strategy
+            if trainer.global_step == 1 and strategy.config.recompute:
+                assert set(strategy.engine.activation_bytes) >= {0, 1}  # measured at the first recompute
+                assert all(v > 0 for v in strategy.engine.activation_bytes.values())
+                strategy.config = dataclasses.replace(strategy.config, recompute=False)
+                strategy.engine.config = strategy.config
+
+    def fit(callbacks: list) -> dict:
+        L.seed_everything(0, verbose=False)
+        module = TinyGPTModule(n_layer=3, lr=3e-3, dropout=0.2)
+        make_trainer(GreedySnakeStrategy(), 3, max_epochs=2, callbacks=callbacks).fit(module, token_loader(12))
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    assert max_abs_diff(fit([Switch()]), fit([])) <= 1e-6

@@ -234,11 +234,6 @@ def test_buffer_budget_below_one_unit_is_refused():
         _fit_never(GreedySnakeStrategy(offload={"buffer_budget_bytes": 4096}))
 
 
-def test_recompute_false_with_offload_is_refused():
-    with pytest.raises(ValueError, match=r"recompute=False.*Fix"):
-        _fit_never(GreedySnakeStrategy(recompute=False))
-
-
 def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
     class Big(NeverTrained):
         def __init__(self) -> None:

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from lightning_greedysnake.planner import Machine, PlanError, UnitCost, plan, score, staging_bytes
@@ -105,3 +107,46 @@ def test_checkpoints_stay_in_host_memory_when_they_fit():
     disk = Machine(read_bytes_per_s=2e9, write_bytes_per_s=2e9, optimizer_elements_per_s=1e12)
     choice = plan(layers(backward_s=1.0), disk, k=8, host_budget_bytes=10**12, checkpoint_bytes=MB)
     assert choice.checkpoints == "host"
+
+
+def _with_graphs(units: list[UnitCost], activation_bytes: int) -> list[UnitCost]:
+    last = len(units) - 1
+    return [dataclasses.replace(u, recompute_s=u.forward_s if i < last else 0.0, activation_bytes=activation_bytes)
+            for i, u in enumerate(units)]
+
+
+def test_keeping_the_graphs_is_chosen_when_they_fit_and_saves_the_recompute():
+    units = _with_graphs(layers(), activation_bytes=4 * MB)
+    choice = plan(units, FAST, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    assert not choice.recompute and choice.checkpoints == "none"
+    recompute_s = sum(u.recompute_s for u in units)
+    assert choice.step_s == pytest.approx(4 * (sum(u.forward_s + u.backward_s for u in units) - recompute_s))
+    # its memory: every recomputed unit's graph for every micro-batch
+    assert choice.host_bytes >= 4 * 7 * 4 * MB
+
+
+def test_graphs_that_do_not_fit_mean_recompute():
+    units = _with_graphs(layers(), activation_bytes=64 * MB)
+    budget = staging_bytes(units, 2) + 16 * MB + 4 * 7 * MB + 10 * MB  # host checkpoints fit, graphs do not
+    choice = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB, layers_per_unit=(1,))
+    assert choice.recompute and choice.host_bytes <= budget
+
+
+def test_graphs_are_not_kept_when_their_size_was_not_measured():
+    choice = plan(layers(), FAST, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    assert choice.recompute
+
+
+def test_saved_bytes_count_activations_not_weights():
+    """What keeping a graph costs: a linear layer saves its input (and a view of its weight, which the
+    tensor manager keeps as a reference, so it is not counted)."""
+    import torch
+
+    from lightning_greedysnake.engine import SavedBytes
+
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(8, 64, requires_grad=True)
+    counter = SavedBytes(list(layer.parameters()))
+    with counter.hooks():
+        layer(x).relu()
+    assert counter.nbytes == 8 * 64 * 4 + 8 * 32 * 4  # the input, and relu's output
