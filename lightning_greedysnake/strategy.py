@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -35,6 +36,16 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_greedysnake.checkpoint import is_checkpoint_dir
+from lightning_greedysnake.checkpoint.streamed import (
+    STREAMED_STATE,
+    StreamedStateDict,
+    StreamedTensor,
+    load_model_into,
+    load_optimizer_into,
+    load_streamed,
+    save_streamed,
+)
 from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.lookahead import LookaheadLoader
@@ -116,6 +127,10 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         self._store: TensorStore | None = None
         self._layered: nn.Module | None = None
         self._layered_path: str | None = None
+        self.last_checkpoint_seconds: float | None = None
+        self._last_saved: Any = None
+        self._checkpoint_loads = 0
+        """Wall time of the last checkpoint save (streamed from the tiers)."""
         self._train_loader: LookaheadLoader | None = None
         self._seen_iterator: object | None = None
         self._iterator_offset = 0
@@ -641,20 +656,37 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
-    # -- state dicts (the tensor manager holds the real values) ---------------------------------------
+    # -- state dicts and checkpoints (the tensor manager holds the real values) -------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # with a tensor manager, a checkpoint's state goes into it unit by unit, so it must exist first
+        return self.config.offload.uses_tensor_manager
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Lightning's state dict for checkpoints. With the tensor manager, every unit parameter is a
+        :class:`StreamedTensor` placeholder that :meth:`save_checkpoint` streams from the tiers (the
+        whole model is never gathered); :meth:`full_state_dict` gives real tensors."""
         state = super().lightning_module_state_dict()
         manager = self.tensor_manager
         if manager is None:
             return state
-        module = self.lightning_module
-        by_id = {}
         for u in range(manager.num_units):
-            for p, value in zip(manager.params[u], manager.unit_master_weights(u)):
-                by_id[id(p)] = value
-        for name, p in module.named_parameters():
-            if id(p) in by_id and name in state:
-                state[name] = by_id[id(p)]
+            for i, slot in enumerate(manager.layouts[u].params):
+                if slot.name in state:
+                    state[slot.name] = StreamedTensor(u, i, slot.shape)
+        return state
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's state dict with every parameter's current value (full precision),
+        gathered in memory."""
+        state = super().lightning_module_state_dict()
+        manager = self.tensor_manager
+        if manager is None:
+            return state
+        for u in range(manager.num_units):
+            for slot, value in zip(manager.layouts[u].params, manager.unit_master_weights(u)):
+                if slot.name in state:
+                    state[slot.name] = value
         return state
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -662,18 +694,68 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         if manager is None or manager.optimizer is None:
             return super().optimizer_state(optimizer)
         state = optimizer.state_dict()
-        state["state"] = manager.optimizer_state()
+        state["state"] = STREAMED_STATE  # streamed unit by unit by save_checkpoint
         return state
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        manager = self.tensor_manager
+        if manager is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"trainer.save_checkpoint(..., storage_options={storage_options!r}): greedysnake writes its "
+                "checkpoint directory itself, without a CheckpointIO plugin. Fix: drop storage_options."
+            )
+        if "://" in str(filepath):
+            raise ValueError(
+                f"checkpoint path {filepath!r}: greedysnake saves to a local or mounted filesystem (it streams "
+                "every unit and renames atomically). Fix: save locally and copy the directory afterwards."
+            )
+        if self.is_global_zero:
+            t0 = time.perf_counter()
+            trainer = self.lightning_module.trainer
+            # the state changes only at optimizer steps: a second save at the same step (save_last after
+            # a top-k save) links the first one's files
+            version = (id(manager), trainer.global_step, self._checkpoint_loads)
+            self._last_saved = save_streamed(
+                manager, checkpoint, filepath, self._layered_prefix(), str(self.precision_plugin.precision),
+                version=version, previous=self._last_saved)
+            self.last_checkpoint_seconds = time.perf_counter() - t0
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and is_checkpoint_dir(filepath) and not Path(filepath).is_symlink():
+            shutil.rmtree(filepath)
+            return
+        super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if is_checkpoint_dir(checkpoint_path):
+            return load_streamed(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        manager = self.tensor_manager
+        state_dict = checkpoint["state_dict"]
+        if manager is None:
+            if isinstance(state_dict, StreamedStateDict):
+                raise ValueError(
+                    f"checkpoint {state_dict.reader.path} holds state streamed from SSD; loading it needs the "
+                    "tensor manager (an offload placement with something off the device). Fix: export it "
+                    "with `python -m lightning_greedysnake.export` to load it elsewhere."
+                )
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._checkpoint_loads += 1
+        load_model_into(manager, self.lightning_module, state_dict, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         manager = self.tensor_manager
         if manager is None or manager.optimizer is None:
             return super().load_optimizer_state_dict(checkpoint)
         (opt_state,) = checkpoint["optimizer_states"]
-        # hyperparameters (and LR-scheduler bookkeeping such as initial_lr) go to the user's optimizer;
-        # the per-parameter state goes to the units
-        self.optimizers[0].load_state_dict({"state": {}, "param_groups": opt_state["param_groups"]})
-        manager.load_optimizer_state({int(k): v for k, v in opt_state["state"].items()})
+        load_optimizer_into(manager, self.optimizers[0], opt_state)
+
+    def _layered_prefix(self) -> str:
+        return f"{self._layered_path}." if self._layered_path else ""
 
     def _capture_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         """Run training_step up to its model call and return the model's inputs (logging muted)."""

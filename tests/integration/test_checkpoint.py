@@ -1,28 +1,207 @@
-"""Lightning checkpoints of the (in-memory) state resume exactly."""
+"""Lightning checkpoints of SSD-resident state: exact resume, streamed saves, refusal of damaged files."""
 
 from __future__ import annotations
 
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
 import lightning as L
+import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.checkpoint import CheckpointError, CheckpointReader
 from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
 
+BATCHES = 10
 
-def _fit(max_epochs: int, root, ckpt_path=None):
+
+def _fit(strategy: Any, root: Path, max_epochs: int = 3, k: int = 3, ckpt_path: str | None = None,
+         callbacks: list | None = None, precision: str = "32-true", max_steps: int = -1,
+         module: L.LightningModule | None = None) -> tuple[dict, L.Trainer]:
     L.seed_everything(0, verbose=False)
-    module = TinyGPTModule(lr=3e-3)
-    trainer = make_trainer(
-        GreedySnakeStrategy(), 3, max_epochs=max_epochs, enable_checkpointing=True, default_root_dir=root,
-        callbacks=[ModelCheckpoint(dirpath=root, save_last=True)],
-    )
-    trainer.fit(module, token_loader(10), ckpt_path=ckpt_path)
+    module = module or TinyGPTModule(lr=3e-3)
+    if callbacks is None:
+        callbacks = [ModelCheckpoint(dirpath=root, save_last=True)]
+    trainer = make_trainer(strategy, k, max_epochs=max_epochs, enable_checkpointing=True, default_root_dir=root,
+                           callbacks=callbacks, precision=precision, max_steps=max_steps)
+    trainer.fit(module, token_loader(BATCHES), ckpt_path=ckpt_path)
     return {n: p.detach().clone() for n, p in module.named_parameters()}, trainer
 
 
-def test_resume_at_epoch_boundary_equals_uninterrupted(tmp_path):
-    uninterrupted, _ = _fit(3, tmp_path / "a")
-    _fit(1, tmp_path / "b")
-    resumed, trainer = _fit(3, tmp_path / "b", ckpt_path=str(tmp_path / "b" / "last.ckpt"))
+SETTINGS = {
+    "ssd": {},
+    "deferred_alpha_lag": {"alpha": 0.5, "lag": 2},  # updates still pending when the save comes
+    "host": {"offload": {"weights": "host", "master_weights": "host", "optimizer_states": "host",
+                         "gradients": "host"}},
+    "two_blocks_per_unit": {"layers_per_unit": 2},
+}
+
+
+@pytest.mark.parametrize("settings", list(SETTINGS.values()), ids=list(SETTINGS))
+def test_resume_at_epoch_boundary_equals_uninterrupted(tmp_path, settings):
+    uninterrupted, _ = _fit(GreedySnakeStrategy(**settings), tmp_path / "a")
+    _fit(GreedySnakeStrategy(**settings), tmp_path / "b", max_epochs=1)
+    last = tmp_path / "b" / "last.ckpt"
+    assert last.is_dir() and CheckpointReader(last).manifest["optimizer"]  # the directory format
+    resumed, trainer = _fit(GreedySnakeStrategy(**settings), tmp_path / "b", ckpt_path=str(last))
     assert trainer.global_step == 12
     assert max_abs_diff(uninterrupted, resumed) <= 1e-6
+
+
+def test_bf16_resume_equals_uninterrupted(tmp_path):
+    """fp32 master weights and moments, and the unit optimizers' step counters, survive a save."""
+    uninterrupted, _ = _fit(GreedySnakeStrategy(), tmp_path / "a", precision="bf16-mixed")
+    _fit(GreedySnakeStrategy(), tmp_path / "b", max_epochs=1, precision="bf16-mixed")
+    resumed, _ = _fit(GreedySnakeStrategy(), tmp_path / "b", ckpt_path="last", precision="bf16-mixed")
+    assert max_abs_diff(uninterrupted, resumed) <= 1e-6
+
+
+def _mid_epoch(strategy_factory: Any, root: Path) -> dict:
+    """Stop after 2 optimizer steps of a 3-step epoch (a step-interval checkpoint), resume to the end."""
+    every = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    _fit(strategy_factory(), root, max_steps=2, callbacks=[every])
+    resumed, trainer = _fit(strategy_factory(), root, ckpt_path=str(root / "step=2.ckpt"), callbacks=[])
+    assert trainer.global_step == 12
+    return resumed
+
+
+def test_mid_epoch_resume_lands_where_lightning_lands(tmp_path):
+    """Lightning restores a mid-epoch position from its loop state; greedysnake must do exactly what
+    Lightning's default strategy does from the same checkpoint."""
+    reference = _mid_epoch(lambda: "auto", tmp_path / "auto")
+    got = _mid_epoch(GreedySnakeStrategy, tmp_path / "gs")
+    assert max_abs_diff(reference, got) <= 1e-5
+    uninterrupted, _ = _fit("auto", tmp_path / "u", callbacks=[])
+    if max_abs_diff(reference, uninterrupted) <= 1e-6:  # where Lightning resumes mid-epoch exactly
+        assert max_abs_diff(got, uninterrupted) <= 1e-5
+
+
+def test_resume_with_a_different_accumulation_lands_where_lightning_lands(tmp_path):
+    def run(strategy_factory: Any, root: Path) -> dict:
+        _fit(strategy_factory(), root, max_epochs=1, k=3)
+        resumed, _ = _fit(strategy_factory(), root, k=2, ckpt_path=str(root / "last.ckpt"))
+        return resumed
+
+    assert max_abs_diff(run(lambda: "auto", tmp_path / "auto"), run(GreedySnakeStrategy, tmp_path / "gs")) <= 1e-5
+
+
+def test_a_plain_lightning_checkpoint_resumes_under_greedysnake(tmp_path):
+    """Switching a run to greedysnake: a checkpoint file from the default strategy loads into the tiers."""
+    _fit("auto", tmp_path / "plain", max_epochs=1)
+    plain = tmp_path / "plain" / "last.ckpt"
+    assert plain.is_file()
+    reference, _ = _fit("auto", tmp_path / "r", ckpt_path=str(plain))
+    got, _ = _fit(GreedySnakeStrategy(), tmp_path / "g", ckpt_path=str(plain))
+    assert max_abs_diff(reference, got) <= 1e-5
+
+
+def test_saving_streams_one_unit_at_a_time(tmp_path):
+    """The save never gathers the model: each unit's tensors are gone before the next unit is read."""
+    alive: list[list[weakref.ref]] = []
+    overlaps: list[int] = []
+
+    class Spy(L.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            manager = trainer.strategy.tensor_manager
+            for name in ("unit_master_weights", "unit_optimizer_state"):
+                original = getattr(manager, name)
+
+                def spied(u: int, _original: Any = original, _name: str = name) -> Any:
+                    if _name == "unit_master_weights":  # a new unit: count what is left of the others
+                        overlaps.append(sum(r() is not None for refs in alive for r in refs))
+                        alive.append([])
+                    out = _original(u)
+                    tensors = out if isinstance(out, list) else [
+                        v for e in out.values() for v in e.values() if isinstance(v, torch.Tensor)]
+                    alive[-1].extend(weakref.ref(t) for t in tensors)
+                    return out
+
+                setattr(manager, name, spied)
+
+    _fit(GreedySnakeStrategy(offload={"return_weights": False}), tmp_path, max_epochs=1,
+         module=TinyGPTModule(n_layer=4, lr=3e-3), callbacks=[Spy(), ModelCheckpoint(dirpath=tmp_path)])
+    assert len(overlaps) == 4 and max(overlaps) == 0  # one save of 4 units
+
+
+def test_save_last_reuses_the_files_of_the_checkpoint_just_saved(tmp_path):
+    _, trainer = _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1)
+    top = CheckpointReader(tmp_path / "epoch=0-step=4.ckpt")
+    last = CheckpointReader(tmp_path / "last.ckpt")
+    for rel in top.files_under("model/"):
+        assert os.path.samefile(top.payload / rel, last.payload / rel)  # one copy on disk
+    last.verify()
+    top.verify()
+
+
+def test_a_save_replaces_the_previous_payload_and_clears_leftovers(tmp_path):
+    _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1)
+    last = tmp_path / "last.ckpt"
+    stray = last / "v-from-a-killed-save"
+    stray.mkdir()
+    (stray / "half.safetensors").write_bytes(b"x" * 10)
+    first = CheckpointReader(last).payload.name
+    _fit(GreedySnakeStrategy(), tmp_path, max_epochs=2, ckpt_path=str(last))
+    entries = sorted(p.name for p in last.iterdir())
+    assert entries == ["CURRENT", CheckpointReader(last).payload.name] and first not in entries
+
+
+def _damage(how: str, ckpt: Path) -> Path:
+    reader = CheckpointReader(ckpt)
+    target = reader.payload / "model" / "unit_00001.safetensors"
+    if how == "missing":
+        target.unlink()
+    elif how == "truncated":
+        target.write_bytes(target.read_bytes()[:-7])
+    elif how == "corrupted":
+        data = bytearray(target.read_bytes())
+        data[-3] ^= 0xFF  # one bit pattern in a weight: same size, valid safetensors, wrong values
+        target.write_bytes(bytes(data))
+    elif how == "no_current":
+        target = ckpt / "CURRENT"
+        target.unlink()
+    return target
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated", "corrupted", "no_current"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, how):
+    _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1)
+    target = _damage(how, tmp_path / "last.ckpt")
+    with pytest.raises(CheckpointError, match=str(target.name)) as info:
+        _fit(GreedySnakeStrategy(), tmp_path / "resume", ckpt_path=str(tmp_path / "last.ckpt"))
+    assert "Fix" in str(info.value) or how == "missing"
+
+
+class Opaque:
+    """Not a container, number, string or tensor: a checkpoint must not unpickle it."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+
+class WithOpaqueHparams(TinyGPTModule):
+    def __init__(self) -> None:
+        super().__init__(lr=3e-3)
+        self.save_hyperparameters({"thing": Opaque()})
+
+
+def test_loading_never_unpickles_arbitrary_objects(tmp_path):
+    _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1, module=WithOpaqueHparams())
+    with pytest.raises(CheckpointError, match=r"trainer_state.pt holds an object.*weights_only=True"):
+        _fit(GreedySnakeStrategy(), tmp_path / "r", module=WithOpaqueHparams(), ckpt_path=str(tmp_path / "last.ckpt"))
+
+
+@pytest.mark.parametrize("call, error", [
+    ({"filepath": "x.ckpt", "storage_options": {"a": 1}}, r"storage_options=.*Fix"),
+    ({"filepath": "s3://bucket/x.ckpt"}, r"s3://bucket/x.ckpt.*local or mounted filesystem.*Fix"),
+])
+def test_storage_options_and_remote_paths_are_refused(tmp_path, call, error):
+    class SaveMidRun(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            trainer.save_checkpoint(**call)
+
+    with pytest.raises((TypeError, ValueError), match=error):
+        _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1, callbacks=[SaveMidRun()])

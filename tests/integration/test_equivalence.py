@@ -63,7 +63,8 @@ def run(strategy: Any, model: str, k: int, trainer_kwargs: dict | None = None, *
         "logger": logger,
         "grads": grads,
         "global_step": trainer.global_step,
-        "state_dict": trainer.strategy.lightning_module_state_dict(),
+        "state_dict": (trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict")
+                       else trainer.strategy.lightning_module_state_dict()),
     }
 
 

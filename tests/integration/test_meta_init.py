@@ -15,7 +15,7 @@ from tests.helpers import SequentialModule, TinyGPTModule, make_trainer, max_abs
 
 class InitialWeights(L.Callback):
     def on_train_start(self, trainer: Any, module: Any) -> None:
-        self.state = trainer.strategy.lightning_module_state_dict()
+        self.state = trainer.strategy.full_state_dict()
 
 
 def _fit(strategy: Any, empty_init: bool, callbacks: list | None = None) -> tuple[dict, L.Trainer]:

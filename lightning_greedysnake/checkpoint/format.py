@@ -1,0 +1,230 @@
+"""The on-disk checkpoint: a directory that is complete or absent, never half-written.
+
+Layout of ``NAME.ckpt/`` (what ``ModelCheckpoint`` and ``trainer.save_checkpoint`` name):
+
+    CURRENT                  the name of the complete payload below (one line)
+    v-<id>/manifest.json     format, version, every file's size and SHA-256, the parameters' index
+    v-<id>/trainer_state.pt  Lightning's checkpoint dict without tensors of the model or optimizer
+                             (loops, epoch, step, LR schedulers, callbacks, param groups): torch.save,
+                             read back with ``weights_only=True``
+    v-<id>/model/*.safetensors      fp32 (or the training dtype's) weights, one file per unit
+    v-<id>/optimizer/*.safetensors  optimizer state per parameter, one file per unit
+
+A save writes a fresh payload directory, fsyncs it, then replaces ``CURRENT`` with ``os.replace`` (atomic
+on POSIX) and only then removes the previous payload: a process killed at any point leaves ``CURRENT``
+naming a complete payload (the previous one until the switch). This is LevelDB's CURRENT-file pattern;
+it keeps the checkpoint one ordinary directory that ``cp -r``, ``mv`` and ``rsync`` handle.
+
+Loading checks every file's size up front (missing or truncated files fail before any state changes)
+and each file's SHA-256 as it is read; nothing is unpickled but plain containers and tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+FORMAT = "lightning-greedysnake-checkpoint"
+VERSION = 1
+CURRENT = "CURRENT"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded as it is (missing, incomplete, truncated or corrupted)."""
+
+
+def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
+    """``path`` is a directory in this format (complete or not)."""
+    p = Path(path)
+    return p.is_dir() and ((p / CURRENT).exists() or any(c.name.startswith("v-") for c in p.iterdir()))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointWriter:
+    """Writes one payload under ``path``; :meth:`publish` makes it the checkpoint, :meth:`abort` drops it."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if self.path.is_symlink() or self.path.is_file():
+            # Lightning's save_last="link" leaves a symlink, an older run a plain file: replacing them is
+            # what the caller asked for (a save to this name); the old object is gone only after the
+            # new payload is complete
+            self._replace_link = True
+        else:
+            self._replace_link = False
+            if self.path.exists() and not is_checkpoint_dir(self.path):
+                raise CheckpointError(
+                    f"cannot save a checkpoint to {self.path}: it is a directory that is not a greedysnake "
+                    "checkpoint. Fix: choose another file name or directory for the checkpoint."
+                )
+        self.root = self.path.parent / f".{self.path.name}.gs-tmp" if self._replace_link else self.path
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.payload_name = f"v-{uuid.uuid4().hex[:12]}"
+        self.payload = self.root / self.payload_name
+        self.payload.mkdir()
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def write_bytes(self, rel: str, data: bytes | memoryview) -> None:
+        target = self.payload / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self.files[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def link_from(self, payload: Path, rel: str, info: dict[str, Any]) -> bool:
+        """Reuse ``rel`` of an earlier published payload (a hard link: published files are never
+        modified, only unlinked); False where the filesystem cannot link or the file is gone."""
+        target = self.payload / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(payload / rel, target)
+        except OSError:
+            return False
+        self.files[rel] = dict(info)
+        return True
+
+    def write_tensors(self, rel: str, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
+        self.write_bytes(rel, st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+
+    def write_object(self, rel: str, obj: Any) -> None:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        self.write_bytes(rel, buf.getbuffer())
+
+    def publish(self, index: dict[str, Any]) -> None:
+        """Write the manifest, then switch ``CURRENT`` to this payload and remove older payloads."""
+        manifest = {"format": FORMAT, "version": VERSION, "files": self.files, **index}
+        self.write_bytes(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        for sub in {Path(rel).parent for rel in self.files} - {Path(".")}:
+            _fsync_dir(self.payload / sub)
+        _fsync_dir(self.payload)
+        tmp = self.root / f"{CURRENT}.tmp"
+        with open(tmp, "w") as f:
+            f.write(self.payload_name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / CURRENT)  # the commit point
+        _fsync_dir(self.root)
+        if self._replace_link:
+            # a directory cannot be renamed over a file or link: this one switch is not atomic, but
+            # what it replaces is a link to another checkpoint (still there) or a file of another format
+            self.path.unlink()
+            os.replace(self.root, self.path)
+            _fsync_dir(self.path.parent)
+            self.root = self.path
+        for child in self.root.iterdir():  # the previous payload, and any a killed save left behind
+            if child.name not in (CURRENT, self.payload_name):
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+    def abort(self) -> None:
+        shutil.rmtree(self.payload, ignore_errors=True)
+        if self._replace_link:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class CheckpointReader:
+    """A published checkpoint: the manifest read and every file's size checked on open."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CheckpointError(f"checkpoint {self.path} does not exist.")
+        current = self.path / CURRENT
+        if not current.is_file():
+            raise CheckpointError(
+                f"{self.path} is not a complete greedysnake checkpoint: {CURRENT} is missing (a save that "
+                "never finished, or not a checkpoint of this format). Fix: load the previous checkpoint."
+            )
+        self.payload = self.path / current.read_text().strip()
+        manifest_path = self.payload / MANIFEST
+        if not manifest_path.is_file():
+            raise CheckpointError(f"checkpoint {self.path}: {manifest_path} is missing.")
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"checkpoint {self.path}: {manifest_path} is corrupted ({e}).") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise CheckpointError(
+                f"checkpoint {self.path}: format {self.manifest.get('format')!r} version "
+                f"{self.manifest.get('version')!r}; this greedysnake reads {FORMAT!r} version {VERSION}."
+            )
+        self.files: dict[str, dict[str, Any]] = self.manifest["files"]
+        for rel, info in self.files.items():
+            f = self.payload / rel
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint {self.path}: file {f} is missing.")
+            size = f.stat().st_size
+            if size != info["bytes"]:
+                raise CheckpointError(
+                    f"checkpoint {self.path}: file {f} has {size} bytes, the manifest says {info['bytes']} "
+                    "(truncated or overwritten). Fix: load the previous checkpoint."
+                )
+
+    def read_bytes(self, rel: str) -> bytes:
+        info = self.files.get(rel)
+        if info is None:
+            raise CheckpointError(f"checkpoint {self.path} has no file {rel!r}.")
+        f = self.payload / rel
+        data = f.read_bytes()
+        if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {self.path}: file {f} does not match its checksum in the manifest (corrupted). "
+                "Fix: load the previous checkpoint."
+            )
+        return data
+
+    def read_tensors(self, rel: str) -> dict[str, Tensor]:
+        return self.read_tensors_and_metadata(rel)[0]
+
+    def read_tensors_and_metadata(self, rel: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """A safetensors file's tensors and its ``__metadata__`` (one read, checksummed)."""
+        data = self.read_bytes(rel)
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__", {}) or {}
+        return st_load(data), meta
+
+    def read_object(self, rel: str) -> Any:
+        try:
+            return torch.load(io.BytesIO(self.read_bytes(rel)), weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as e:  # torch's message names the global it refused
+            found = re.search(r"GLOBAL (\S+)", str(e))
+            what = found.group(1) if found else str(e).splitlines()[0]
+            raise CheckpointError(
+                f"checkpoint {self.path}: {rel} holds an object of type {what}, which greedysnake does not "
+                "unpickle (checkpoints load with weights_only=True: containers, numbers, strings, tensors). "
+                "Fix: keep hyperparameters and callback state to plain values, or, if you trust the file, "
+                f"allow the type first with torch.serialization.add_safe_globals([{what.rsplit('.', 1)[-1]}])."
+            ) from None
+
+    def verify(self) -> None:
+        """Read every file and check its checksum."""
+        for rel in self.files:
+            self.read_bytes(rel)
+
+    def files_under(self, prefix: str) -> Iterator[str]:
+        return (rel for rel in sorted(self.files) if rel.startswith(prefix))

@@ -1,0 +1,265 @@
+"""Lightning checkpoints of state that lives in the tensor manager, moved one unit at a time.
+
+Saving: the strategy hands Lightning's checkpoint dict placeholders for every unit's parameters and
+optimizer state (:class:`StreamedTensor`, :data:`STREAMED_STATE`); :func:`save_streamed` then writes each
+unit's weights and optimizer state straight from the tensor manager into its own file, so no more than
+one unit is ever gathered in memory. Loading (after the strategy's setup, when the tensor manager
+exists) goes the other way, matching parameters by name, so a checkpoint loads into a different
+``layers_per_unit`` or placement, and a plain Lightning checkpoint file (from ``strategy="auto"``) loads too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_greedysnake.checkpoint.format import TRAINER_STATE, CheckpointError, CheckpointReader, CheckpointWriter
+
+STATE_DICT = "state_dict"
+OPTIMIZER_STATES = "optimizer_states"
+
+
+@dataclass(frozen=True)
+class StreamedTensor:
+    """A parameter whose value the tensor manager holds; the checkpoint save streams it from there."""
+
+    unit: int
+    index: int
+    shape: tuple[int, ...]
+
+
+class _StreamedState:
+    """The ``state`` of an optimizer's state dict, streamed from the tensor manager at save."""
+
+    def __repr__(self) -> str:
+        return "<optimizer state streamed unit by unit by greedysnake>"
+
+
+STREAMED_STATE = _StreamedState()
+
+
+class StreamedStateDict(dict):  # type: ignore[type-arg]
+    """A loaded checkpoint's state dict: its small entries (buffers) in memory, the parameters read
+    unit by unit when the strategy loads them."""
+
+    def __init__(self, reader: CheckpointReader, small: Mapping[str, Tensor]) -> None:
+        super().__init__(small)
+        self.reader = reader
+
+
+class StreamedOptimizerState(dict):  # type: ignore[type-arg]
+    """A loaded checkpoint's optimizer ``state``, read unit by unit when the strategy loads it."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+
+def _model_file(u: int) -> str:
+    return f"model/unit_{u:05d}.safetensors"
+
+
+def _optimizer_file(u: int) -> str:
+    return f"optimizer/unit_{u:05d}.safetensors"
+
+
+EXTRA_FILE = "model/extra.safetensors"
+_SEP = "::"
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """What a save wrote, to reuse its files for the next save of the same state (Lightning's
+    ``save_last`` saves the state a top-k checkpoint has just saved again, under another name)."""
+
+    path: str
+    payload: str
+    version: Any
+    files: dict[str, dict[str, Any]]
+
+
+def _reusable(previous: SavedState | None, version: Any) -> CheckpointReader | None:
+    if previous is None or previous.version != version:
+        return None
+    try:
+        reader = CheckpointReader(previous.path)
+    except CheckpointError:
+        return None
+    return reader if str(reader.payload) == previous.payload else None
+
+
+def save_streamed(manager: Any, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                  layered_prefix: str, precision: str, version: Any = None,
+                  previous: SavedState | None = None) -> SavedState:
+    """Write Lightning's ``checkpoint`` dict to ``path`` in the checkpoint format, streaming every unit's
+    weights and optimizer state from ``manager`` (drained first: deferred updates are applied).
+
+    ``version`` identifies the state (e.g. the optimizer step); when ``previous`` saved the same
+    version and its payload is still published, its unit files are hard-linked instead of written
+    again."""
+    manager.drain()
+    writer = CheckpointWriter(path)
+    reuse = _reusable(previous, version)
+    try:
+        state_dict = checkpoint.get(STATE_DICT, {})
+        small = {n: v for n, v in state_dict.items() if isinstance(v, Tensor)}
+        optimizer_states = checkpoint.get(OPTIMIZER_STATES)
+        params: dict[str, dict[str, Any]] = {}
+        with_optimizer = optimizer_states is not None and manager.optimizer is not None
+        for u in range(manager.num_units):
+            names = [slot.name for slot in manager.layouts[u].params]
+            wanted = [_model_file(u)] + ([_optimizer_file(u)] if with_optimizer else [])
+            if reuse is not None and all(rel in reuse.files for rel in wanted) and all(
+                    writer.link_from(reuse.payload, rel, reuse.files[rel]) for rel in wanted):
+                for name in names:
+                    params[name] = reuse.manifest["params"][name]
+                continue
+            params.update(_save_unit(manager, writer, u, names, with_optimizer))
+        if small:
+            writer.write_tensors(EXTRA_FILE, small)
+        rest = {k: v for k, v in checkpoint.items() if k not in (STATE_DICT, OPTIMIZER_STATES)}
+        if optimizer_states is not None:
+            rest[OPTIMIZER_STATES] = [{k: v for k, v in s.items() if k != "state"} for s in optimizer_states]
+        writer.write_object(TRAINER_STATE, rest)
+        writer.publish({
+            "params": params, "extra": sorted(small), "num_units": manager.num_units, "optimizer": with_optimizer,
+            "layered_prefix": layered_prefix, "precision": precision,
+        })
+    except BaseException:
+        writer.abort()
+        raise
+    return SavedState(str(path), str(writer.payload), version, dict(writer.files))
+
+
+def _save_unit(manager: Any, writer: CheckpointWriter, u: int, names: list[str], with_optimizer: bool
+               ) -> dict[str, dict[str, Any]]:
+    """Write unit ``u``'s files; its tensors are dropped on return (one unit in memory at a time)."""
+    values = manager.unit_master_weights(u)
+    writer.write_tensors(_model_file(u), dict(zip(names, values)))
+    index = {name: {"unit": u, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+             for name, v in zip(names, values)}
+    del values
+    if with_optimizer:
+        tensors: dict[str, Tensor] = {}
+        scalars: dict[str, dict[str, Any]] = {}
+        for i, entry in manager.unit_optimizer_state(u).items():
+            for key, value in entry.items():
+                if isinstance(value, Tensor):
+                    tensors[f"{names[i]}{_SEP}{key}"] = value
+                else:
+                    scalars.setdefault(names[i], {})[key] = value
+        writer.write_tensors(_optimizer_file(u), tensors, {"scalars": json.dumps(scalars)})
+    return index
+
+
+def load_streamed(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Lightning's checkpoint dict from ``path``, with the model and optimizer state left on disk (the
+    strategy's ``load_model_state_dict`` / ``load_optimizer_state_dict`` stream them in)."""
+    reader = CheckpointReader(path)
+    checkpoint = reader.read_object(TRAINER_STATE)
+    small = reader.read_tensors(EXTRA_FILE) if EXTRA_FILE in reader.files else {}
+    checkpoint[STATE_DICT] = StreamedStateDict(reader, small)
+    if reader.manifest.get("optimizer"):
+        for state in checkpoint.get(OPTIMIZER_STATES, []):
+            state["state"] = StreamedOptimizerState(reader)
+    return checkpoint
+
+
+class _UnitFiles:
+    """Reads a checkpoint's per-unit files by parameter name, one file in memory at a time (units are
+    read in order, so with the same unit split every file is read exactly once)."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self._rel: str | None = None
+        self._tensors: dict[str, Tensor] = {}
+        self._meta: dict[str, str] = {}
+
+    def open(self, rel: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+        if rel != self._rel:
+            self._tensors, self._meta = {}, {}
+            self._tensors, self._meta = self.reader.read_tensors_and_metadata(rel)
+            self._rel = rel
+        return self._tensors, self._meta
+
+
+def _names_check(path: Any, expected: list[str], found: set[str], strict: bool) -> None:
+    missing = [n for n in expected if n not in found]
+    unexpected = sorted(found - set(expected))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}. "
+            "Fix: load it into the model it was saved from, or pass strict_loading=False on the LightningModule."
+        )
+
+
+def load_model_into(manager: Any, module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+    """Put a checkpoint's weights into the tensor manager unit by unit (and the rest, buffers and any
+    parameter outside the units, into the module)."""
+    unit_names = [slot.name for u in range(manager.num_units) for slot in manager.layouts[u].params]
+    if isinstance(state_dict, StreamedStateDict):
+        reader = state_dict.reader
+        index = reader.manifest["params"]
+        _names_check(reader.path, unit_names, set(index), strict)
+        files = _UnitFiles(reader)
+        for u in range(manager.num_units):
+            slots = manager.layouts[u].params
+            if not all(s.name in index for s in slots):
+                continue  # non-strict: the unit keeps its current values
+            values = []
+            for slot in slots:
+                tensors, _ = files.open(_model_file(index[slot.name]["unit"]))
+                values.append(tensors[slot.name])
+            manager.load_unit_weights(u, values)
+        rest: Mapping[str, Any] = dict(state_dict)
+    else:
+        missing = [n for n in unit_names if n not in state_dict]
+        if strict and missing:
+            raise CheckpointError(f"state_dict is missing {missing[:8]}. Fix: load the model it was saved from.")
+        for u in range(manager.num_units):
+            slots = manager.layouts[u].params
+            if all(s.name in state_dict for s in slots):
+                manager.load_unit_weights(u, [state_dict[s.name] for s in slots])
+        taken = set(unit_names)
+        rest = {k: v for k, v in state_dict.items() if k not in taken}
+    manager.flush()
+    # buffers (and anything else outside the units) load the usual way; the units' parameters are
+    # placeholders in the module, so they are reported missing here by design
+    result = module.load_state_dict(dict(rest), strict=False)
+    unexpected = [k for k in result.unexpected_keys]
+    if strict and unexpected:
+        raise CheckpointError(f"checkpoint has entries the model does not: {unexpected[:8]}.")
+
+
+def load_optimizer_into(manager: Any, optimizer: torch.optim.Optimizer, opt_state: Mapping[str, Any]) -> None:
+    """Hyperparameters to the user's optimizer, per-parameter state into the units."""
+    # hyperparameters (and LR-scheduler bookkeeping such as initial_lr) go to the user's optimizer
+    optimizer.load_state_dict({"state": {}, "param_groups": opt_state["param_groups"]})
+    state = opt_state["state"]
+    if not isinstance(state, StreamedOptimizerState):
+        manager.load_optimizer_state({int(k): v for k, v in state.items()})
+        return
+    reader = state.reader
+    index = reader.manifest["params"]
+    files = _UnitFiles(reader)
+    for u in range(manager.num_units):
+        entries: dict[int, dict[str, Any]] = {}
+        for i, slot in enumerate(manager.layouts[u].params):
+            if slot.name not in index or slot.group is None:
+                continue
+            tensors, meta = files.open(_optimizer_file(index[slot.name]["unit"]))
+            scalars = json.loads(meta.get("scalars", "{}")).get(slot.name, {})
+            prefix = slot.name + _SEP
+            entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            entry.update(scalars)
+            if entry:
+                entries[i] = entry
+        if entries:
+            manager.load_unit_optimizer_state(u, entries)
+    manager.flush()
