@@ -1,0 +1,60 @@
+"""Writing one safetensors file tensor by tensor, so a model larger than RAM exports in one piece.
+
+The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte range;
+padded with spaces to 8 bytes) and the tensors' bytes back to back. Knowing every tensor's dtype and
+shape up front (from a checkpoint's manifest) is enough to write the header first and stream the data.
+The file is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_streamed(path: str | os.PathLike[str], specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                   tensors: Iterable[tuple[str, Tensor]], metadata: dict[str, str] | None = None) -> int:
+    """Write ``tensors`` (yielded in the order of ``specs``: name, dtype, shape) to ``path``; returns the
+    file's size. Each tensor is converted to its spec's dtype as it is written."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, dtype, shape in specs:
+        n = 1
+        for d in shape:
+            n *= d
+        size = n * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    expected = iter(specs)
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, tensor in tensors:
+            spec = next(expected)
+            if name != spec[0] or tuple(tensor.shape) != tuple(spec[2]):
+                raise ValueError(f"tensor {name} {tuple(tensor.shape)} does not match its spec {spec}")
+            data = tensor.detach().to(spec[1]).contiguous().reshape(-1)
+            f.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        if next(expected, None) is not None:
+            raise ValueError("fewer tensors than specs")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return target.stat().st_size
