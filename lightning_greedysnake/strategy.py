@@ -50,11 +50,11 @@ from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Tenso
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.lookahead import LookaheadLoader
 from lightning_greedysnake.models import (
-    UnitInitializer,
     check_parameter_ownership,
     find_layered_model,
     make_units,
     reset_modules,
+    unit_initializer_of,
 )
 from lightning_greedysnake.offload import InMemoryTensorStore, OffloadDirLock, TensorStore, preflight
 from lightning_greedysnake.offload.manager import ClipPolicy, TieredTensorStore
@@ -300,9 +300,10 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         return True
 
     def _materialize(self, manager: TieredTensorStore, layered: nn.Module, units: list) -> None:
-        if isinstance(layered, UnitInitializer):
-            generator = layered.weight_init_generator()
-            manager.initialize_unit_by_unit(lambda u: layered.init_modules(units[u].modules, generator))
+        initializer = unit_initializer_of(layered)
+        if initializer is not None:
+            generator = initializer.weight_init_generator()
+            manager.initialize_unit_by_unit(lambda u: initializer.init_modules(units[u].modules, generator))
         else:
             manager.initialize_unit_by_unit(lambda u: reset_modules(units[u].modules))
 

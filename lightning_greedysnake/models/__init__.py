@@ -13,8 +13,10 @@ from lightning_greedysnake.models.protocol import (
     LayeredModel,
     UnitInitializer,
     chain_of,
+    is_layered,
     reset_modules,
     sequential_chain,
+    unit_initializer_of,
 )
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "Unit",
     "UnitInitializer",
     "chain_of",
+    "is_layered",
+    "unit_initializer_of",
     "check_parameter_ownership",
     "find_layered_model",
     "make_units",

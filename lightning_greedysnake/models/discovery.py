@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_greedysnake.models.protocol import LayerChain, LayeredModel, chain_of
+from lightning_greedysnake.models.protocol import LayerChain, chain_of, is_layered
 
 
 class LayeredModelNotFound(ValueError):
@@ -32,8 +32,8 @@ def find_layered_model(root: nn.Module, path: str | None = None) -> tuple[str, n
         chain = chain_of(module)
         if chain is None:
             raise LayeredModelNotFound(
-                f"layered_module={path!r} is a {type(module).__name__}, which is neither an nn.Sequential nor "
-                "a LayeredModel. Fix: implement `layer_chain()` on it (see "
+                f"layered_module={path!r} is a {type(module).__name__}, which is neither an nn.Sequential, "
+                "a LayeredModel nor a Hugging Face causal LM. Fix: implement `layer_chain()` on it (see "
                 "lightning_greedysnake.models.LayeredModel) or point layered_module at another module."
             )
         return path, module, chain
@@ -42,14 +42,15 @@ def find_layered_model(root: nn.Module, path: str | None = None) -> tuple[str, n
     for name, module in root.named_modules():
         if any(f == "" or name.startswith(f + ".") for f, _ in found):
             continue  # inside a layered model already found: its own Sequentials are its business
-        if isinstance(module, (LayeredModel, nn.Sequential)):
+        if is_layered(module):
             found.append((name, module))
     if not found:
         kinds = sorted({type(m).__name__ for _, m in root.named_children()})
         raise LayeredModelNotFound(
             f"greedysnake found no layered model in {type(root).__name__} (its children are of types {kinds}). "
             "It needs a chain pre -> blocks -> post: this package's GPT, an nn.Sequential (each child one "
-            "layer), or a module implementing `layer_chain()` (lightning_greedysnake.models.LayeredModel)."
+            "layer), a Hugging Face *ForCausalLM (Llama, Qwen2, Mistral, GPT-2 families), or a module "
+            "implementing `layer_chain()` (lightning_greedysnake.models.LayeredModel)."
         )
     if len(found) > 1:
         names = [n or "<the LightningModule itself>" for n, _ in found]

@@ -109,4 +109,26 @@ def chain_of(module: nn.Module) -> LayerChain | None:
         return module.layer_chain()
     if isinstance(module, nn.Sequential):
         return sequential_chain(module)
+    from lightning_greedysnake.models.hf import hf_chain, is_hf_causal_lm
+
+    if is_hf_causal_lm(module):
+        return hf_chain(module)
+    return None
+
+
+def is_layered(module: nn.Module) -> bool:
+    """A module :func:`chain_of` knows (without building its chain)."""
+    from lightning_greedysnake.models.hf import is_hf_causal_lm
+
+    return isinstance(module, (LayeredModel, nn.Sequential)) or is_hf_causal_lm(module)
+
+
+def unit_initializer_of(module: nn.Module) -> UnitInitializer | None:
+    """How to materialize a meta-device layered model unit by unit (None: ``reset_parameters()``)."""
+    if isinstance(module, UnitInitializer):
+        return module
+    from lightning_greedysnake.models.hf import HFInitializer, is_hf_causal_lm
+
+    if is_hf_causal_lm(module):
+        return HFInitializer(module)
     return None

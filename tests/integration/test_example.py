@@ -49,3 +49,13 @@ def test_bad_override_is_a_clear_error(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode != 0
     assert "schedule='diagonal'" in result.stderr + result.stdout
+
+
+def test_finetune_hf_example(tmp_path):
+    pytest.importorskip("transformers")
+    command = [sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--work-dir", str(tmp_path),
+               "--steps", "4", "--layers", "2", "--hidden", "64", "--accumulate", "2", "--seq", "32"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "validation loss:" in result.stdout and "from_pretrained" in result.stdout
+    assert (tmp_path / "finetuned" / "model.safetensors").is_file()
