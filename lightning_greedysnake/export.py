@@ -1,18 +1,21 @@
 """Export a checkpoint's model weights as one safetensors file that the plain model class loads.
 
     python -m lightning_greedysnake.export CKPT OUT [--dtype float32|bfloat16|float16] [--keep-prefix]
+    python -m lightning_greedysnake.export CKPT OUT.ckpt --lightning
 
 ``CKPT``: a greedysnake checkpoint directory (or a plain Lightning ``.ckpt`` file). ``OUT``: a
 ``.safetensors`` file, or a directory that gets ``model.safetensors``. Names are the layered model's own
 (``blocks.0.attn.qkv.weight``, not ``model.blocks.0...``), so ``model.load_state_dict(load_file(OUT))``
 works on the bare model; ``--keep-prefix`` keeps the LightningModule's names instead. Weights are read
 and written one unit at a time, checksums verified; the output needs nothing but safetensors and torch
-to load.
+to load. ``--lightning`` writes a plain Lightning checkpoint file instead, which any strategy resumes
+from (the whole state gathered in memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -108,6 +111,41 @@ def _export_plain(path: Path, target: Path, to: torch.dtype, rename: Rename, met
     return target
 
 
+def export_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """A plain Lightning checkpoint file (``torch.save``; full-precision weights, optimizer state, loops,
+    schedulers) from a greedysnake checkpoint directory, which any strategy resumes from and
+    ``LightningModule.load_from_checkpoint`` reads. Gathers the whole state in memory."""
+    from lightning_greedysnake.checkpoint.format import TRAINER_STATE
+
+    reader = CheckpointReader(checkpoint)
+    state = reader.read_object(TRAINER_STATE)
+    params = reader.manifest["params"]
+    state_dict: dict[str, Tensor] = dict(reader.read_tensors(EXTRA_FILE)) if EXTRA_FILE in reader.files else {}
+    units = sorted({info["unit"] for info in params.values()})
+    per_param: dict[str, dict[str, object]] = {}
+    for unit in units:
+        state_dict.update(reader.read_tensors(f"model/unit_{unit:05d}.safetensors"))
+        rel = f"optimizer/unit_{unit:05d}.safetensors"
+        if rel in reader.files:
+            tensors, meta = reader.read_tensors_and_metadata(rel)
+            for key, value in tensors.items():
+                name, _, slot = key.partition("::")
+                per_param.setdefault(name, {})[slot] = value
+            for name, scalars in json.loads(meta.get("scalars", "{}")).items():
+                per_param.setdefault(name, {}).update(scalars)
+    state["state_dict"] = state_dict
+    if reader.manifest.get("optimizer"):
+        order = reader.manifest["optimizer_params"]
+        for opt in state.get("optimizer_states", []):
+            opt["state"] = {i: per_param[n] for i, n in enumerate(order) if n is not None and n in per_param}
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
@@ -115,8 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--keep-prefix", action="store_true",
                         help="keep the LightningModule's parameter names (default: the layered model's)")
+    parser.add_argument("--lightning", action="store_true",
+                        help="write a plain Lightning checkpoint file (weights, optimizer, loops) instead")
     args = parser.parse_args(argv)
-    target = export_checkpoint(args.checkpoint, args.out, args.dtype, args.keep_prefix)
+    if args.lightning:
+        target = export_lightning(args.checkpoint, args.out)
+    else:
+        target = export_checkpoint(args.checkpoint, args.out, args.dtype, args.keep_prefix)
     print(f"wrote {target} ({target.stat().st_size:,} bytes)")
 
 

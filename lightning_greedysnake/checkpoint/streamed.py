@@ -130,11 +130,20 @@ def save_streamed(manager: Any, checkpoint: dict[str, Any], path: str | os.PathL
         writer.publish({
             "params": params, "extra": sorted(small), "num_units": manager.num_units, "optimizer": with_optimizer,
             "layered_prefix": layered_prefix, "precision": precision,
+            # the optimizer's parameter order (its state dict keys are positions in it): what it takes
+            # to rebuild a plain torch.optim state dict (export --lightning)
+            "optimizer_params": _optimizer_param_names(manager) if with_optimizer else [],
         })
     except BaseException:
         writer.abort()
         raise
     return SavedState(str(path), str(writer.payload), version, dict(writer.files))
+
+
+def _optimizer_param_names(manager: Any) -> list[str | None]:
+    names = {id(p): slot.name for u in range(manager.num_units)
+             for p, slot in zip(manager.params[u], manager.layouts[u].params)}
+    return [names.get(id(p)) for g in manager.optimizer.param_groups for p in g["params"]]
 
 
 def _save_unit(manager: Any, writer: CheckpointWriter, u: int, names: list[str], with_optimizer: bool

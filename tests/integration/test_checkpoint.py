@@ -205,3 +205,17 @@ def test_storage_options_and_remote_paths_are_refused(tmp_path, call, error):
 
     with pytest.raises((TypeError, ValueError), match=error):
         _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1, callbacks=[SaveMidRun()])
+
+
+def test_export_to_a_plain_lightning_checkpoint_resumes_under_the_default_strategy(tmp_path):
+    """Not locked in: a greedysnake checkpoint exported with --lightning resumes under strategy="auto"
+    exactly where greedysnake itself resumes from the directory."""
+    from lightning_greedysnake.export import export_lightning
+
+    _fit(GreedySnakeStrategy(), tmp_path / "g", max_epochs=1)
+    plain = export_lightning(tmp_path / "g" / "last.ckpt", tmp_path / "plain.ckpt")
+    under_auto, _ = _fit("auto", tmp_path / "a", ckpt_path=str(plain))
+    under_gs, _ = _fit(GreedySnakeStrategy(), tmp_path / "b", ckpt_path=str(tmp_path / "g" / "last.ckpt"))
+    assert max_abs_diff(under_auto, under_gs) <= 1e-5
+    loaded = TinyGPTModule.load_from_checkpoint(plain, weights_only=True)
+    assert loaded.model.lm_head.weight.shape == (32, 16)
