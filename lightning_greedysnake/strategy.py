@@ -15,6 +15,7 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -25,13 +26,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
@@ -91,7 +97,12 @@ def _loss_of(output: Any) -> Tensor | None:
     return None
 
 
-class GreedySnakeStrategy(SingleDeviceStrategy):
+def _destroy_process_groups() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class GreedySnakeStrategy(ParallelStrategy):
     """Trains a layered model with GreedySnake's vertical schedule and recompute backward.
 
     Args:
@@ -117,9 +128,15 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             config = None
         # validate first: bad settings fail at construction, before Lightning does anything
         self.config = GreedySnakeConfig.from_kwargs(config, **settings)
-        super().__init__(device="cpu", checkpoint_io=checkpoint_io)
-        # Lightning's accelerator connector fills this from Trainer(accelerator=..., devices=...)
-        self.parallel_devices: list[torch.device] | None = None
+        # Lightning's accelerator connector fills parallel_devices, the cluster environment and the
+        # number of nodes from Trainer(accelerator=..., devices=..., num_nodes=...)
+        super().__init__(checkpoint_io=checkpoint_io)
+        self._num_nodes = 1
+        self._timeout = default_pg_timeout
+        self._lane_group: Any = None
+        self.collective_bytes = 0
+        """Bytes this rank has all-reduced for gradients so far (the payload; a ring all-reduce sends
+        and receives about twice that per rank)."""
         self._gs_precision: GreedySnakePrecision | None = None
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
@@ -148,8 +165,83 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
     @property
     def root_device(self) -> torch.device:
         if self.parallel_devices:
-            return torch.device(self.parallel_devices[0])
+            return torch.device(self.parallel_devices[self.local_rank])
         return torch.device("cpu")
+
+    # -- data parallel (torch.distributed through Lightning's launchers) ----------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one process: Lightning then shards the data with a DistributedSampler."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.is_distributed and not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        # gloo's worker threads abort the interpreter's exit ("terminate called without an active
+        # exception") when a process group outlives it: destroy them while Python is still alive
+        atexit.register(_destroy_process_groups)
+        # the optimizer lane's collectives (a unit's gradient all-reduce) run on its own thread: they get
+        # their own group, so they never interleave with the training thread's (logging, barriers)
+        self._lane_group = torch.distributed.new_group(backend=backend)
+
+    def _distributed_ready(self) -> bool:
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._distributed_ready():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._distributed_ready():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor) and self._distributed_ready():
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _average_gradient(self, grad: torch.Tensor) -> None:
+        """A unit's fp32 gradient, averaged over the ranks in place (on the optimizer lane's group)."""
+        torch.distributed.all_reduce(grad, group=self._lane_group)
+        grad.div_(self.world_size)
+        self.collective_bytes += grad.numel() * grad.element_size()
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> GreedySnakePrecision:
@@ -216,11 +308,8 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
 
     # -- setup and teardown ------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ValueError(
-                f"strategy='greedysnake' runs on one device for now; got devices={len(self.parallel_devices)}. "
-                "Fix: Trainer(devices=1)."
-            )
+        if self.is_distributed:
+            self._setup_distributed()
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
@@ -248,6 +337,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
                 self._telemetry.start_trace(self.config.trace_steps, path)
             self.precision_plugin.attach(self._finish_window, manager, self._after_step)
         else:
+            self._broadcast_parameters([p for unit in units for p in unit.parameters()])
             self._store = InMemoryTensorStore()
             self.precision_plugin.attach(self._finish_window)
         self._engine = WindowEngine(
@@ -303,9 +393,23 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         initializer = unit_initializer_of(layered)
         if initializer is not None:
             generator = initializer.weight_init_generator()
-            manager.initialize_unit_by_unit(lambda u: initializer.init_modules(units[u].modules, generator))
+
+            def init(u: int) -> None:
+                initializer.init_modules(units[u].modules, generator)
+                self._broadcast_parameters(units[u].parameters())
         else:
-            manager.initialize_unit_by_unit(lambda u: reset_modules(units[u].modules))
+
+            def init(u: int) -> None:
+                reset_modules(units[u].modules)
+                self._broadcast_parameters(units[u].parameters())
+
+        manager.initialize_unit_by_unit(init)
+
+    def _broadcast_parameters(self, params: list[nn.Parameter]) -> None:
+        """Data parallel: every rank starts from rank 0's weights (as DDP does at setup)."""
+        if self.is_distributed:
+            for p in params:
+                torch.distributed.broadcast(p.data, 0)
 
     def _open_tensor_manager(
         self, trainer: Any, module: LightningModule, units: list, fitting: bool, meta_model: nn.Module | None
@@ -327,12 +431,15 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
             units, names, optimizer, offload, compute_dtype=self.precision_plugin.compute_dtype, clip=clip,
             alpha=self.config.alpha, lag=self.config.lag,
         )
+        if self.is_distributed:
+            manager.grad_reducer = self._average_gradient
         try:
             self._prepare_offload_dir(trainer, manager)
             manager.open(self._offload_dir)
             if meta_model is not None:
                 self._materialize(manager, meta_model, units)
             else:
+                self._broadcast_parameters([p for unit in units for p in unit.parameters()])
                 manager.initialize_from_parameters()
         except BaseException:
             # setup failed before the strategy owned the manager: release what it holds right here
@@ -347,6 +454,11 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
         offload_dir: Path | None = None
         if offload.uses_ssd:
             offload_dir = Path(offload.path or Path(trainer.default_root_dir) / "greedysnake_offload")
+            if self.is_distributed:
+                # each rank its own files and lock, under the one configured directory
+                if offload_dir.parent.exists():
+                    offload_dir.mkdir(exist_ok=True)
+                offload_dir = offload_dir / f"rank_{self.global_rank}"
             existed = offload_dir.exists()
             if offload.path is None and not existed:
                 # our own default under default_root_dir (which Lightning creates lazily): make the parents;
@@ -403,6 +515,11 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
                     self._store.close()
             finally:
                 self._cleanup_offload_dir(manager)
+                if self._lane_group is not None and self._distributed_ready():
+                    # a group left to interpreter exit can abort it ("terminate called without an active
+                    # exception" from gloo's threads)
+                    torch.distributed.destroy_process_group(self._lane_group)
+                    self._lane_group = None
                 self.precision_plugin.attach(None)
                 self._engine = None
                 self._store = None
@@ -595,6 +712,12 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
 
     def _finish_window(self) -> None:
         self.engine.finish_window()
+        if self.is_distributed and self.tensor_manager is None:
+            # everything on the device: Lightning steps param.grad, averaged over the ranks as DDP does
+            grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
+            for grad in grads:
+                torch.distributed.all_reduce(grad)
+                grad.div_(self.world_size)
 
     def _auto_plan(self) -> None:
         """``auto=True``: plan from the first step's measurements and apply the choice."""
@@ -614,6 +737,7 @@ class GreedySnakeStrategy(SingleDeviceStrategy):
                       self.lightning_module.trainer.accumulate_grad_batches, int(budget),
                       manager.checkpoint_bytes, layers_per_unit=(1,),  # costs are per current unit
                       checkpoint_placements=(placement,))
+        choice = self.broadcast(choice)  # every rank must run the same schedule and lane
         manager.reconfigure(choice.alpha, choice.lag, choice.buffer_budget_bytes)
         if choice.recompute != self.config.recompute:
             # between windows: the engine reads it op by op, from the next forward on

@@ -196,6 +196,9 @@ class TieredTensorStore:
         for event in self._updated:
             event.set()
         self.lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
+        self.grad_reducer: Callable[[Tensor], None] | None = None
+        """Data parallel: averages a unit's complete fp32 gradient over the ranks, in place, before its
+        step (called on the optimizer lane, in unit order on every rank)."""
         self._donated: set[int] = set()
         """Units whose acquired weights buffer a step job took over (it gives the buffer back)."""
         self._alpha_pending: list[tuple[int, list[dict[str, Any]], list[bool]]] = []
@@ -769,6 +772,8 @@ class TieredTensorStore:
             return  # no gradient reached this unit in this window: torch skips such parameters too
         if self.clip.defer:
             flat = self._grad_flat(unit)
+            if self.grad_reducer is not None:
+                self.grad_reducer(flat)  # the norm is of the averaged gradient (nothing else on the lane now)
             lay = self.layouts[unit]
             views = [_view(flat, s) for s, has in zip(lay.params, self._has_grad[unit]) if has]
             norms = iter(torch._foreach_norm(views, 2.0) if views else [])
@@ -795,6 +800,8 @@ class TieredTensorStore:
         def backward_part() -> None:
             try:
                 grad = grad_held.buf.view(torch.float32, self.layouts[unit].numel)
+                if self.grad_reducer is not None:
+                    self.grad_reducer(grad)  # data parallel: the ranks' gradients averaged, as DDP does
                 if value is not None:
                     grad.clamp_(-value, value)
                 self._step_part(unit, 0, grad, weights_held, hyper, has_grad)

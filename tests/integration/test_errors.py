@@ -167,13 +167,6 @@ def test_training_step_returning_none_skips_that_microbatch_like_lightning():
     assert max(float((results[0][n] - results[1][n]).abs().max()) for n in results[0]) <= 1e-5
 
 
-def test_several_devices_refused():
-    with pytest.raises(Exception, match="devices"):
-        trainer = L.Trainer(strategy=GreedySnakeStrategy(), accelerator="cpu", devices=2, logger=False,
-                            max_epochs=1, enable_progress_bar=False)
-        trainer.fit(TinyGPTModule(), token_loader(2))
-
-
 def test_lbfgs_refused():
     class WithLBFGS(TinyGPTModule):
         def configure_optimizers(self) -> Any:

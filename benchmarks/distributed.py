@@ -1,0 +1,112 @@
+"""Data parallel on CPU: one process against two (gloo), same model, K micro-batches per rank per step.
+
+Each configuration runs in a fresh process tree launched by Lightning (``devices=N``); each process
+gets ``cores / N`` intra-op threads, so both use the same cores (two processes process twice the
+tokens per step). Reports the step time, tokens/s over all ranks, and the bytes each rank all-reduces
+per optimizer step for gradients (one fp32 all-reduce per unit per step, whatever K is: compared with
+the model's fp32 gradient size).
+
+    python benchmarks/distributed.py                    # GPT 512 x 4, seq 64, K in {2, 8}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def child(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+
+    from _common import gpt_module, token_loader
+    from lightning_greedysnake import GreedySnakeStrategy
+
+    devices, k = args.devices, args.k
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // devices))
+    Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
+    times: list[float] = []
+
+    class Timer(L.Callback):
+        t = 0.0
+
+        def on_train_batch_start(self, trainer: Any, *a: Any) -> None:
+            if not self.t:
+                self.t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+            if (trainer.fit_loop.epoch_loop.batch_idx + 1) % k == 0:
+                now = time.perf_counter()
+                times.append(now - self.t)
+                self.t = now
+
+    strategy = GreedySnakeStrategy(offload_dir=Path(args.dir) / f"offload_{devices}_{k}")
+    Path(args.dir, f"offload_{devices}_{k}").mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-mixed",
+                        max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+                        default_root_dir=args.dir)
+    module = Module()
+    # each rank reads K micro-batches of its shard per step
+    trainer.fit(module, token_loader(args.vocab, args.seq, devices * k * args.steps))
+    if trainer.global_rank == 0:
+        steady = sorted(times[1:] or times)
+        step_s = steady[len(steady) // 2]
+        params = sum(p.numel() for p in module.parameters())
+        print("RESULT " + json.dumps({
+            "devices": devices, "k": k, "step_s": round(step_s, 3),
+            "tokens_per_s": round(devices * k * args.seq / step_s, 1),
+            "allreduce_bytes_per_step": strategy.collective_bytes // max(1, trainer.global_step),
+            "fp32_grad_bytes": 4 * params,
+        }))
+
+
+def main() -> None:
+    from _common import add_model_args, print_table, write_result
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser, n_layer=4, seq=64)
+    parser.set_defaults(n_embd=512, n_head=8)
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "distributed.json"))
+    args = parser.parse_args()
+    if args.devices:
+        child(args)
+        return
+    import subprocess
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in args.ks:
+            for devices in (1, 2):
+                cmd = [sys.executable, __file__, "--devices", str(devices), "--k", str(k), "--dir", tmp,
+                       "--steps", str(args.steps), "--n-embd", str(args.n_embd), "--n-layer", str(args.n_layer),
+                       "--n-head", str(args.n_head), "--vocab", str(args.vocab), "--seq", str(args.seq)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
+                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if not line:
+                    print(proc.stderr[-4000:], file=sys.stderr)
+                    raise SystemExit(f"devices={devices} K={k} failed")
+                rows.append(json.loads(line[0][len("RESULT "):]))
+                print(f"  done devices={devices} K={k}", file=sys.stderr)
+    for row in rows:
+        one = next(r for r in rows if r["k"] == row["k"] and r["devices"] == 1)
+        row["speedup_vs_1"] = round(row["tokens_per_s"] / one["tokens_per_s"], 2)
+        row["allreduce_over_grad"] = round(row["allreduce_bytes_per_step"] / row["fp32_grad_bytes"], 3)
+    print_table(rows, ["devices", "k", "step_s", "tokens_per_s", "speedup_vs_1", "allreduce_bytes_per_step",
+                       "allreduce_over_grad"])
+    write_result(args.out, args, ["n_embd", "n_layer", "n_head", "vocab", "seq", "ks", "steps"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Data parallel on CPU (gloo), two processes launched by Lightning: greedysnake equals
+``Trainer(strategy="ddp", devices=2, accumulate_grad_batches=K)``, and checkpoints move between world sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import max_abs_diff
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD = textwrap.dedent("""
+    import argparse, json, os
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_greedysnake import GreedySnakeStrategy
+    from tests.helpers import TinyGPTModule, make_trainer, token_loader
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy")
+    parser.add_argument("--devices", type=int)
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--root")
+    parser.add_argument("--out")
+    parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--settings", default="{}")
+    parser.add_argument("--clip", type=float, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    settings = json.loads(args.settings)
+    strategy = GreedySnakeStrategy(**settings) if args.strategy == "greedysnake" else args.strategy
+    L.seed_everything(0, verbose=False)
+    module = TinyGPTModule(lr=3e-3, dropout=0.0)
+
+    class Record(L.Callback):
+        def on_train_end(self, trainer, module):
+            self.world = trainer.world_size
+            gathered = trainer.strategy.all_gather(torch.tensor([float(trainer.global_rank)]))
+            self.ranks = gathered.flatten().tolist()
+
+    record = Record()
+    trainer = make_trainer(strategy, args.k, max_epochs=args.epochs, devices=args.devices, default_root_dir=args.root,
+                           enable_checkpointing=True, gradient_clip_val=args.clip,
+                           callbacks=[ModelCheckpoint(dirpath=args.root, save_last=True), record])
+    trainer.fit(module, token_loader(12), ckpt_path=args.ckpt)
+    if trainer.global_rank == 0:
+        torch.save({n: p.detach().clone() for n, p in module.named_parameters()}, args.out)
+        with open(args.out + ".json", "w") as f:
+            json.dump({"world": record.world, "ranks": record.ranks, "step": trainer.global_step}, f)
+    # Under pytest, about one run in twenty of gloo processes aborted in interpreter finalization after
+    # everything had finished ("terminate called without an active exception"), with the process groups
+    # already destroyed; leave without finalization, as the results are written.
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+""")
+
+
+def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2, ckpt: str | None = None,
+         settings: dict | None = None, clip: float | None = None, root: Path | None = None) -> dict:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = tmp_path / f"{name}.pt"
+    root = root or tmp_path / name
+    cmd = [sys.executable, str(script), "--strategy", strategy, "--devices", str(devices), "--epochs", str(epochs),
+           "--root", str(root), "--out", str(out), "--settings", json.dumps(settings or {})]
+    if ckpt:
+        cmd += ["--ckpt", ckpt]
+    if clip:
+        cmd += ["--clip", str(clip)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-6000:]
+    info = json.loads(Path(str(out) + ".json").read_text())
+    return {"params": torch.load(out, weights_only=True), **info}
+
+
+@pytest.mark.parametrize("settings, clip", [
+    ({}, None),  # the defaults: state on SSD, background lane, alpha 0.25
+    ({"alpha": 0.0, "lag": 0}, None),
+    ({}, 0.5),  # norm clipping: the global norm of the averaged gradient
+    ({"offload": {"weights": "device", "master_weights": "device", "optimizer_states": "device",
+                  "gradients": "device", "checkpoints": "device"}}, None),  # everything resident
+], ids=["defaults", "synchronous", "norm_clipping", "resident"])
+def test_two_processes_equal_ddp(tmp_path, settings, clip):
+    ddp = _run(tmp_path, "ddp", "ddp", 2, clip=clip)
+    got = _run(tmp_path, "gs", "greedysnake", 2, settings=settings, clip=clip)
+    assert got["world"] == 2 and got["ranks"] == [0.0, 1.0]  # launched by Lightning, all_gather works
+    assert got["step"] == ddp["step"]
+    assert max_abs_diff(got["params"], ddp["params"]) <= 1e-5
+
+
+def test_checkpoints_move_between_world_sizes(tmp_path):
+    """Saved with 2 ranks, resumed with 1 (and the other way): where DDP's checkpoint lands when it takes
+    the same path (Lightning's default strategy for the one-process part)."""
+    for first, then, name in ((2, 1, "two_then_one"), (1, 2, "one_then_two")):
+        single = {1: "auto", 2: "ddp"}
+        ref_root, gs_root = tmp_path / f"ref_{name}", tmp_path / f"gs_{name}"
+        _run(tmp_path, f"ref_a_{name}", single[first], first, epochs=1, root=ref_root)
+        ref = _run(tmp_path, f"ref_b_{name}", single[then], then, epochs=2, ckpt=str(ref_root / "last.ckpt"),
+                   root=ref_root)
+        _run(tmp_path, f"gs_a_{name}", "greedysnake", first, epochs=1, root=gs_root)
+        got = _run(tmp_path, f"gs_b_{name}", "greedysnake", then, epochs=2, ckpt=str(gs_root / "last.ckpt"),
+                   root=gs_root)
+        assert got["step"] == ref["step"]
+        assert max_abs_diff(got["params"], ref["params"]) <= 1e-5, name
