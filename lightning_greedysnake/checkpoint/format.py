@@ -21,6 +21,7 @@ and each file's SHA-256 as it is read; nothing is unpickled but plain containers
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -30,13 +31,15 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch import Tensor
+
+from lightning_greedysnake.io.aligned import AlignedBuffer
 
 FORMAT = "lightning-greedysnake-checkpoint"
 VERSION = 1
@@ -63,6 +66,70 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _safetensors_image(tensors: dict[str, Tensor], metadata: dict[str, str] | None) -> tuple[AlignedBuffer, int]:
+    """A safetensors file (header, then the tensors back to back) built in one page-aligned buffer."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    flat: list[tuple[int, Tensor]] = []
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        flat.append((offset, t))
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    total = start + offset
+    image = AlignedBuffer(total)
+    mv = image.memoryview(0, start)
+    mv[:8] = len(raw).to_bytes(8, "little")
+    mv[8:start] = raw
+    del mv
+    for off, t in flat:
+        if t.numel():
+            image.view(torch.uint8, t.numel() * t.element_size(), start + off).copy_(t.reshape(-1).view(torch.uint8))
+    return image, total
+
+
+def _write_image(path: Path, image: AlignedBuffer, nbytes: int) -> tuple[str, int]:
+    """Hash and write ``nbytes`` of ``image`` to ``path`` (O_DIRECT in page-sized pieces, the tail cut
+    with ftruncate; buffered where O_DIRECT is refused), fsync; returns (sha256, nbytes)."""
+    try:
+        view = image.memoryview(0, image.nbytes)
+        digest = hashlib.sha256(view[:nbytes]).hexdigest()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+            length = image.nbytes  # whole pages; the file is cut to nbytes after
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, flags, 0o600)
+            length = nbytes
+        try:
+            done = 0
+            while done < length:
+                done += os.pwrite(fd, view[done : min(length, done + _CHUNK)], done)
+            if length != nbytes:
+                os.ftruncate(fd, nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        del view
+        return digest, nbytes
+    finally:
+        image.close()
+
+
+_CHUNK = 64 << 20
+_ST_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
 class CheckpointWriter:
     """Writes one payload under ``path``; :meth:`publish` makes it the checkpoint, :meth:`abort` drops it."""
 
@@ -86,6 +153,8 @@ class CheckpointWriter:
         self.payload = self.root / self.payload_name
         self.payload.mkdir()
         self.files: dict[str, dict[str, Any]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[str, Future[Any]]] = []
 
     def write_bytes(self, rel: str, data: bytes | memoryview) -> None:
         target = self.payload / rel
@@ -109,7 +178,32 @@ class CheckpointWriter:
         return True
 
     def write_tensors(self, rel: str, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
-        self.write_bytes(rel, st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+        """Write a safetensors file. The file's image is built once, in page-aligned memory, on the
+        calling thread; hashing and writing it (O_DIRECT where the filesystem allows) go to a background
+        thread, so the caller prepares the next unit meanwhile. :meth:`publish` waits for them."""
+        image, nbytes = _safetensors_image(tensors, metadata)
+        target = self.payload / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="greedysnake-checkpoint")
+        if len(self._pending) >= 2:  # at most two images in memory: the one written and the next
+            self._collect(self._pending.pop(0))
+        self._pending.append((rel, self._pool.submit(_write_image, target, image, nbytes)))
+
+    def _collect(self, pending: tuple[str, Future[str]]) -> None:
+        rel, future = pending
+        digest, nbytes = future.result()
+        self.files[rel] = {"bytes": nbytes, "sha256": digest}
+
+    def _drain(self) -> None:
+        try:
+            while self._pending:
+                self._collect(self._pending.pop(0))
+        finally:
+            self._pending.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def write_object(self, rel: str, obj: Any) -> None:
         buf = io.BytesIO()
@@ -118,6 +212,7 @@ class CheckpointWriter:
 
     def publish(self, index: dict[str, Any]) -> None:
         """Write the manifest, then switch ``CURRENT`` to this payload and remove older payloads."""
+        self._drain()
         manifest = {"format": FORMAT, "version": VERSION, "files": self.files, **index}
         self.write_bytes(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         for sub in {Path(rel).parent for rel in self.files} - {Path(".")}:
@@ -142,6 +237,10 @@ class CheckpointWriter:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
 
     def abort(self) -> None:
+        try:
+            self._drain()
+        except BaseException:  # noqa: BLE001 - the save already failed; its files go anyway
+            pass
         shutil.rmtree(self.payload, ignore_errors=True)
         if self._replace_link:
             shutil.rmtree(self.root, ignore_errors=True)

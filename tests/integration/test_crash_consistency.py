@@ -30,10 +30,18 @@ CHILD = textwrap.dedent("""
     root, mode = sys.argv[1], sys.argv[2]
     saves = {"n": 0, "files": 0}
     original_write = fmt.CheckpointWriter.write_bytes
+    original_tensors = fmt.CheckpointWriter.write_tensors
     original_publish = fmt.CheckpointWriter.publish
+
+    def write_tensors(self, rel, tensors, metadata=None):
+        original_tensors(self, rel, tensors, metadata)
+        count(self)
 
     def write_bytes(self, rel, data):
         original_write(self, rel, data)
+        count(self)
+
+    def count(self):
         saves["files"] += 1
         if mode == "in_save" and saves["n"] == 1 and saves["files"] == 3:
             print("IN_SAVE", flush=True)  # the second save has written three files: kill me here
@@ -48,6 +56,7 @@ CHILD = textwrap.dedent("""
             print("TRAINING", flush=True)
 
     fmt.CheckpointWriter.write_bytes = write_bytes
+    fmt.CheckpointWriter.write_tensors = write_tensors
     fmt.CheckpointWriter.publish = publish
 
     class Slow(L.Callback):  # long enough steps that the kill lands in the middle of training
