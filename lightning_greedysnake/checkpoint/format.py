@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
 from torch import Tensor
 
 from lightning_greedysnake.io.aligned import AlignedBuffer
@@ -122,12 +121,48 @@ def _write_image(path: Path, image: AlignedBuffer, nbytes: int) -> tuple[str, in
         image.close()
 
 
+def _read_image(path: Path, nbytes: int) -> AlignedBuffer:
+    """The first ``nbytes`` of ``path`` in page-aligned memory (O_DIRECT, buffered where refused)."""
+    image = AlignedBuffer(max(nbytes, 1))
+    view = image.memoryview(0, image.nbytes)
+    try:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            done = 0
+            while done < nbytes:
+                try:
+                    got = os.preadv(fd, [view[done : min(image.nbytes, done + _CHUNK)]], done)
+                except OSError as e:  # O_DIRECT at an unaligned offset after a short read: truncated
+                    if e.errno != errno.EINVAL:
+                        raise
+                    break
+                if got <= 0:
+                    break
+                done += got
+        finally:
+            os.close(fd)
+    finally:
+        del view
+    if done < nbytes:
+        image.close()
+        raise CheckpointError(f"{path}: read {done} of {nbytes} bytes (truncated).")
+    return image
+
+
 _CHUNK = 64 << 20
 _ST_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class CheckpointWriter:
@@ -301,11 +336,37 @@ class CheckpointReader:
         return self.read_tensors_and_metadata(rel)[0]
 
     def read_tensors_and_metadata(self, rel: str) -> tuple[dict[str, Tensor], dict[str, str]]:
-        """A safetensors file's tensors and its ``__metadata__`` (one read, checksummed)."""
-        data = self.read_bytes(rel)
-        n = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8 : 8 + n]).get("__metadata__", {}) or {}
-        return st_load(data), meta
+        """A safetensors file's tensors and its ``__metadata__``: one read (O_DIRECT into page-aligned
+        memory where the filesystem allows), checksummed; the tensors are views of that memory."""
+        info = self.files.get(rel)
+        if info is None:
+            raise CheckpointError(f"checkpoint {self.path} has no file {rel!r}.")
+        path = self.payload / rel
+        nbytes = info["bytes"]
+        image = _read_image(path, nbytes)
+        view = image.memoryview(0, image.nbytes)
+        if hashlib.sha256(view[:nbytes]).hexdigest() != info["sha256"]:
+            del view
+            image.close()
+            raise CheckpointError(
+                f"checkpoint {self.path}: file {path} does not match its checksum in the manifest (corrupted). "
+                "Fix: load the previous checkpoint."
+            )
+        n = int.from_bytes(view[:8], "little")
+        header = json.loads(bytes(view[8 : 8 + n]))
+        del view
+        meta = header.pop("__metadata__", None) or {}
+        start = 8 + n
+        tensors: dict[str, Tensor] = {}
+        for name, entry in header.items():
+            dtype = _ST_NAMES[entry["dtype"]]
+            a, b = entry["data_offsets"]
+            raw = image.view(torch.uint8, b - a, start + a)
+            # a view when aligned for its dtype; a copy otherwise (files written elsewhere)
+            t = raw.view(dtype) if (start + a) % raw.new_empty((), dtype=dtype).element_size() == 0 else \
+                raw.clone().view(dtype)
+            tensors[name] = t.view(entry["shape"])
+        return tensors, meta
 
     def read_object(self, rel: str) -> Any:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -181,21 +182,44 @@ def load_streamed(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 class _UnitFiles:
-    """Reads a checkpoint's per-unit files by parameter name, one file in memory at a time (units are
-    read in order, so with the same unit split every file is read exactly once)."""
+    """Reads a checkpoint's per-unit files by parameter name, one file at a time in the caller's hands,
+    the next one (of ``order``) read and checksummed ahead on a background thread. Units are read in
+    order, so with the same unit split every file is read exactly once. Use as a context manager."""
 
-    def __init__(self, reader: CheckpointReader) -> None:
+    def __init__(self, reader: CheckpointReader, order: list[str]) -> None:
         self.reader = reader
+        self._order = [rel for rel in dict.fromkeys(order) if rel in reader.files]
         self._rel: str | None = None
         self._tensors: dict[str, Tensor] = {}
         self._meta: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="greedysnake-checkpoint")
+        self._ahead: dict[str, Future[tuple[dict[str, Tensor], dict[str, str]]]] = {}
+        self._read_ahead(0)
+
+    def _read_ahead(self, index: int) -> None:
+        if index < len(self._order) and self._order[index] not in self._ahead:
+            rel = self._order[index]
+            self._ahead[rel] = self._pool.submit(self.reader.read_tensors_and_metadata, rel)
 
     def open(self, rel: str) -> tuple[dict[str, Tensor], dict[str, str]]:
         if rel != self._rel:
             self._tensors, self._meta = {}, {}
-            self._tensors, self._meta = self.reader.read_tensors_and_metadata(rel)
+            future = self._ahead.pop(rel, None)
+            if rel in self._order:
+                self._read_ahead(self._order.index(rel) + 1)
+            self._tensors, self._meta = future.result() if future is not None else \
+                self.reader.read_tensors_and_metadata(rel)
             self._rel = rel
         return self._tensors, self._meta
+
+    def __enter__(self) -> _UnitFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for future in self._ahead.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        self._ahead.clear()
 
 
 def _names_check(path: Any, expected: list[str], found: set[str], strict: bool) -> None:
@@ -216,16 +240,19 @@ def load_model_into(manager: Any, module: torch.nn.Module, state_dict: Mapping[s
         reader = state_dict.reader
         index = reader.manifest["params"]
         _names_check(reader.path, unit_names, set(index), strict)
-        files = _UnitFiles(reader)
-        for u in range(manager.num_units):
-            slots = manager.layouts[u].params
-            if not all(s.name in index for s in slots):
-                continue  # non-strict: the unit keeps its current values
-            values = []
-            for slot in slots:
-                tensors, _ = files.open(_model_file(index[slot.name]["unit"]))
-                values.append(tensors[slot.name])
-            manager.load_unit_weights(u, values)
+        order = [_model_file(index[s.name]["unit"]) for u in range(manager.num_units)
+                 for s in manager.layouts[u].params if s.name in index]
+        with _UnitFiles(reader, order) as files:
+            for u in range(manager.num_units):
+                slots = manager.layouts[u].params
+                if not all(s.name in index for s in slots):
+                    continue  # non-strict: the unit keeps its current values
+                values = []
+                for slot in slots:
+                    tensors, _ = files.open(_model_file(index[slot.name]["unit"]))
+                    values.append(tensors[slot.name])
+                manager.load_unit_weights(u, values)
+                del values
         rest: Mapping[str, Any] = dict(state_dict)
     else:
         missing = [n for n in unit_names if n not in state_dict]
@@ -256,19 +283,21 @@ def load_optimizer_into(manager: Any, optimizer: torch.optim.Optimizer, opt_stat
         return
     reader = state.reader
     index = reader.manifest["params"]
-    files = _UnitFiles(reader)
-    for u in range(manager.num_units):
-        entries: dict[int, dict[str, Any]] = {}
-        for i, slot in enumerate(manager.layouts[u].params):
-            if slot.name not in index or slot.group is None:
-                continue
-            tensors, meta = files.open(_optimizer_file(index[slot.name]["unit"]))
-            scalars = json.loads(meta.get("scalars", "{}")).get(slot.name, {})
-            prefix = slot.name + _SEP
-            entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            entry.update(scalars)
-            if entry:
-                entries[i] = entry
-        if entries:
-            manager.load_unit_optimizer_state(u, entries)
+    order = [_optimizer_file(index[s.name]["unit"]) for u in range(manager.num_units)
+             for s in manager.layouts[u].params if s.name in index and s.group is not None]
+    with _UnitFiles(reader, order) as files:
+        for u in range(manager.num_units):
+            entries: dict[int, dict[str, Any]] = {}
+            for i, slot in enumerate(manager.layouts[u].params):
+                if slot.name not in index or slot.group is None:
+                    continue
+                tensors, meta = files.open(_optimizer_file(index[slot.name]["unit"]))
+                scalars = json.loads(meta.get("scalars", "{}")).get(slot.name, {})
+                prefix = slot.name + _SEP
+                entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+                entry.update(scalars)
+                if entry:
+                    entries[i] = entry
+            if entries:
+                manager.load_unit_optimizer_state(u, entries)
     manager.flush()
