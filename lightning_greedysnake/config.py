@@ -52,7 +52,10 @@ class OffloadConfig:
     states and waiting gradients on SSD, activation checkpoints in host memory."""
 
     path: str | None = None
-    """The offload directory (a local NVMe SSD). ``None``: ``<Trainer default_root_dir>/greedysnake_offload``."""
+    """The offload directory (a local NVMe SSD). ``None``: ``<Trainer default_root_dir>/greedysnake_offload``.
+    With several processes each rank uses ``<path>/rank_<global rank>``, or, when the path contains
+    ``{rank}`` (or ``{local_rank}``), the path with it filled in (``/mnt/nvme{local_rank}/gs``: one SSD
+    per process)."""
 
     weights: Tier = Tier.SSD
     master_weights: Tier = Tier.SSD

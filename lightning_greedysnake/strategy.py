@@ -454,7 +454,9 @@ class GreedySnakeStrategy(ParallelStrategy):
         offload_dir: Path | None = None
         if offload.uses_ssd:
             offload_dir = Path(offload.path or Path(trainer.default_root_dir) / "greedysnake_offload")
-            if self.is_distributed:
+            if offload.path is not None and ("{rank}" in offload.path or "{local_rank}" in offload.path):
+                offload_dir = Path(offload.path.format(rank=self.global_rank, local_rank=self.local_rank))
+            elif self.is_distributed:
                 # each rank its own files and lock, under the one configured directory
                 if offload_dir.parent.exists():
                     offload_dir.mkdir(exist_ok=True)

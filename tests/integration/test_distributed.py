@@ -43,6 +43,14 @@ CHILD = textwrap.dedent("""
     module = TinyGPTModule(lr=3e-3, dropout=0.0)
 
     class Record(L.Callback):
+        def on_train_start(self, trainer, module):
+            manager = getattr(trainer.strategy, "tensor_manager", None)
+            where = manager.offload_dir.name if manager is not None and manager.offload_dir else None
+            names = [where] * trainer.world_size
+            if trainer.world_size > 1:
+                torch.distributed.all_gather_object(names, where)
+            self.dirs = names
+
         def on_train_end(self, trainer, module):
             self.world = trainer.world_size
             gathered = trainer.strategy.all_gather(torch.tensor([float(trainer.global_rank)]))
@@ -56,7 +64,8 @@ CHILD = textwrap.dedent("""
     if trainer.global_rank == 0:
         torch.save({n: p.detach().clone() for n, p in module.named_parameters()}, args.out)
         with open(args.out + ".json", "w") as f:
-            json.dump({"world": record.world, "ranks": record.ranks, "step": trainer.global_step}, f)
+            json.dump({"world": record.world, "ranks": record.ranks, "step": trainer.global_step,
+                       "dirs": record.dirs}, f)
     # Under pytest, about one run in twenty of gloo processes aborted in interpreter finalization after
     # everything had finished ("terminate called without an active exception"), with the process groups
     # already destroyed; leave without finalization, as the results are written.
@@ -90,15 +99,18 @@ def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2
     ({}, None),  # the defaults: state on SSD, background lane, alpha 0.25
     ({"alpha": 0.0, "lag": 0}, None),
     ({}, 0.5),  # norm clipping: the global norm of the averaged gradient
+    ({"offload": {"path": "offload_{rank}"}}, None),  # one directory per rank from the config
     ({"offload": {"weights": "device", "master_weights": "device", "optimizer_states": "device",
                   "gradients": "device", "checkpoints": "device"}}, None),  # everything resident
-], ids=["defaults", "synchronous", "norm_clipping", "resident"])
+], ids=["defaults", "synchronous", "norm_clipping", "path_per_rank", "resident"])
 def test_two_processes_equal_ddp(tmp_path, settings, clip):
     ddp = _run(tmp_path, "ddp", "ddp", 2, clip=clip)
     got = _run(tmp_path, "gs", "greedysnake", 2, settings=settings, clip=clip)
     assert got["world"] == 2 and got["ranks"] == [0.0, 1.0]  # launched by Lightning, all_gather works
     assert got["step"] == ddp["step"]
     assert max_abs_diff(got["params"], ddp["params"]) <= 1e-5
+    if "path" in settings.get("offload", {}):
+        assert got["dirs"] == ["offload_0", "offload_1"]
 
 
 def test_checkpoints_move_between_world_sizes(tmp_path):
