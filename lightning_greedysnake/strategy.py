@@ -155,6 +155,7 @@ class GreedySnakeStrategy(ParallelStrategy):
         self._warned_hooks: set[str] = set()
         self._lock: OffloadDirLock | None = None
         self._created_offload_dir: Path | None = None
+        self._created_rank_parent: Path | None = None
         self._failed = False
         self._telemetry: StepRecorder | None = None
         self._offload_dir: Path | None = None
@@ -455,11 +456,19 @@ class GreedySnakeStrategy(ParallelStrategy):
         if offload.uses_ssd:
             offload_dir = Path(offload.path or Path(trainer.default_root_dir) / "greedysnake_offload")
             if offload.path is not None and ("{rank}" in offload.path or "{local_rank}" in offload.path):
-                offload_dir = Path(offload.path.format(rank=self.global_rank, local_rank=self.local_rank))
+                try:
+                    offload_dir = Path(offload.path.format(rank=self.global_rank, local_rank=self.local_rank))
+                except (KeyError, IndexError, ValueError) as e:
+                    raise ValueError(
+                        f"offload.path={offload.path!r}: only {{rank}} and {{local_rank}} are filled in ({e!r}). "
+                        "Fix: escape other braces as {{ and }}."
+                    ) from None
             elif self.is_distributed:
                 # each rank its own files and lock, under the one configured directory
                 if offload_dir.parent.exists():
-                    offload_dir.mkdir(exist_ok=True)
+                    offload_dir.mkdir(exist_ok=True)  # the first rank makes it
+                if offload.path is None:  # ours: whichever rank leaves last removes it (when empty)
+                    self._created_rank_parent = offload_dir
                 offload_dir = offload_dir / f"rank_{self.global_rank}"
             existed = offload_dir.exists()
             if offload.path is None and not existed:
@@ -550,6 +559,10 @@ class GreedySnakeStrategy(ParallelStrategy):
         if created is not None and not self.config.offload.keep_files:
             with contextlib.suppress(OSError):
                 created.rmdir()  # only if empty: never remove what someone else put there
+            if self._created_rank_parent is not None:
+                with contextlib.suppress(OSError):  # only when empty: the last rank out removes it
+                    self._created_rank_parent.rmdir()
+        self._created_rank_parent = None
 
     def _check_module_for_training(self, module: LightningModule) -> None:
         if not module.automatic_optimization:
