@@ -2,9 +2,11 @@
 
 Each configuration runs in a fresh process tree launched by Lightning (``devices=N``); each process
 gets ``cores / N`` intra-op threads, so both use the same cores (two processes process twice the
-tokens per step). Reports the step time, tokens/s over all ranks, and the bytes each rank all-reduces
-per optimizer step for gradients (one fp32 all-reduce per unit per step, whatever K is: compared with
-the model's fp32 gradient size).
+tokens per step). Two processes run with partitioned state (``sharded``: each rank steps its chunk,
+the new 16-bit weights are all-gathered per unit) and replicated (every rank steps everything).
+Reports the step time, tokens/s over all ranks, and the payload bytes each rank contributes to
+collectives per optimizer step (the fp32 gradient all-reduce, plus its chunk of the weights
+all-gather), whatever K is, against the model's fp32 gradient size.
 
     python benchmarks/distributed.py                    # GPT 512 x 4, seq 64, K in {2, 8}
 """
@@ -46,8 +48,9 @@ def child(args: argparse.Namespace) -> None:
                 times.append(now - self.t)
                 self.t = now
 
-    strategy = GreedySnakeStrategy(offload_dir=Path(args.dir) / f"offload_{devices}_{k}")
-    Path(args.dir, f"offload_{devices}_{k}").mkdir(parents=True, exist_ok=True)
+    where = Path(args.dir) / f"offload_{devices}_{k}_{args.mode}"
+    where.mkdir(parents=True, exist_ok=True)
+    strategy = GreedySnakeStrategy(offload_dir=where, shard_state=args.mode == "sharded")
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
@@ -60,9 +63,9 @@ def child(args: argparse.Namespace) -> None:
         step_s = steady[len(steady) // 2]
         params = sum(p.numel() for p in module.parameters())
         print("RESULT " + json.dumps({
-            "devices": devices, "k": k, "step_s": round(step_s, 3),
+            "devices": devices, "mode": args.mode if devices > 1 else "-", "k": k, "step_s": round(step_s, 3),
             "tokens_per_s": round(devices * k * args.seq / step_s, 1),
-            "allreduce_bytes_per_step": strategy.collective_bytes // max(1, trainer.global_step),
+            "collective_bytes_per_step": strategy.collective_bytes // max(1, trainer.global_step),
             "fp32_grad_bytes": 4 * params,
         }))
 
@@ -77,6 +80,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="sharded", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "distributed.json"))
     args = parser.parse_args()
@@ -88,8 +92,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in args.ks:
-            for devices in (1, 2):
-                cmd = [sys.executable, __file__, "--devices", str(devices), "--k", str(k), "--dir", tmp,
+            for devices, mode in ((1, "sharded"), (2, "sharded"), (2, "replicated")):
+                cmd = [sys.executable, __file__, "--devices", str(devices), "--k", str(k), "--dir", tmp, "--mode", mode,
                        "--steps", str(args.steps), "--n-embd", str(args.n_embd), "--n-layer", str(args.n_layer),
                        "--n-head", str(args.n_head), "--vocab", str(args.vocab), "--seq", str(args.seq)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
@@ -98,13 +102,13 @@ def main() -> None:
                     print(proc.stderr[-4000:], file=sys.stderr)
                     raise SystemExit(f"devices={devices} K={k} failed")
                 rows.append(json.loads(line[0][len("RESULT "):]))
-                print(f"  done devices={devices} K={k}", file=sys.stderr)
+                print(f"  done devices={devices} {mode} K={k}", file=sys.stderr)
     for row in rows:
         one = next(r for r in rows if r["k"] == row["k"] and r["devices"] == 1)
         row["speedup_vs_1"] = round(row["tokens_per_s"] / one["tokens_per_s"], 2)
-        row["allreduce_over_grad"] = round(row["allreduce_bytes_per_step"] / row["fp32_grad_bytes"], 3)
-    print_table(rows, ["devices", "k", "step_s", "tokens_per_s", "speedup_vs_1", "allreduce_bytes_per_step",
-                       "allreduce_over_grad"])
+        row["collective_over_grad"] = round(row["collective_bytes_per_step"] / row["fp32_grad_bytes"], 3)
+    print_table(rows, ["devices", "mode", "k", "step_s", "tokens_per_s", "speedup_vs_1", "collective_bytes_per_step",
+                       "collective_over_grad"])
     write_result(args.out, args, ["n_embd", "n_layer", "n_head", "vocab", "seq", "ks", "steps"], rows)
 
 

@@ -202,6 +202,11 @@ class GreedySnakeConfig:
     """How many units the background optimizer may trail the backward by (it steps unit j+lag while
     unit j computes); bounds the gradients held for it. 0: each unit is stepped synchronously."""
 
+    shard_state: bool = True
+    """With several processes: each rank keeps current and steps only its 1/N chunk of every unit's
+    master weights and optimizer state, and the updated compute weights are all-gathered per unit
+    (ZeRO's partitioning). ``False``: every rank steps the whole model, as DDP does."""
+
     auto: bool = False
     """Plan alpha, lag and the staging budget from this run's own measurements: after the first
     optimizer step, measure the offload disk and the optimizer, take each unit's compute time from
@@ -260,6 +265,8 @@ class GreedySnakeConfig:
             )
         if not isinstance(self.recompute, bool):
             raise ValueError(f"recompute={self.recompute!r} must be true or false.")
+        if not isinstance(self.shard_state, bool):
+            raise ValueError(f"shard_state={self.shard_state!r} must be true or false.")
         if self.layered_module is not None and not isinstance(self.layered_module, str):
             raise ValueError(
                 f"layered_module={self.layered_module!r} must be a dotted submodule name such as 'model', "

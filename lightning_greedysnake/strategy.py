@@ -53,6 +53,7 @@ from lightning_greedysnake.checkpoint.streamed import (
     save_streamed,
 )
 from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
+from lightning_greedysnake.distributed import ShardedStateView, gather_chunks, join_save
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.lookahead import LookaheadLoader
 from lightning_greedysnake.models import (
@@ -135,8 +136,8 @@ class GreedySnakeStrategy(ParallelStrategy):
         self._timeout = default_pg_timeout
         self._lane_group: Any = None
         self.collective_bytes = 0
-        """Bytes this rank has all-reduced for gradients so far (the payload; a ring all-reduce sends
-        and receives about twice that per rank)."""
+        """Payload bytes this rank has put into collectives so far: gradient all-reduces (a ring sends
+        and receives about twice that) and, with partitioned state, its chunks of the weights gathers."""
         self._gs_precision: GreedySnakePrecision | None = None
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
@@ -237,6 +238,10 @@ class GreedySnakeStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    def _gather_weights(self, flat: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
+        """Partitioned state: every rank's newly stepped chunk of a unit's compute weights (on the lane)."""
+        self.collective_bytes += gather_chunks(flat, bounds, self.global_rank, self._lane_group)
 
     def _average_gradient(self, grad: torch.Tensor) -> None:
         """A unit's fp32 gradient, averaged over the ranks in place (on the optimizer lane's group)."""
@@ -428,12 +433,14 @@ class GreedySnakeStrategy(ParallelStrategy):
         clip = ClipPolicy()
         if fitting:
             clip = self._clip_policy(trainer, module)
+        shard = (self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None
         manager = TieredTensorStore(
             units, names, optimizer, offload, compute_dtype=self.precision_plugin.compute_dtype, clip=clip,
-            alpha=self.config.alpha, lag=self.config.lag,
+            alpha=self.config.alpha, lag=self.config.lag, shard=shard,
         )
         if self.is_distributed:
             manager.grad_reducer = self._average_gradient
+            manager.weights_gatherer = self._gather_weights
         try:
             self._prepare_offload_dir(trainer, manager)
             manager.open(self._offload_dir)
@@ -519,7 +526,7 @@ class GreedySnakeStrategy(ParallelStrategy):
                 self._engine.close()
             if manager is not None and self.config.offload.return_weights and not manager.closed and not failed:
                 # the LightningModule should be usable after fit, as with any other strategy
-                manager.restore_parameters()
+                manager.restore_parameters(self._master_source(manager))
         finally:
             try:
                 if self._store is not None:
@@ -823,11 +830,19 @@ class GreedySnakeStrategy(ParallelStrategy):
         manager = self.tensor_manager
         if manager is None:
             return state
+        master = self._master_source(manager) or manager.unit_master_weights
         for u in range(manager.num_units):
-            for slot, value in zip(manager.layouts[u].params, manager.unit_master_weights(u)):
+            for slot, value in zip(manager.layouts[u].params, master(u)):
                 if slot.name in state:
                     state[slot.name] = value
         return state
+
+    def _master_source(self, manager: TieredTensorStore) -> Any:
+        """Partitioned state: full-precision weights gathered from every rank's chunk (collective: every
+        rank calls it); None: the manager's own."""
+        if manager.shard is None:
+            return None
+        return ShardedStateView(manager, self.global_rank, self.world_size).unit_master_weights
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         manager = self.tensor_manager
@@ -851,15 +866,21 @@ class GreedySnakeStrategy(ParallelStrategy):
                 f"checkpoint path {filepath!r}: greedysnake saves to a local or mounted filesystem (it streams "
                 "every unit and renames atomically). Fix: save locally and copy the directory afterwards."
             )
+        if manager.shard is not None and not self.is_global_zero:
+            # partitioned state: rank 0 writes, every rank contributes its chunks
+            join_save(ShardedStateView(manager, self.global_rank, self.world_size),
+                      checkpoint.get("optimizer_states") is not None and manager.optimizer is not None)
+            return
         if self.is_global_zero:
             t0 = time.perf_counter()
             trainer = self.lightning_module.trainer
             # the state changes only at optimizer steps: a second save at the same step (save_last after
             # a top-k save) links the first one's files
             version = (id(manager), trainer.global_step, self._checkpoint_loads)
+            view = ShardedStateView(manager, self.global_rank, self.world_size) if manager.shard else manager
             self._last_saved = save_streamed(
-                manager, checkpoint, filepath, self._layered_prefix(), str(self.precision_plugin.precision),
-                version=version, previous=self._last_saved)
+                view, checkpoint, filepath, self._layered_prefix(), str(self.precision_plugin.precision),
+                version=version, previous=None if manager.shard else self._last_saved)
             self.last_checkpoint_seconds = time.perf_counter() - t0
 
     def remove_checkpoint(self, filepath: Any) -> None:

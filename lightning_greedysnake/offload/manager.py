@@ -46,6 +46,7 @@ from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions, SSDScratch
 from lightning_greedysnake.optim import UnitOptimizer, discover_slots, split_numel
+from lightning_greedysnake.optim.unit_optimizer import shard_bounds
 from lightning_greedysnake.optim.stepper import StepLane
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -132,11 +133,15 @@ class TieredTensorStore:
         clip: ClipPolicy | None = None,
         alpha: float = 0.0,
         lag: int = 0,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
-        ``lag``: how many units the background optimizer may trail backward by (0: synchronous)."""
+        ``lag``: how many units the background optimizer may trail backward by (0: synchronous);
+        ``shard``: ``(rank, world)`` of data parallel with partitioned state: this process steps only its
+        chunk of every unit, and :attr:`weights_gatherer` brings the other chunks' new weights."""
+        self.shard = shard
         self.alpha = alpha
         self.lag = lag
         self.config = config
@@ -188,8 +193,9 @@ class TieredTensorStore:
         self.files: list[Path] = []
 
         self.unit_optimizers = [
-            UnitOptimizer(optimizer, lay, self.slots, split_numel(lay, alpha)) if optimizer is not None else None
-            for lay in self.layouts
+            UnitOptimizer(optimizer, lay, self.slots, split_numel(lay, alpha, self.bounds(u)), self.bounds(u))
+            if optimizer is not None else None
+            for u, lay in enumerate(self.layouts)
         ]
         self._updated = [threading.Event() for _ in self.layouts]
         """Set when the unit's last optimizer step is complete: its weights may be read."""
@@ -199,6 +205,9 @@ class TieredTensorStore:
         self.grad_reducer: Callable[[Tensor], None] | None = None
         """Data parallel: averages a unit's complete fp32 gradient over the ranks, in place, before its
         step (called on the optimizer lane, in unit order on every rank)."""
+        self.weights_gatherer: Callable[[Tensor, list[tuple[int, int]]], None] | None = None
+        """Partitioned state: fills a unit's flat compute weights with every rank's chunk (given every
+        rank's bounds), after this rank stepped its own (on the lane, in unit order on every rank)."""
         self._donated: set[int] = set()
         """Units whose acquired weights buffer a step job took over (it gives the buffer back)."""
         self._alpha_pending: list[tuple[int, list[dict[str, Any]], list[bool]]] = []
@@ -378,7 +387,8 @@ class TieredTensorStore:
         for u, old in enumerate(self.unit_optimizers):
             if old is None:
                 continue
-            new = UnitOptimizer(self.optimizer, self.layouts[u], self.slots, split_numel(self.layouts[u], alpha))
+            new = UnitOptimizer(self.optimizer, self.layouts[u], self.slots,
+                                split_numel(self.layouts[u], alpha, self.bounds(u)), self.bounds(u))
             for j in range(len(old.trainable)):
                 if old.param_initialized(j):
                     new.set_param_scalar_state(j, old.param_scalar_state(j))
@@ -389,12 +399,40 @@ class TieredTensorStore:
         self.min_budget_bytes = self._min_budget()
         self.pool.budget_bytes = max(buffer_budget_bytes, self.min_budget_bytes)
 
-    def restore_parameters(self) -> None:
-        """Give the parameters real memory again, holding the trained weights (end of a run)."""
+    def restore_parameters(self, master: Callable[[int], list[Tensor]] | None = None) -> None:
+        """Give the parameters real memory again, holding the trained weights (end of a run).
+        ``master``: where unit u's full-precision weights come from (partitioned state: gathered)."""
         for u in range(self.num_units):
-            values = self.unit_master_weights(u)
+            values = (master or self.unit_master_weights)(u)
             for p, value, dtype in zip(self.params[u], values, self._dtypes[u]):
                 p.data = value.to(dtype) if value.dtype != dtype else value
+
+    def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]:
+        """The element range of unit ``u`` that ``rank`` (default: this process) steps."""
+        if self.shard is None:
+            return 0, self.layouts[u].numel
+        return shard_bounds(self.layouts[u], self.shard[0] if rank is None else rank, self.shard[1])
+
+    def _defers(self, unit: int) -> bool:
+        """Whether ``unit`` has a deferred (alpha) part on any rank: every rank must make the same
+        decision, since the weights gather follows the unit's last part."""
+        ranks = range(self.shard[1]) if self.shard is not None else [None]
+        for r in ranks:
+            lo, hi = self.bounds(unit, r)
+            if split_numel(self.layouts[unit], self.alpha, (lo, hi)) < hi:
+                return True
+        return False
+
+    def _gather_weights(self, unit: int) -> None:
+        """Partitioned state: after this rank's chunk of ``unit`` is stepped, bring every other chunk's new
+        compute weights into the weights tier (all ranks call this in the same unit order)."""
+        if self.shard is None:
+            return
+        assert self.weights_gatherer is not None, "partitioned state needs a weights gatherer"
+        held = self._stage(TensorKind.WEIGHTS, unit, read=True)
+        flat = held.buf.view(self.compute_dtype, self.layouts[unit].numel)
+        self.weights_gatherer(flat, [self.bounds(unit, r) for r in range(self.shard[1])])
+        self._put_back(TensorKind.WEIGHTS, unit, held)
 
     # -- optimizer state (checkpoints) ---------------------------------------------------------------
     def _trainable_index(self, u: int) -> dict[int, int]:
@@ -792,7 +830,7 @@ class TieredTensorStore:
         self._updated[unit].clear()
         opt = self.unit_optimizers[unit]
         assert opt is not None
-        deferred = opt.part_range(1)[0] < opt.part_range(1)[1]
+        deferred = self._defers(unit)
         if deferred:
             self._alpha_pending.append((unit, hyper, has_grad))
         value = self.clip.value
@@ -805,9 +843,9 @@ class TieredTensorStore:
                 if value is not None:
                     grad.clamp_(-value, value)
                 self._step_part(unit, 0, grad, weights_held, hyper, has_grad)
-                if deferred:
+                lo, hi = opt.part_range(1)
+                if deferred and lo < hi:
                     # the forward part's gradient waits on its tier until the forward-part step
-                    lo, hi = opt.part_range(1)
                     self._put_back(TensorKind.GRADIENTS, unit, grad_held,
                                    self._byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
                 else:
@@ -816,6 +854,7 @@ class TieredTensorStore:
                 if weights_held is not None:
                     self._done_with(weights_held)
             if not deferred:
+                self._gather_weights(unit)
                 self._updated[unit].set()
 
         self.lane.submit(backward_part, heavy=True)
@@ -835,13 +874,15 @@ class TieredTensorStore:
                 opt = self.unit_optimizers[unit]
                 assert opt is not None
                 lo, hi = opt.part_range(1)
-                grad_held = self._stage(TensorKind.GRADIENTS, unit, read=True,
-                                        ranges=self._byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
-                try:
-                    grad = grad_held.buf.view(torch.float32, self.layouts[unit].numel)
-                    self._step_part(unit, 1, grad, None, hyper, has_grad)
-                finally:
-                    self._done_with(grad_held)
+                if lo < hi:  # (a rank's chunk may end before the split: nothing deferred on this rank)
+                    grad_held = self._stage(TensorKind.GRADIENTS, unit, read=True,
+                                            ranges=self._byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
+                    try:
+                        grad = grad_held.buf.view(torch.float32, self.layouts[unit].numel)
+                        self._step_part(unit, 1, grad, None, hyper, has_grad)
+                    finally:
+                        self._done_with(grad_held)
+                self._gather_weights(unit)
                 self._updated[unit].set()
 
             self.lane.submit(forward_part, heavy=False)
@@ -909,6 +950,7 @@ class TieredTensorStore:
                     self._step_part(unit, 1, grad, None, hyper, has_grad)
                 finally:
                     self._done_with(held)
+                self._gather_weights(unit)
                 self._updated[unit].set()
 
             self.lane.submit(whole_step, heavy=False)

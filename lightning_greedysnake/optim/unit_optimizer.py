@@ -76,15 +76,25 @@ SPLIT_ALIGN_NUMEL = 2048
 each part's bytes start on a 4 KiB boundary in every dtype (2-byte compute weights, 4-byte master/state)."""
 
 
-def split_numel(layout: UnitLayout, alpha: float) -> int:
-    """First element of the forward (alpha) part of a unit's flat buffers: ``[0, split)`` is stepped when
-    the unit's gradient completes, ``[split, numel)`` is deferred into the next iteration's forward."""
+def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None = None) -> int:
+    """First element of the forward (alpha) part of a unit's flat buffers: ``[lo, split)`` is stepped when
+    the unit's gradient completes, ``[split, hi)`` is deferred into the next iteration's forward.
+    ``bounds``: the element range this process steps (its shard; default the whole unit)."""
+    lo, hi = bounds if bounds is not None else (0, layout.numel)
     if alpha <= 0.0:
-        return layout.numel
+        return hi
     if alpha >= 1.0:
-        return 0
-    cut = int(layout.numel * (1.0 - alpha)) // SPLIT_ALIGN_NUMEL * SPLIT_ALIGN_NUMEL
-    return min(max(cut, 0), layout.numel)
+        return lo
+    cut = lo + int((hi - lo) * (1.0 - alpha)) // SPLIT_ALIGN_NUMEL * SPLIT_ALIGN_NUMEL
+    return min(max(cut, lo), hi)
+
+
+def shard_bounds(layout: UnitLayout, rank: int, world: int) -> tuple[int, int]:
+    """The element range of a unit that ``rank`` of ``world`` steps: equal chunks on a
+    ``SPLIT_ALIGN_NUMEL`` boundary (so every chunk's bytes start on 4 KiB), the last one shorter."""
+    chunk = -(-layout.numel // world)
+    chunk = -(-chunk // SPLIT_ALIGN_NUMEL) * SPLIT_ALIGN_NUMEL
+    return min(layout.numel, rank * chunk), min(layout.numel, (rank + 1) * chunk)
 
 
 class _Part:
@@ -114,14 +124,17 @@ class UnitOptimizer:
     one part (element range) at a time."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, layout: UnitLayout, slots: tuple[str, ...], split: int | None = None
+        self, optimizer: torch.optim.Optimizer, layout: UnitLayout, slots: tuple[str, ...], split: int | None = None,
+        bounds: tuple[int, int] | None = None,
     ) -> None:
         self.user_optimizer = optimizer
         self.layout = layout
         self.slots = slots
         self.trainable: list[ParamSlot] = [p for p in layout.params if p.group is not None]
-        self.split = layout.numel if split is None else split
-        ranges = [(0, self.split), (self.split, layout.numel)]
+        self.bounds = bounds if bounds is not None else (0, layout.numel)
+        """The element range this process steps (data parallel with sharded state: its chunk)."""
+        self.split = self.bounds[1] if split is None else split
+        ranges = [(self.bounds[0], self.split), (self.split, self.bounds[1])]
         self.parts: list[_Part] = []
         for lo, hi in ranges:
             pieces = []
@@ -136,7 +149,7 @@ class UnitOptimizer:
         return any(part.shadow is not None for part in self.parts)
 
     def part_range(self, part: int) -> tuple[int, int]:
-        return (0, self.split) if part == 0 else (self.split, self.layout.numel)
+        return (self.bounds[0], self.split) if part == 0 else (self.split, self.bounds[1])
 
     def part_initialized(self, part: int) -> bool:
         return any(self.parts[part].initialized)

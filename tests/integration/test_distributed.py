@@ -35,6 +35,7 @@ CHILD = textwrap.dedent("""
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--settings", default="{}")
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = json.loads(args.settings)
@@ -58,7 +59,7 @@ CHILD = textwrap.dedent("""
 
     record = Record()
     trainer = make_trainer(strategy, args.k, max_epochs=args.epochs, devices=args.devices, default_root_dir=args.root,
-                           enable_checkpointing=True, gradient_clip_val=args.clip,
+                           enable_checkpointing=True, gradient_clip_val=args.clip, precision=args.precision,
                            callbacks=[ModelCheckpoint(dirpath=args.root, save_last=True), record])
     trainer.fit(module, token_loader(12), ckpt_path=args.ckpt)
     if trainer.global_rank == 0:
@@ -77,13 +78,14 @@ CHILD = textwrap.dedent("""
 
 
 def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2, ckpt: str | None = None,
-         settings: dict | None = None, clip: float | None = None, root: Path | None = None) -> dict:
+         settings: dict | None = None, clip: float | None = None, root: Path | None = None,
+         precision: str = "32-true") -> dict:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = tmp_path / f"{name}.pt"
     root = root or tmp_path / name
     cmd = [sys.executable, str(script), "--strategy", strategy, "--devices", str(devices), "--epochs", str(epochs),
-           "--root", str(root), "--out", str(out), "--settings", json.dumps(settings or {})]
+           "--root", str(root), "--out", str(out), "--settings", json.dumps(settings or {}), "--precision", precision]
     if ckpt:
         cmd += ["--ckpt", ckpt]
     if clip:
@@ -96,13 +98,15 @@ def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2
 
 
 @pytest.mark.parametrize("settings, clip", [
-    ({}, None),  # the defaults: state on SSD, background lane, alpha 0.25
+    ({}, None),  # the defaults: state on SSD and partitioned, background lane, alpha 0.25
+    ({"shard_state": False}, None),  # every rank steps the whole model (DDP's way)
+    ({"alpha": 0.5, "lag": 2, "layers_per_unit": 2}, None),
     ({"alpha": 0.0, "lag": 0}, None),
     ({}, 0.5),  # norm clipping: the global norm of the averaged gradient
     ({"offload": {"path": "offload_{rank}"}}, None),  # one directory per rank from the config
     ({"offload": {"weights": "device", "master_weights": "device", "optimizer_states": "device",
                   "gradients": "device", "checkpoints": "device"}}, None),  # everything resident
-], ids=["defaults", "synchronous", "norm_clipping", "path_per_rank", "resident"])
+], ids=["defaults", "replicated", "alpha_half", "synchronous", "norm_clipping", "path_per_rank", "resident"])
 def test_two_processes_equal_ddp(tmp_path, settings, clip):
     ddp = _run(tmp_path, "ddp", "ddp", 2, clip=clip)
     got = _run(tmp_path, "gs", "greedysnake", 2, settings=settings, clip=clip)
@@ -111,6 +115,14 @@ def test_two_processes_equal_ddp(tmp_path, settings, clip):
     assert max_abs_diff(got["params"], ddp["params"]) <= 1e-5
     if "path" in settings.get("offload", {}):
         assert got["dirs"] == ["offload_0", "offload_1"]
+
+
+def test_partitioned_state_equals_replicated_under_bf16(tmp_path):
+    """bf16-mixed keeps 16-bit compute weights (a policy DDP does not have): partitioned state, whose
+    16-bit weights travel in the gather, must give exactly what every rank stepping everything gives."""
+    replicated = _run(tmp_path, "rep", "greedysnake", 2, settings={"shard_state": False}, precision="bf16-mixed")
+    sharded = _run(tmp_path, "shard", "greedysnake", 2, settings={"alpha": 0.25}, precision="bf16-mixed")
+    assert max_abs_diff(sharded["params"], replicated["params"]) == 0
 
 
 def test_checkpoints_move_between_world_sizes(tmp_path):
