@@ -53,9 +53,17 @@ CHILD = textwrap.dedent("""
             self.dirs = names
 
         def on_train_end(self, trainer, module):
+            import torchmetrics
             self.world = trainer.world_size
-            gathered = trainer.strategy.all_gather(torch.tensor([float(trainer.global_rank)]))
+            rank = float(trainer.global_rank)
+            gathered = trainer.strategy.all_gather(torch.tensor([rank]))
             self.ranks = gathered.flatten().tolist()
+            self.sum = float(trainer.strategy.reduce(torch.tensor(rank), reduce_op="sum"))
+            self.from_zero = trainer.strategy.broadcast(rank)
+            trainer.strategy.barrier()
+            metric = torchmetrics.MeanMetric()
+            metric.update(torch.tensor(rank))
+            self.metric = float(metric.compute())  # synced over the ranks by torchmetrics
 
     record = Record()
     trainer = make_trainer(strategy, args.k, max_epochs=args.epochs, devices=args.devices, default_root_dir=args.root,
@@ -66,7 +74,8 @@ CHILD = textwrap.dedent("""
         torch.save({n: p.detach().clone() for n, p in module.named_parameters()}, args.out)
         with open(args.out + ".json", "w") as f:
             json.dump({"world": record.world, "ranks": record.ranks, "step": trainer.global_step,
-                       "dirs": record.dirs}, f)
+                       "dirs": record.dirs, "sum": record.sum, "from_zero": record.from_zero,
+                       "metric": record.metric}, f)
     # Under pytest, about one run in twenty of gloo processes aborted in interpreter finalization after
     # everything had finished ("terminate called without an active exception"), with the process groups
     # already destroyed; leave without finalization, as the results are written.
@@ -111,6 +120,7 @@ def test_two_processes_equal_ddp(tmp_path, settings, clip):
     ddp = _run(tmp_path, "ddp", "ddp", 2, clip=clip)
     got = _run(tmp_path, "gs", "greedysnake", 2, settings=settings, clip=clip)
     assert got["world"] == 2 and got["ranks"] == [0.0, 1.0]  # launched by Lightning, all_gather works
+    assert got["sum"] == 1.0 and got["from_zero"] == 0.0 and got["metric"] == 0.5  # reduce, broadcast, torchmetrics
     assert got["step"] == ddp["step"]
     assert max_abs_diff(got["params"], ddp["params"]) <= 1e-5
     if "path" in settings.get("offload", {}):
