@@ -71,7 +71,7 @@ class OffloadFile:
 class IOEngine(Protocol):
     """What the tensor manager needs from an I/O backend."""
 
-    def open(self, path: Path, size_bytes: int) -> OffloadFile: ...
+    def open(self, path: Path, size_bytes: int, preallocate: bool = True) -> OffloadFile: ...
 
     def submit_read(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
                     nbytes: int) -> Future[None]: ...
@@ -88,10 +88,13 @@ _fallback_warned: set[str] = set()
 _fallback_lock = threading.Lock()
 
 
-def open_offload_file(path: Path, size_bytes: int, direct: bool, opener: Opener = os.open) -> OffloadFile:
+def open_offload_file(path: Path, size_bytes: int, direct: bool, opener: Opener = os.open,
+                      preallocate: bool = True) -> OffloadFile:
     """Create (or reuse) ``path`` with owner-only permissions and preallocate ``size_bytes``.
 
     Preallocation makes a full filesystem fail here, up front, with ENOSPC, not halfway into a step.
+    ``preallocate=False``: a sparse file of that size (only parts of it are ever written: a rank's chunks
+    of partitioned state); preflight has counted just those parts.
     """
     size_bytes = align_up(size_bytes)
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -120,7 +123,10 @@ def open_offload_file(path: Path, size_bytes: int, direct: bool, opener: Opener 
     try:
         os.fchmod(fd, 0o600)
         if os.fstat(fd).st_size < size_bytes:
-            os.posix_fallocate(fd, 0, size_bytes)
+            if preallocate:
+                os.posix_fallocate(fd, 0, size_bytes)
+            else:
+                os.ftruncate(fd, size_bytes)
     except OSError as e:
         os.close(fd)
         raise _error("preallocate", path, 0, size_bytes, e) from e
@@ -154,8 +160,8 @@ class ThreadedIOEngine:
         self.bytes_read = 0
         self.bytes_written = 0
 
-    def open(self, path: Path, size_bytes: int) -> OffloadFile:
-        file = open_offload_file(Path(path), size_bytes, self.config.direct)
+    def open(self, path: Path, size_bytes: int, preallocate: bool = True) -> OffloadFile:
+        file = open_offload_file(Path(path), size_bytes, self.config.direct, preallocate=preallocate)
         with self._lock:
             self._files.append(file)
         return file

@@ -270,7 +270,8 @@ class TieredTensorStore:
                     assert self.engine is not None and offload_dir is not None
                     path = offload_dir / FILE_NAMES[kind]
                     self.files.append(path)
-                    self._regions[kind] = SSDRegions(kind.value, sizes, self.engine, path, self.stats)
+                    self._regions[kind] = SSDRegions(kind.value, sizes, self.engine, path, self.stats,
+                                                     sparse=self._sharded_kind(kind))
                 else:
                     self._regions[kind] = HostRegions(kind.value, sizes)
             if config.checkpoints is Tier.SSD:
@@ -300,12 +301,28 @@ class TieredTensorStore:
         return max(need, 4096)
 
     def ssd_bytes(self) -> dict[str, int]:
-        """Bytes each SSD-resident kind keeps in the offload directory (for preflight)."""
+        """Bytes each SSD-resident kind keeps in the offload directory (for preflight; partitioned state:
+        this rank's chunks, the rest of those files is never written)."""
         out = {}
         for kind, sizes in self._region_bytes.items():
             if self.config.tier(kind) is Tier.SSD and sum(sizes):
-                out[kind.value] = sum(sizes)
+                if self._sharded_kind(kind):
+                    out[kind.value] = sum(sum(b - a for a, b in self._chunk_ranges(kind, u))
+                                          for u in range(self.num_units))
+                else:
+                    out[kind.value] = sum(sizes)
         return out
+
+    def _sharded_kind(self, kind: TensorKind) -> bool:
+        """Kinds of which this rank keeps only its chunks (partitioned state)."""
+        return self.shard is not None and kind in (TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES)
+
+    def _chunk_ranges(self, kind: TensorKind, u: int) -> list[tuple[int, int]] | None:
+        """Byte ranges of unit ``u``'s region that this rank writes (None: all of it)."""
+        if not self._sharded_kind(kind):
+            return None
+        lo, hi = self.bounds(u)
+        return self._byte_ranges(kind, u, lo, hi) if lo < hi else []
 
     # -- setup ----------------------------------------------------------------------------------------
     def initialize_from_parameters(self) -> None:
@@ -354,7 +371,8 @@ class TieredTensorStore:
             for slot, value in zip(lay.params, values):
                 if slot.group is not None:
                     _view(mflat, slot).copy_(value.detach())
-            self._put_back(TensorKind.MASTER_WEIGHTS, u, master)
+            self._put_back(TensorKind.MASTER_WEIGHTS, u, master,
+                           self._chunk_ranges(TensorKind.MASTER_WEIGHTS, u))
 
     def unit_master_weights(self, u: int) -> list[Tensor]:
         """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
@@ -497,7 +515,8 @@ class TieredTensorStore:
                     scalars[name] = value
             opt.set_param_scalar_state(tindex[i], scalars)
         if states is not None:
-            self._put_back(TensorKind.OPTIMIZER_STATES, u, states)
+            self._put_back(TensorKind.OPTIMIZER_STATES, u, states,
+                           self._chunk_ranges(TensorKind.OPTIMIZER_STATES, u))
 
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
         """The optimizer's per-parameter state in ``torch.optim`` form, keyed by the parameter's index
@@ -592,7 +611,7 @@ class TieredTensorStore:
             return
         regions = self._regions[kind]
         assert isinstance(regions, SSDRegions)
-        for r in ranges or [None]:  # type: ignore[list-item]
+        for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
             held.pending.append(regions.submit_write(u, held.buf, label, r))
         if release:
             self._release_when_done(held)

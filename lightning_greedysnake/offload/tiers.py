@@ -52,13 +52,16 @@ class HostRegions:
 class SSDRegions:
     tier = "ssd"
 
-    def __init__(self, kind: str, region_bytes: list[int], engine: IOEngine, path: Path, stats: IOStats) -> None:
+    def __init__(self, kind: str, region_bytes: list[int], engine: IOEngine, path: Path, stats: IOStats,
+                 sparse: bool = False) -> None:
+        """``sparse``: only parts of each region are ever written (a rank's chunks of partitioned state):
+        the file is not preallocated."""
         self.kind = kind
         self.layout = build_file_layout(region_bytes)
         self.path = path
         self._engine = engine
         self._stats = stats
-        self.file: OffloadFile = engine.open(path, max(self.layout.total_bytes, 4096))
+        self.file: OffloadFile = engine.open(path, max(self.layout.total_bytes, 4096), preallocate=not sparse)
         self._fences: dict[int, Future[None]] = {}
         self._lock = threading.Lock()
 

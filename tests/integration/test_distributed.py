@@ -47,6 +47,9 @@ CHILD = textwrap.dedent("""
         def on_train_start(self, trainer, module):
             manager = getattr(trainer.strategy, "tensor_manager", None)
             where = manager.offload_dir.name if manager is not None and manager.offload_dir else None
+            self.disk = {}
+            if manager is not None and manager.offload_dir:  # bytes really allocated per file
+                self.disk = {p.name: [os.stat(p).st_blocks * 512, os.stat(p).st_size] for p in manager.files}
             names = [where] * trainer.world_size
             if trainer.world_size > 1:
                 torch.distributed.all_gather_object(names, where)
@@ -75,7 +78,7 @@ CHILD = textwrap.dedent("""
         with open(args.out + ".json", "w") as f:
             json.dump({"world": record.world, "ranks": record.ranks, "step": trainer.global_step,
                        "dirs": record.dirs, "sum": record.sum, "from_zero": record.from_zero,
-                       "metric": record.metric}, f)
+                       "metric": record.metric, "disk": record.disk}, f)
     # Under pytest, about one run in twenty of gloo processes aborted in interpreter finalization after
     # everything had finished ("terminate called without an active exception"), with the process groups
     # already destroyed; leave without finalization, as the results are written.
@@ -121,6 +124,9 @@ def test_two_processes_equal_ddp(tmp_path, settings, clip):
     got = _run(tmp_path, "gs", "greedysnake", 2, settings=settings, clip=clip)
     assert got["world"] == 2 and got["ranks"] == [0.0, 1.0]  # launched by Lightning, all_gather works
     assert got["sum"] == 1.0 and got["from_zero"] == 0.0 and got["metric"] == 0.5  # reduce, broadcast, torchmetrics
+    if not settings and clip is None:  # partitioned: rank 0's optimizer-state file holds its half only
+        allocated, size = got["disk"]["optimizer_states.bin"]
+        assert allocated <= 0.6 * size, (allocated, size)
     assert got["step"] == ddp["step"]
     assert max_abs_diff(got["params"], ddp["params"]) <= 1e-5
     if "path" in settings.get("offload", {}):
