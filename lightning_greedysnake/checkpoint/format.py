@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_greedysnake.checkpoint.safetensors_stream import NAMES as ST_NAMES
+from lightning_greedysnake.checkpoint.safetensors_stream import header as st_header
 from lightning_greedysnake.io.aligned import AlignedBuffer
 
 FORMAT = "lightning-greedysnake-checkpoint"
@@ -67,25 +69,13 @@ def _fsync_dir(path: Path) -> None:
 
 def _safetensors_image(tensors: dict[str, Tensor], metadata: dict[str, str] | None) -> tuple[AlignedBuffer, int]:
     """A safetensors file (header, then the tensors back to back) built in one page-aligned buffer."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    flat: list[tuple[int, Tensor]] = []
-    for name, t in tensors.items():
-        t = t.detach().contiguous()
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        flat.append((offset, t))
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    start = 8 + len(raw)
-    total = start + offset
+    flat = [t.detach().contiguous() for t in tensors.values()]
+    head, offsets = st_header([(n, t.dtype, tuple(t.shape)) for n, t in zip(tensors, flat)], metadata)
+    start = len(head)
+    total = start + sum(t.numel() * t.element_size() for t in flat)
     image = AlignedBuffer(total)
-    mv = image.memoryview(0, start)
-    mv[:8] = len(raw).to_bytes(8, "little")
-    mv[8:start] = raw
-    del mv
-    for off, t in flat:
+    image.memoryview(0, start)[:] = head
+    for off, t in zip(offsets, flat):
         if t.numel():
             image.view(torch.uint8, t.numel() * t.element_size(), start + off).copy_(t.reshape(-1).view(torch.uint8))
     return image, total
@@ -155,14 +145,6 @@ def _read_image(path: Path, nbytes: int) -> AlignedBuffer:
 
 
 _CHUNK = 64 << 20
-_ST_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class CheckpointWriter:
@@ -359,7 +341,7 @@ class CheckpointReader:
         start = 8 + n
         tensors: dict[str, Tensor] = {}
         for name, entry in header.items():
-            dtype = _ST_NAMES[entry["dtype"]]
+            dtype = ST_NAMES[entry["dtype"]]
             a, b = entry["data_offsets"]
             raw = image.view(torch.uint8, b - a, start + a)
             # a view when aligned for its dtype; a copy otherwise (files written elsewhere)

@@ -84,7 +84,7 @@ def hf_chain(model: nn.Module) -> LayerChain:
 
         def stop(module: nn.Module, a: tuple, kw: dict[str, Any]) -> None:
             hidden = a[0] if a else kw.pop("hidden_states")
-            raise _Captured(hidden, {**{k: v for k, v in kw.items()}})
+            raise _Captured(hidden, dict(kw))
 
         handle = layers[0].register_forward_pre_hook(stop, with_kwargs=True)
         try:
