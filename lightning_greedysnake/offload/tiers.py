@@ -2,8 +2,11 @@
 
 ``HostRegions`` keeps one page-aligned buffer per unit in RAM: users work on it in place. ``SSDRegions``
 keeps one preallocated file per kind with a region per unit; its reads and writes are asynchronous and
-ordered per region: an operation on a region starts only after the previous one on the same region has
-completed, so a read never sees a half-written region and a write never races a prefetch.
+ordered where they touch the same bytes: an operation starts only after every earlier one on an
+overlapping byte range of the region has completed, unless both are reads. So a read never sees a
+half-written range and a write never races a prefetch, while reads of different ranges (the slots of
+an optimizer state) and of one range by two readers run at once. Submitting never blocks: an operation
+that must wait is started by the completion of the last one it waits for.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up
@@ -49,6 +53,14 @@ class HostRegions:
         self._buffers = [None] * len(self._buffers)
 
 
+@dataclass
+class _InFlight:
+    lo: int
+    hi: int
+    write: bool
+    done: Future[None]
+
+
 class SSDRegions:
     tier = "ssd"
 
@@ -62,7 +74,8 @@ class SSDRegions:
         self._engine = engine
         self._stats = stats
         self.file: OffloadFile = engine.open(path, max(self.layout.total_bytes, 4096), preallocate=not sparse)
-        self._fences: dict[int, Future[None]] = {}
+        self._inflight: dict[int, list[_InFlight]] = {}
+        """Per unit: operations not known to have succeeded (failed ones stay, so waits raise them)."""
         self._lock = threading.Lock()
 
     def region_bytes(self, unit: int) -> int:
@@ -87,15 +100,15 @@ class SSDRegions:
     def wait(self, unit: int) -> None:
         """Block until every operation submitted on ``unit``'s region has completed (raises its error)."""
         with self._lock:
-            fence = self._fences.get(unit)
-        if fence is not None:
-            fence.result()
+            ops = list(self._inflight.get(unit, ()))
+        for op in ops:
+            op.done.result()
 
     def wait_all(self) -> None:
         with self._lock:
-            fences = list(self._fences.values())
-        for f in fences:
-            f.result()
+            ops = [op for unit_ops in self._inflight.values() for op in unit_ops]
+        for op in ops:
+            op.done.result()
 
     def _submit(
         self, op: str, unit: int, buf: AlignedBuffer, label: str | None, byte_range: tuple[int, int] | None
@@ -104,23 +117,58 @@ class SSDRegions:
         lo, hi = byte_range if byte_range is not None else (0, size)
         assert 0 <= lo <= hi <= size and buf.nbytes >= hi, (lo, hi, size, buf.nbytes)
         nbytes = hi - lo
-        # per-region ordering: the previous operation on this region must be complete first (its error,
-        # if any, surfaces here rather than being lost)
-        self.wait(unit)
-        t0 = time.perf_counter()
-        offset = self.layout.offsets[unit] + lo
-        if op == "read":
-            f = self._engine.submit_read(self.file, offset, buf, lo, nbytes)
-        else:
-            f = self._engine.submit_write(self.file, offset, buf, lo, nbytes)
-        kind = label or self.kind
-        f.add_done_callback(
-            lambda fut: fut.exception() is None
-            and self._stats.record(kind, self.tier, op, nbytes, time.perf_counter() - t0, t0)
-        )
+        write = op == "write"
+        done: Future[None] = Future()
         with self._lock:
-            self._fences[unit] = f
-        return f
+            ops = [o for o in self._inflight.get(unit, ()) if not (o.done.done() and o.done.exception() is None)]
+            # an earlier operation on overlapping bytes must complete first, unless both only read
+            deps = [o.done for o in ops if o.lo < hi and lo < o.hi and (write or o.write)]
+            ops.append(_InFlight(lo, hi, write, done))
+            self._inflight[unit] = ops
+        offset = self.layout.offsets[unit] + lo
+        kind = label or self.kind
+
+        def start() -> None:
+            failed = next((d.exception() for d in deps if d.exception() is not None), None)
+            if failed is not None:
+                done.set_exception(failed)  # the region is not what this operation expects: same error
+                return
+            t0 = time.perf_counter()
+            try:
+                if write:
+                    f = self._engine.submit_write(self.file, offset, buf, lo, nbytes)
+                else:
+                    f = self._engine.submit_read(self.file, offset, buf, lo, nbytes)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on this operation
+                done.set_exception(e)
+                return
+
+            def finished(fut: Future[None]) -> None:
+                error = fut.exception()
+                if error is None:
+                    self._stats.record(kind, self.tier, op, nbytes, time.perf_counter() - t0, t0)
+                    done.set_result(None)
+                else:
+                    done.set_exception(error)
+
+            f.add_done_callback(finished)
+
+        if not deps:
+            start()
+        else:
+            remaining = [len(deps)]
+            gate = threading.Lock()
+
+            def one_done(_: Future[None]) -> None:
+                with gate:
+                    remaining[0] -= 1
+                    last = remaining[0] == 0
+                if last:
+                    start()
+
+            for d in deps:
+                d.add_done_callback(one_done)
+        return done
 
     def close(self) -> None:
         try:
