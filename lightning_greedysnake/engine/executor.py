@@ -19,6 +19,7 @@ offloaded tiers arrive.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -89,6 +90,15 @@ class _Window:
     @property
     def next_op(self) -> Op | None:
         return self.plan.ops[self.cursor] if self.cursor < len(self.plan.ops) else None
+
+    @functools.cached_property
+    def last_step(self) -> tuple[int, int] | None:
+        """(index of the next-to-last optimizer op, unit of the last): the window's last step is the one
+        the next forward waits for; once the cursor is past the one before it, its reads may start."""
+        steps = [i for i, op in enumerate(self.plan.ops) if op.kind is OpKind.OPTIMIZER]
+        if not steps:
+            return None
+        return (steps[-2] if len(steps) > 1 else -1), self.plan.ops[steps[-1]].unit
 
 
 @dataclass(frozen=True)
@@ -376,6 +386,7 @@ class WindowEngine:
     # -- ops ----------------------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
         self._hint_next_checkpoint()
+        self._hint_next_unit()
         if self.observer is not None and op.kind is not OpKind.OPTIMIZER:
             if op.kind is OpKind.FORWARD or self._inputs(op.microbatch).act_grad is not None:
                 self._ensure_unit(op.unit)  # waiting for the weights is I/O, not this op's compute
@@ -495,6 +506,17 @@ class WindowEngine:
         nxt = w.plan.ops[w.cursor + 1]
         if nxt.kind is not OpKind.OPTIMIZER and nxt.unit > 0:
             self.store.prefetch_checkpoint(nxt.unit, nxt.microbatch)
+
+    def _hint_next_unit(self) -> None:
+        """Ask again for the next unit's weights before every op: the prefetch at acquisition may have
+        found no spare budget (a background step was staging), and memory frees up as steps finish."""
+        if self._held_unit is not None:
+            nxt = self._next_unit_after_cursor(self._held_unit)
+            if nxt is not None:
+                self.store.prefetch(nxt)
+        w = self._window
+        if w is not None and w.last_step is not None and w.cursor > w.last_step[0]:
+            self.store.prefetch_step(w.last_step[1])
 
     def _next_unit_after_cursor(self, u: int) -> int | None:
         """The next different unit the plan will need (the prefetch target); None at the window's end."""

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
-from lightning_greedysnake.io import AlignedBuffer, IOConfig, ThreadedIOEngine
+from lightning_greedysnake.io import AlignedBuffer, IOConfig, ThreadedIOEngine, align_up
 from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload.layout import ParamSlot, UnitLayout, build_unit_layout
 from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
@@ -105,6 +105,9 @@ class _Held:
     """Writes from this buffer still in flight (it goes back to the pool after them)."""
     reads: list[Future[None]] = field(default_factory=list)
     """Reads into this buffer not yet waited for (``_stage(..., wait=False)``)."""
+    optional: bool = False
+    """Taken ahead of need from the budget's slack (a prefetch): counted in ``_optional_bytes`` until
+    the work it was read for takes it over (:meth:`TieredTensorStore._take_over`) or drops it."""
 
 
 @dataclass
@@ -193,7 +196,8 @@ class TieredTensorStore:
         self.files: list[Path] = []
 
         self.unit_optimizers = [
-            UnitOptimizer(optimizer, lay, self.slots, split_numel(lay, alpha, self.bounds(u)), self.bounds(u))
+            UnitOptimizer(optimizer, lay, self.slots, split_numel(lay, self._alpha_of(u), self.bounds(u)),
+                          self.bounds(u))
             if optimizer is not None else None
             for u, lay in enumerate(self.layouts)
         ]
@@ -223,6 +227,13 @@ class TieredTensorStore:
         ]
         self._weights: dict[int, _Held] = {}
         self._prefetched: dict[int, tuple[_Held, Future[None]]] = {}
+        self._optional_bytes = 0
+        """Bytes of staging held by prefetches: they never exceed the budget's slack over
+        :attr:`min_budget_bytes`, so the work that must run can always get its buffers."""
+        self._optional_lock = threading.Lock()
+        self._step_ahead: dict[int, tuple[_Held | None, _Held | None]] = {}
+        """Master weights and optimizer state read ahead for a unit's coming step (its first part):
+        (master, states), each None where not staged ahead."""
         self._grads: dict[int, _Held] = {}
         self._grad_spilled: set[int] = set()
         self._has_grad: dict[int, list[bool]] = {}
@@ -238,6 +249,8 @@ class TieredTensorStore:
         self.checkpoint_bytes = 0
         self.checkpoint_prefetches = 0
         """SSD checkpoint reads started ahead of need, since construction."""
+        self.steps_read_ahead = 0
+        """Steps that found their master weights and state read ahead (:meth:`prefetch_step`)."""
         """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
         self.min_budget_bytes = self._min_budget()
         budget = config.buffer_budget_bytes
@@ -359,6 +372,7 @@ class TieredTensorStore:
 
     def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
         """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
+        self._drop_step_ahead(u)  # read before these new values
         lay = self.layouts[u]
         weights = self._stage(TensorKind.WEIGHTS, u, read=False)
         flat = weights.buf.view(self.compute_dtype, lay.numel)
@@ -401,17 +415,19 @@ class TieredTensorStore:
         """Change alpha, lag and the staging budget between steps (the planner's choice): drains every
         pending step, re-splits each unit's optimizer keeping its state, resizes the lane and the pool."""
         self.drain()
+        for u in list(self._step_ahead):
+            self._drop_step_ahead(u)  # read for the old split
         assert self.optimizer is not None
+        self.alpha, self.lag = alpha, lag
         for u, old in enumerate(self.unit_optimizers):
             if old is None:
                 continue
             new = UnitOptimizer(self.optimizer, self.layouts[u], self.slots,
-                                split_numel(self.layouts[u], alpha, self.bounds(u)), self.bounds(u))
+                                split_numel(self.layouts[u], self._alpha_of(u), self.bounds(u)), self.bounds(u))
             for j in range(len(old.trainable)):
                 if old.param_initialized(j):
                     new.set_param_scalar_state(j, old.param_scalar_state(j))
             self.unit_optimizers[u] = new
-        self.alpha, self.lag = alpha, lag
         self.lane.close()
         self.lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
         self.min_budget_bytes = self._min_budget()
@@ -431,13 +447,19 @@ class TieredTensorStore:
             return 0, self.layouts[u].numel
         return shard_bounds(self.layouts[u], self.shard[0] if rank is None else rank, self.shard[1])
 
+    def _alpha_of(self, unit: int) -> float:
+        """The deferred fraction of ``unit``'s update. Never of unit 0's: its step ends the window and the
+        next forward starts with it, so a deferred part would run right away anyway, only adding its
+        gradient's trip to the SSD and back."""
+        return 0.0 if unit == 0 else self.alpha
+
     def _defers(self, unit: int) -> bool:
         """Whether ``unit`` has a deferred (alpha) part on any rank: every rank must make the same
         decision, since the weights gather follows the unit's last part."""
         ranks = range(self.shard[1]) if self.shard is not None else [None]
         for r in ranks:
             lo, hi = self.bounds(unit, r)
-            if split_numel(self.layouts[unit], self.alpha, (lo, hi)) < hi:
+            if split_numel(self.layouts[unit], self._alpha_of(unit), (lo, hi)) < hi:
                 return True
         return False
 
@@ -471,6 +493,7 @@ class TieredTensorStore:
         layout (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
         assert self.optimizer is not None
         self.drain()
+        self._drop_step_ahead(u)  # read before this new state
         opt = self.unit_optimizers[u]
         if opt is None or not opt.has_trainable:
             return {}
@@ -497,6 +520,7 @@ class TieredTensorStore:
         """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
         assert self.optimizer is not None
         self.drain()
+        self._drop_step_ahead(u)  # read before this new state
         opt = self.unit_optimizers[u]
         assert opt is not None
         lay = self.layouts[u]
@@ -660,6 +684,7 @@ class TieredTensorStore:
         pre = self._prefetched.pop(unit, None)
         if pre is not None:
             held, fut = pre
+            self._take_over(held)
             t0 = time.perf_counter()
             fut.result()
             self.stats.record_wait(TensorKind.WEIGHTS.value, "ssd", time.perf_counter() - t0)
@@ -690,19 +715,102 @@ class TieredTensorStore:
             return
         if not self._updated[unit].is_set():
             return  # its step is still running: the weights on SSD are about to change
-        buf = self.pool.acquire(
-            regions.region_bytes(unit), block=False, what=f"unit {unit} weights prefetch",
-            headroom=self.min_budget_bytes,
-        )
-        if buf is None:
+        held = self._acquire_optional(regions.region_bytes(unit), f"unit {unit} weights prefetch")
+        if held is None:
             return
-        held = _Held(buf, pooled=True)
-        self._prefetched[unit] = (held, regions.submit_read(unit, buf))
+        self._prefetched[unit] = (held, regions.submit_read(unit, held.buf))
+
+    def _acquire_optional(self, nbytes: int, what: str) -> _Held | None:
+        """A buffer for work ahead of need, or ``None``. The work that must run (a unit in use, its
+        gradient, the running steps' staging) never needs more than :attr:`min_budget_bytes` at once, so
+        prefetches may hold up to the rest of the budget between them: then a must-run acquisition only
+        ever waits for write-behind, never for a prefetch to be used."""
+        size = align_up(nbytes)
+        with self._optional_lock:
+            if self.min_budget_bytes + self._optional_bytes + size > self.pool.budget_bytes:
+                return None
+            buf = self.pool.acquire(size, block=False, what=what)
+            if buf is None:
+                return None
+            self._optional_bytes += buf.nbytes
+        return _Held(buf, pooled=True, optional=True)
+
+    def _keep_as_prefetch(self, unit: int, held: _Held) -> bool:
+        """After ``unit``'s complete step: keep its updated compute weights in memory as the prefetch of
+        its next acquisition, if the slack allows. Worth it for unit 0 only: the last unit of every
+        backward is the first of the next forward, which would otherwise wait for the write of these
+        very bytes and read them back."""
+        if not held.pooled:
+            return False  # host-tier weights: nothing to read back anyway
+        size = held.buf.nbytes
+        with self._optional_lock:
+            if unit in self._prefetched or self.min_budget_bytes + self._optional_bytes + size > self.pool.budget_bytes:
+                return False
+            self._optional_bytes += size
+        held.optional = True
+        done: Future[None] = Future()
+        done.set_result(None)
+        self._prefetched[unit] = (held, done)
+        return True
+
+    def _take_over(self, held: _Held) -> None:
+        """The work a prefetch was read for now owns its buffer (or it is given back): it stops counting
+        against the slack."""
+        if held.optional:
+            with self._optional_lock:
+                self._optional_bytes -= held.buf.nbytes
+            held.optional = False
+
+    def prefetch_step(self, unit: int) -> None:
+        """Read ``unit``'s master weights and optimizer state for its coming step (the first part's
+        range) into spare budget, so the step the next forward waits for starts computing at once."""
+        opt = self.unit_optimizers[unit] if 0 <= unit < self.num_units else None
+        if opt is None or unit in self._step_ahead or self.clip.defer or not self._updated[unit].is_set():
+            return
+        lo, hi = opt.part_range(0)
+        if lo >= hi or opt.parts[0].shadow is None:
+            return
+        wanted: list[tuple[TensorKind, list[tuple[int, int]]]] = []
+        if self.separate_master:
+            wanted.append((TensorKind.MASTER_WEIGHTS, self._byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi)))
+        if self.slots and opt.part_initialized(0):
+            wanted.append((TensorKind.OPTIMIZER_STATES,
+                           self._byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi)))
+        wanted = [(kind, ranges) for kind, ranges in wanted if isinstance(self._regions[kind], SSDRegions)]
+        if not wanted:
+            return
+        # all or nothing: half a read-ahead would still leave the step waiting for reads
+        total = sum(align_up(self._regions[kind].region_bytes(unit)) for kind, _ in wanted)
+        with self._optional_lock:
+            if self.min_budget_bytes + self._optional_bytes + total > self.pool.budget_bytes:
+                return
+        staged: dict[TensorKind, _Held] = {}
+        for kind, ranges in wanted:
+            regions = self._regions[kind]
+            assert isinstance(regions, SSDRegions)
+            held = self._acquire_optional(regions.region_bytes(unit), f"unit {unit} {kind.value} read-ahead")
+            if held is None:
+                for other in staged.values():
+                    self._take_over(other)
+                    self._done_with(other)
+                return
+            held.reads = [regions.submit_read(unit, held.buf, kind.value, r) for r in ranges]
+            staged[kind] = held
+        self._step_ahead[unit] = (staged.get(TensorKind.MASTER_WEIGHTS), staged.get(TensorKind.OPTIMIZER_STATES))
+
+    def _drop_step_ahead(self, unit: int) -> None:
+        for held in self._step_ahead.pop(unit, (None, None)):
+            if held is not None:
+                self._take_over(held)
+                held.pending.extend(held.reads)
+                held.reads = []
+                self._release_when_done(held)
 
     def _drop_prefetch(self, unit: int) -> None:
         pre = self._prefetched.pop(unit, None)
         if pre is not None:
             held, fut = pre
+            self._take_over(held)
             held.pending.append(fut)
             self._release_when_done(held)
 
@@ -734,6 +842,7 @@ class TieredTensorStore:
             buf = self.pool.acquire(ck.nbytes, what=f"checkpoint of unit {unit}")
             assert buf is not None
             ck.loaded = _Held(buf, pooled=True, reads=[self._scratch.submit("read", ck.offset, buf, ck.nbytes)])
+        self._take_over(ck.loaded)
         if ck.loaded.reads:
             held = ck.loaded
             try:
@@ -750,11 +859,11 @@ class TieredTensorStore:
         ck = self._ssd_checkpoints.get((unit, microbatch))
         if ck is None or ck.loaded is not None or not ck.write.done() or self._scratch is None:
             return
-        buf = self.pool.acquire(ck.nbytes, block=False, what=f"checkpoint of unit {unit} read-ahead",
-                                headroom=self.min_budget_bytes)
-        if buf is None:
+        held = self._acquire_optional(ck.nbytes, f"checkpoint of unit {unit} read-ahead")
+        if held is None:
             return
-        ck.loaded = _Held(buf, pooled=True, reads=[self._scratch.submit("read", ck.offset, buf, ck.nbytes)])
+        held.reads = [self._scratch.submit("read", ck.offset, held.buf, ck.nbytes)]
+        ck.loaded = held
         self.checkpoint_prefetches += 1
 
     def drop_checkpoint(self, unit: int, microbatch: int) -> None:
@@ -763,6 +872,7 @@ class TieredTensorStore:
         ck = self._ssd_checkpoints.pop(key, None)
         if ck is not None and ck.loaded is not None:
             held = ck.loaded  # a read-ahead may still be filling it: give it back once that is done
+            self._take_over(held)
             held.pending.extend(held.reads)
             held.reads = []
             self._release_when_done(held)
@@ -870,7 +980,9 @@ class TieredTensorStore:
                 else:
                     self._done_with(grad_held)
             finally:
-                if weights_held is not None:
+                if weights_held is not None and not (
+                    not deferred and unit == 0 and self.shard is None and self._keep_as_prefetch(unit, weights_held)
+                ):
                     self._done_with(weights_held)
             if not deferred:
                 self._gather_weights(unit)
@@ -990,8 +1102,16 @@ class TieredTensorStore:
             return
         lay = self.layouts[unit]
         w_ranges = self._byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
+        ahead_master, ahead_states = self._step_ahead.pop(unit, (None, None)) if part == 0 else (None, None)
+        for held in (ahead_master, ahead_states):
+            if held is not None:
+                self._take_over(held)
+        if ahead_master is not None or ahead_states is not None:
+            self.steps_read_ahead += 1
         # every read this part needs goes out at once, then one wait
-        if self.separate_master:
+        if ahead_master is not None:
+            master = ahead_master
+        elif self.separate_master:
             master = self._stage(TensorKind.MASTER_WEIGHTS, unit, read=True, wait=False,
                                  ranges=self._byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
         elif weights_held is not None:
@@ -999,15 +1119,16 @@ class TieredTensorStore:
         else:
             master = self._stage(TensorKind.WEIGHTS, unit, read=True, label=TensorKind.MASTER_WEIGHTS.value,
                                  ranges=w_ranges, wait=False)
-        states = None
-        if self.slots:
+        states = ahead_states
+        if self.slots and states is None:
             states = self._stage(TensorKind.OPTIMIZER_STATES, unit, read=opt.part_initialized(part), wait=False,
                                  ranges=self._byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
         compute = None
         if self.separate_master:
             compute = weights_held if weights_held is not None else self._stage(
                 TensorKind.WEIGHTS, unit, read=True, ranges=w_ranges, wait=False)
-        self._await(master, states, compute)
+        # (the acquired weights are the caller's to give back, even if a read fails)
+        self._await(*(held for held in (master, states, compute) if held is not weights_held))
         mflat = master.buf.view(torch.float32, lay.numel)
         state_views = {
             name: states.buf.view(torch.float32, lay.numel, offset_bytes=k * lay.nbytes(4))
@@ -1055,6 +1176,8 @@ class TieredTensorStore:
 
     def discard_gradients(self) -> None:
         self._alpha_pending.clear()
+        for u in list(self._step_ahead):
+            self._drop_step_ahead(u)
         for u in list(self._grads):
             held = self._grads.pop(u)
             self._done_with(held)
@@ -1107,6 +1230,8 @@ class TieredTensorStore:
                 self.release_unit(u)
             for u in list(self._prefetched):
                 self._drop_prefetch(u)
+            for u in list(self._step_ahead):
+                self._drop_step_ahead(u)
             if self.lane.failed:
                 # the error already reached the training thread; finish cleaning up regardless
                 with contextlib.suppress(OSError):

@@ -75,13 +75,16 @@ class Prediction:
 
 
 def traffic(units: list[UnitCost], schedule: str, k: int, *, weights_on_ssd: bool = True,
-            state_on_ssd: bool = True, grads_on_ssd: bool = True, clip_norm: bool = False) -> Traffic:
+            state_on_ssd: bool = True, grads_on_ssd: bool = True, clip_norm: bool = False,
+            slack: bool = True) -> Traffic:
     """SSD bytes of one steady-state step (after the first, whose optimizer state is not read yet).
 
     Vertical: every unit's weights are read for its forward and again for its backward (the fused last
     unit once). Horizontal: per micro-batch; unit 0 stays in memory from one micro-batch's backward into
     the next forward, and partial gradients go out and back once per micro-batch (unit 0's not at the
-    end). The optimizer reads and writes its state, writes the new compute weights, and under 32-true
+    end). In both, unit 0's step ends the window and, when it is whole (nothing deferred, no global norm
+    to wait for) and the staging budget has ``slack`` over its minimum (the automatic budget has), leaves
+    the new weights in memory for the next window's first forward: one read less. The optimizer reads and writes its state, writes the new compute weights, and under 32-true
     reads the weights as master where they are not in memory; the deferred range of each gradient
     goes to the gradients tier and back.
     """
@@ -99,6 +102,8 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, weights_on_ssd: boo
             add("read/weights", 2 * sum(w[:-1]) + w[-1])
         else:
             add("read/weights", k * (2 * sum(w[:-1]) + w[-1]) - (k - 1) * w[0])
+        if slack and units[0].params and not units[0].alpha_weight_bytes and not clip_norm:
+            t["read/weights"] -= w[0]
         add("write/weights", sum(x for x, u in zip(w, units) if u.params))
     separate_master = any(u.master_bytes for u in units)
     if state_on_ssd:

@@ -70,7 +70,9 @@ def test_weights_read_per_step_vertical_once_per_pass_horizontal_2k(k):
         read = snap.stats.bytes_read("weights") / snap.steps
         per_step[schedule] = read
         loads = {u: n / snap.steps for u, n in snap.loads.items()}
-        assert read == sum(loads[u] * w[u] for u in loads)  # every acquisition is one read from the SSD
+        # every acquisition is one read from the SSD, but unit 0's first after each step: its step, the
+        # window's last, left the new weights in memory for it
+        assert read * snap.steps == sum(loads[u] * w[u] for u in loads) * snap.steps - (snap.steps - 1) * w[0]
         if schedule == "vertical":
             assert loads == {0: 2, 1: 2, 2: 1}
             assert snap.stats.bytes_written("gradients") == 0
@@ -102,9 +104,11 @@ def test_the_deferred_part_moves_only_its_own_bytes():
     manager = snap.manager
     from lightning_greedysnake.config import TensorKind
 
-    grad_range = sum(hi - lo for u in range(3) for lo, hi in manager._byte_ranges(
+    deferring = [u for u in range(3) if manager._defers(u)]
+    assert deferring == [1, 2]  # unit 0's step ends the window: never deferred
+    grad_range = sum(hi - lo for u in deferring for lo, hi in manager._byte_ranges(
         TensorKind.GRADIENTS, u, *manager.unit_optimizers[u].part_range(1)))
-    weight_range = sum(hi - lo for u in range(3) for lo, hi in manager._byte_ranges(
+    weight_range = sum(hi - lo for u in deferring for lo, hi in manager._byte_ranges(
         TensorKind.WEIGHTS, u, *manager.unit_optimizers[u].part_range(1)))
     assert 0 < grad_range < sum(snap.region_bytes["gradients"])
     assert snap.stats.bytes_written("gradients") == snap.steps * grad_range
@@ -322,3 +326,32 @@ def test_ssd_checkpoints_are_read_ahead_and_stay_exact():
     assert prefetches["n"] > 0
     for (n, a), (_, b) in zip(got.named_parameters(), ref.named_parameters()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_spare_budget_reads_the_windows_last_step_ahead_and_keeps_its_weights_exactly(precision):
+    """The window's last step (unit 0's) is what the next forward waits for. With room in the budget its
+    master weights and state are read during unit 0's backward, and its new weights stay in memory for
+    the next forward; at the minimum budget neither happens. Both equal Lightning's own result."""
+    probe = {}
+
+    class Budget(L.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            probe["min"] = trainer.strategy.tensor_manager.min_budget_bytes
+
+    _fit(GreedySnakeStrategy(), 2, callbacks=[Budget()], precision=precision)
+    tight_snap, roomy_snap = Snapshot(), Snapshot()
+    _, tight = _fit(GreedySnakeStrategy(offload={"buffer_budget_bytes": probe["min"]}), 2,
+                    callbacks=[tight_snap], precision=precision)
+    _, roomy = _fit(GreedySnakeStrategy(offload={"buffer_budget_bytes": 64 << 20}), 2, callbacks=[roomy_snap],
+                    precision=precision)
+    _, plain = _fit("auto", 2, precision=precision)
+    steps = roomy_snap.steps
+    assert tight_snap.manager.steps_read_ahead == 0
+    # the first step has no state to read yet (and under 32-true no separate master): nothing ahead
+    assert roomy_snap.manager.steps_read_ahead == (steps if precision == "bf16-mixed" else steps - 1)
+    w0 = roomy_snap.region_bytes["weights"][0]
+    assert tight_snap.stats.bytes_read("weights") - roomy_snap.stats.bytes_read("weights") == (steps - 1) * w0
+    for (n, a), (_, b), (_, c) in zip(tight.named_parameters(), roomy.named_parameters(), plain.named_parameters()):
+        assert torch.equal(a, b), n
+        assert (a.float() - c.float()).abs().max() <= (1e-5 if precision == "32-true" else 2e-2), n
