@@ -1,6 +1,14 @@
 """Roofline and planning: pure arithmetic over measured costs (no torch)."""
 
-from lightning_greedysnake.planner.plan import Choice, PlanError, plan, score, staging_bytes
+from lightning_greedysnake.planner.plan import (
+    Choice,
+    PlanError,
+    plan,
+    read_ahead_bytes,
+    score,
+    staging_bytes,
+    window_tail,
+)
 from lightning_greedysnake.planner.roofline import Machine, Prediction, Traffic, UnitCost, predict, traffic
 
 __all__ = [
@@ -12,7 +20,9 @@ __all__ = [
     "UnitCost",
     "plan",
     "predict",
+    "read_ahead_bytes",
     "score",
     "staging_bytes",
     "traffic",
+    "window_tail",
 ]

@@ -15,6 +15,11 @@ Keeping the autograd graphs (``recompute=False``) takes each unit's recompute ou
 phase and its checkpoint traffic out of both, and costs every unit's graph for all K micro-batches in
 host memory, from the forward until the unit's backward: it is chosen when that fits the budget.
 
+The window's last optimizer step (the first unit's: last in the backward, first in the next forward)
+has nothing left to hide behind when the optimizer runs in the background: its compute, and its reads
+unless they were read ahead during that unit's backward (``read_ahead``: room in the staging budget for
+the unit's master weights and state), add to the step.
+
 Memory: the staging the tensor manager needs for that lag (the training thread's unit and ``lag``
 queued steps each hold weights and gradient; the running step adds master and state) plus the next
 unit's weights for prefetch, optionally a second optimizer working set (so the optimizer's reads of
@@ -42,11 +47,13 @@ class Choice:
     forward_s: float
     backward_s: float
     recompute: bool = True
+    read_ahead: bool = False
+    """The budget has room to read the window's last step's master weights and state ahead."""
 
     def table(self) -> str:
         rows = [
             ("alpha", f"{self.alpha:.2f}"), ("lag", str(self.lag)), ("layers_per_unit", str(self.layers_per_unit)),
-            ("recompute", str(self.recompute)),
+            ("recompute", str(self.recompute)), ("read_ahead", str(self.read_ahead)),
             ("checkpoints", self.checkpoints), ("buffer_budget_bytes", f"{self.buffer_budget_bytes:,}"),
             ("host memory (bytes)", f"{self.host_bytes:,}"), ("predicted step (s)", f"{self.step_s:.3f}"),
             ("  forward phase (s)", f"{self.forward_s:.3f}"), ("  backward phase (s)", f"{self.backward_s:.3f}"),
@@ -83,34 +90,65 @@ def staging_bytes(units: list[UnitCost], lag: int) -> int:
     return need + max(u.weight_bytes for u in units)
 
 
+def read_ahead_bytes(units: list[UnitCost]) -> int:
+    """Staging for reading the window's last step (the first unit's) ahead: its master weights and state."""
+    return units[0].master_bytes + units[0].state_bytes
+
+
+def window_tail(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: int, read_ahead: bool,
+                recompute: bool = True) -> float:
+    """Seconds the window's last step adds with a background optimizer: nothing is left to overlap it,
+    and the next forward starts with its unit (which is why the tensor manager never defers part of it,
+    whatever ``alpha``). Its compute, and its reads unless read ahead behind that unit's backward. With
+    ``lag`` 0 the backward phase already pays every step in line."""
+    if lag == 0:
+        return 0.0
+    u = units[0]
+    reads = (u.master_bytes + u.state_bytes) / machine.read_bytes_per_s
+    if read_ahead:
+        reads = max(0.0, reads - k * (u.backward_s - (0.0 if recompute else u.recompute_s)))
+    return reads + u.params / machine.optimizer_elements_per_s
+
+
 def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: int, checkpoint_bytes: int,
-          checkpoints: str, double_buffered: bool = False, recompute: bool = True) -> tuple[float, float]:
+          checkpoints: str, double_buffered: bool = False, recompute: bool = True,
+          read_ahead: bool = False) -> tuple[float, float]:
     """(forward phase, backward phase) seconds of one vertical step. ``double_buffered``: the staging
     budget holds a second optimizer working set, so one unit's state reads overlap the previous unit's
-    write-back instead of following it. ``recompute=False``: graphs kept, no recompute, no checkpoints."""
+    write-back instead of following it. ``recompute=False``: graphs kept, no recompute, no checkpoints.
+    ``read_ahead``: the window's last step reads ahead (see :func:`window_tail`, counted in the backward)."""
     read, write = machine.read_bytes_per_s, machine.write_bytes_per_s
+    rate = machine.optimizer_elements_per_s
     weights = sum(u.weight_bytes for u in units)
-    opt_read = sum(u.state_bytes + u.master_bytes for u in units)
-    opt_write = sum(u.state_bytes + u.master_bytes + u.weight_bytes for u in units)
-    if double_buffered:
-        opt_io = max(opt_read / read, opt_write / write)
-    else:
-        opt_io = opt_read / read + opt_write / write
+
+    def opt_io(group: list[UnitCost]) -> float:
+        """SSD seconds of the steps of ``group``: master and state in, master, state and weights out."""
+        reads = sum(u.state_bytes + u.master_bytes for u in group) / read
+        writes = sum(u.state_bytes + u.master_bytes + u.weight_bytes for u in group) / write
+        return max(reads, writes) if double_buffered else reads + writes
+
+    # unit 0 is never deferred (see window_tail): the forward phase gets alpha of the other units' steps
+    rest = units[1:]
+    f_opt_io, b_opt_io = alpha * opt_io(rest), opt_io(units) - alpha * opt_io(rest)
+    f_opt_cpu = alpha * sum(u.params for u in rest) / rate
+    b_opt_cpu = sum(u.params for u in units) / rate - f_opt_cpu
     # deferring costs bytes too: the deferred range's gradient goes to SSD and back, and its weights
     # range is read again (as master under 32-true, to refresh the 16-bit copy under bf16-mixed)
-    deferred_io = alpha * sum(u.grad_bytes for u in units) * (1 / read + 1 / write) + alpha * weights / read
-    opt_cpu = sum(u.params for u in units) / machine.optimizer_elements_per_s
+    deferred_io = alpha * (sum(u.grad_bytes for u in rest) * (1 / read + 1 / write)
+                           + sum(u.weight_bytes for u in rest) / read)
     ckpt = k * (len(units) - 1) * checkpoint_bytes if (checkpoints == "ssd" and recompute) else 0
     f_compute = k * sum(u.forward_s for u in units)
     b_compute = k * sum(u.backward_s - (0.0 if recompute else u.recompute_s) for u in units)
-    f_ssd = weights / read + ckpt / write + alpha * opt_io + deferred_io
-    b_ssd = weights / read + ckpt / read + (1 - alpha) * opt_io
+    f_ssd = weights / read + ckpt / write + f_opt_io + deferred_io
     if lag == 0:
-        forward = max(f_compute, f_ssd - alpha * opt_io - deferred_io) + alpha * (opt_io + opt_cpu) + deferred_io
-        backward = max(b_compute, b_ssd - (1 - alpha) * opt_io) + (1 - alpha) * (opt_io + opt_cpu)
+        forward = max(f_compute, f_ssd - f_opt_io - deferred_io) + f_opt_io + f_opt_cpu + deferred_io
+        backward = max(b_compute, weights / read + ckpt / read) + b_opt_io + b_opt_cpu
     else:
-        forward = max(f_compute, f_ssd, alpha * opt_cpu)
-        backward = max(b_compute, b_ssd, (1 - alpha) * opt_cpu)
+        forward = max(f_compute, f_ssd, f_opt_cpu)
+        # the window's last step (unit 0's) does not overlap the backward: it is the tail
+        tail_io, tail_cpu = opt_io(units[:1]), units[0].params / rate
+        backward = max(b_compute, weights / read + ckpt / read + b_opt_io - tail_io, b_opt_cpu - tail_cpu)
+        backward += window_tail(units, machine, k, alpha, lag, read_ahead, recompute)
     # a checkpoint on SSD is read at most one op ahead, and only from spare staging budget: counted on
     # the backward's critical path rather than hidden behind compute (conservative)
     backward += ckpt / read
@@ -137,8 +175,11 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
         merged = merge(units, lpu)
         second_set = max(u.master_bytes + u.state_bytes + u.weight_bytes for u in merged)
         for lag in lags:
-            for double in (False, True):
-                staging = staging_bytes(merged, lag) + (second_set if double else 0)
+            for double, ahead in ((False, False), (True, False), (False, True), (True, True)):
+                if ahead and lag == 0:
+                    continue  # the synchronous step reads in line anyway
+                staging = (staging_bytes(merged, lag) + (second_set if double else 0)
+                           + (read_ahead_bytes(merged) if ahead else 0))
                 for recomputing, checkpoints in options:
                     if recomputing:
                         host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
@@ -150,9 +191,9 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
                         continue
                     for alpha in alphas:
                         f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints, double,
-                                     recompute=recomputing)
+                                     recompute=recomputing, read_ahead=ahead)
                         choice = Choice(alpha, lag, lpu, checkpoints, staging + (16 << 20), host, f + b, f, b,
-                                        recomputing)
+                                        recomputing, ahead)
                         # ties: less memory, then recompute (the method's default)
                         key = (choice.step_s, choice.host_bytes, not choice.recompute)
                         if best is None or key < (best.step_s, best.host_bytes, not best.recompute):

@@ -2,7 +2,16 @@ import dataclasses
 
 import pytest
 
-from lightning_greedysnake.planner import Machine, PlanError, UnitCost, plan, score, staging_bytes
+from lightning_greedysnake.planner import (
+    Machine,
+    PlanError,
+    UnitCost,
+    plan,
+    read_ahead_bytes,
+    score,
+    staging_bytes,
+    window_tail,
+)
 
 MB = 1 << 20
 
@@ -18,7 +27,7 @@ FAST = Machine(read_bytes_per_s=1e13, write_bytes_per_s=1e13, optimizer_elements
 def test_a_slow_optimizer_is_split_between_the_phases():
     """Backward is busy with compute; when the optimizer's CPU time exceeds it, deferring part of the
     update into the (lighter) forward phase shortens the step: alpha > 0 wins, with overlap on."""
-    slow_cpu = Machine(read_bytes_per_s=1e13, write_bytes_per_s=1e13, optimizer_elements_per_s=8e6)
+    slow_cpu = Machine(read_bytes_per_s=1e13, write_bytes_per_s=1e13, optimizer_elements_per_s=6e6)
     choice = plan(layers(), slow_cpu, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
     assert choice.alpha > 0 and choice.lag > 0
     f0, b0 = score(layers(), slow_cpu, 4, 0.0, choice.lag, MB, "host")
@@ -150,3 +159,39 @@ def test_saved_bytes_count_activations_not_weights():
     with counter.hooks():
         layer(x).relu()
     assert counter.nbytes == 8 * 64 * 4 + 8 * 32 * 4  # the input, and relu's output
+
+
+def _with_state(units: list[UnitCost]) -> list[UnitCost]:
+    """bf16-mixed sizes: 16-bit weights, fp32 master, gradient and two moments."""
+    return [dataclasses.replace(u, weight_bytes=2 * u.params, master_bytes=4 * u.params) for u in units]
+
+
+def test_the_windows_last_step_waits_in_line_unless_read_ahead():
+    """With the optimizer in the background, the first unit's step ends the window and the next forward
+    starts with that unit: its reads and compute add to the step. Read ahead during the unit's backward,
+    the reads hide behind it (here the backward is longer than the reads: only the compute is left)."""
+    units = _with_state(layers(backward_s=0.5))
+    disk = Machine(read_bytes_per_s=1e9, write_bytes_per_s=1e9, optimizer_elements_per_s=1e8)
+    reads = (units[0].master_bytes + units[0].state_bytes) / 1e9
+    cpu = units[0].params / 1e8
+    assert window_tail(units, disk, 4, 0.0, 1, read_ahead=False) == pytest.approx(reads + cpu)
+    assert window_tail(units, disk, 4, 0.0, 1, read_ahead=True) == pytest.approx(cpu)
+    assert window_tail(units, disk, 4, 0.0, 0, read_ahead=False) == 0.0  # lag 0: already in the backward phase
+    # unit 0 is never deferred: alpha does not change its share
+    assert window_tail(units, disk, 4, 0.5, 1, read_ahead=False) == pytest.approx(reads + cpu)
+    lean = score(units, disk, 4, 0.0, 1, MB, "host")
+    ahead = score(units, disk, 4, 0.0, 1, MB, "host", read_ahead=True)
+    assert sum(lean) - sum(ahead) == pytest.approx(reads)
+
+
+def test_the_planner_buys_read_ahead_with_spare_memory_and_does_without_when_tight():
+    units = _with_state(layers(backward_s=0.5))
+    disk = Machine(read_bytes_per_s=1e9, write_bytes_per_s=1e9, optimizer_elements_per_s=1e8)
+    roomy = plan(units, disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB, layers_per_unit=(1,), lags=(1,))
+    assert roomy.read_ahead
+    assert roomy.buffer_budget_bytes >= staging_bytes(units, 1) + read_ahead_bytes(units) + (16 << 20)
+    tight_budget = staging_bytes(units, 1) + (16 << 20) + 7 * 4 * MB + read_ahead_bytes(units) // 2
+    tight = plan(units, disk, k=4, host_budget_bytes=tight_budget, checkpoint_bytes=MB, layers_per_unit=(1,),
+                 lags=(1,), checkpoint_placements=("host",))
+    assert not tight.read_ahead and tight.host_bytes <= tight_budget
+    assert tight.step_s > roomy.step_s
