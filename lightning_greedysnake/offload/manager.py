@@ -231,6 +231,9 @@ class TieredTensorStore:
         """Bytes of staging held by prefetches: they never exceed the budget's slack over
         :attr:`min_budget_bytes`, so the work that must run can always get its buffers."""
         self._optional_lock = threading.Lock()
+        self._grad_scratch: Tensor | None = None
+        """fp32 room for one parameter's 16-bit gradient on its way into the accumulator."""
+        self._largest_param = max((slot.numel for lay in self.layouts for slot in lay.params), default=1)
         self._step_ahead: dict[int, tuple[_Held | None, _Held | None]] = {}
         """Master weights and optimizer state read ahead for a unit's coming step (its first part):
         (master, states), each None where not staged ahead."""
@@ -247,11 +250,11 @@ class TieredTensorStore:
         self._value_clips: list[float] = []
         self.steps_taken = 0
         self.checkpoint_bytes = 0
+        """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
         self.checkpoint_prefetches = 0
         """SSD checkpoint reads started ahead of need, since construction."""
         self.steps_read_ahead = 0
         """Steps that found their master weights and state read ahead (:meth:`prefetch_step`)."""
-        """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
         self.min_budget_bytes = self._min_budget()
         budget = config.buffer_budget_bytes
         if budget is None:
@@ -748,6 +751,7 @@ class TieredTensorStore:
                 return False
             self._optional_bytes += size
         held.optional = True
+        held.pending = [f for f in held.pending if not f.done()]  # the same buffer comes back every window
         done: Future[None] = Future()
         done.set_result(None)
         self._prefetched[unit] = (held, done)
@@ -905,7 +909,20 @@ class TieredTensorStore:
             p.grad = None  # trainable but not in the optimizer: Lightning would never step it either
             return
         flat = self._grad_flat(u)
-        _view(flat, self.layouts[u].params[i]).add_(grad)
+        view = _view(flat, self.layouts[u].params[i])
+        if not self._has_grad[u][i]:
+            view.copy_(grad)  # the accumulator is still zero: the first micro-batch's gradient is the sum
+        elif grad.dtype == view.dtype:
+            view.add_(grad)
+        else:
+            # fp32 += bf16 through torch's type promotion allocates an fp32 temporary per call, and every
+            # large one is fresh memory to fault in: ~15x slower than a copy into a kept buffer and an
+            # fp32 add (the same sum, bit for bit)
+            if self._grad_scratch is None or self._grad_scratch.numel() < grad.numel():
+                self._grad_scratch = torch.empty(max(grad.numel(), self._largest_param), dtype=view.dtype)
+            scratch = self._grad_scratch[: grad.numel()].view(grad.shape)
+            scratch.copy_(grad)
+            view.add_(scratch)
         self._has_grad[u][i] = True
         p.grad = None
 
@@ -965,6 +982,7 @@ class TieredTensorStore:
         value = self.clip.value
 
         def backward_part() -> None:
+            stepped = False
             try:
                 grad = grad_held.buf.view(torch.float32, self.layouts[unit].numel)
                 if self.grad_reducer is not None:
@@ -979,9 +997,11 @@ class TieredTensorStore:
                                    self._byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
                 else:
                     self._done_with(grad_held)
+                stepped = True
             finally:
                 if weights_held is not None and not (
-                    not deferred and unit == 0 and self.shard is None and self._keep_as_prefetch(unit, weights_held)
+                    stepped and not deferred and unit == 0 and self.shard is None
+                    and self._keep_as_prefetch(unit, weights_held)
                 ):
                     self._done_with(weights_held)
             if not deferred:
