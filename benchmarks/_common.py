@@ -89,12 +89,13 @@ def add_machine_args(parser: Any) -> None:
 
 
 def measure_machine(args: Any, directory: str) -> None:
-    """O_DIRECT bandwidth of ``directory`` and the optimizer's rate, onto ``args`` (once, in the parent)."""
+    """O_DIRECT bandwidth of ``directory`` (the best of three) and the optimizer's rate, onto ``args``
+    (once, in the parent)."""
     from pathlib import Path
 
     from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
 
-    args.read_bps, args.write_bps = disk_bandwidth(Path(directory))
+    args.read_bps, args.write_bps = disk_bandwidth(Path(directory), repeats=3)
     args.opt_rate = optimizer_rate()
     print(f"  disk: read {args.read_bps / 1e9:.2f} GB/s, write {args.write_bps / 1e9:.2f} GB/s; "
           f"optimizer {args.opt_rate / 1e6:.0f} M elements/s", file=sys.stderr)
