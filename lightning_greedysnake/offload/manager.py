@@ -231,6 +231,10 @@ class TieredTensorStore:
         """Bytes of staging held by prefetches: they never exceed the budget's slack over
         :attr:`min_budget_bytes`, so the work that must run can always get its buffers."""
         self._optional_lock = threading.Lock()
+        self._staging_pending = 0
+        """Bytes that submitted steps have yet to stage (their master and state buffers): with what is
+        in use, the most the steps can still take before anything comes back (guarded by
+        ``_optional_lock``)."""
         self._grad_scratch: Tensor | None = None
         """fp32 room for one parameter's 16-bit gradient on its way into the accumulator."""
         self._largest_param = max((slot.numel for lay in self.layouts for slot in lay.params), default=1)
@@ -723,14 +727,16 @@ class TieredTensorStore:
             return
         self._prefetched[unit] = (held, regions.submit_read(unit, held.buf))
 
-    def _acquire_optional(self, nbytes: int, what: str) -> _Held | None:
+    def _acquire_optional(self, nbytes: int, what: str, within_slack: bool = True) -> _Held | None:
         """A buffer for work ahead of need, or ``None``. The work that must run (a unit in use, its
         gradient, the running steps' staging) never needs more than :attr:`min_budget_bytes` at once, so
         prefetches may hold up to the rest of the budget between them: then a must-run acquisition only
-        ever waits for write-behind, never for a prefetch to be used."""
+        ever waits for write-behind, never for a prefetch to be used. ``within_slack=False``: the
+        caller has made sure otherwise (:meth:`prefetch_step`); it still counts against the slack, so
+        other prefetches wait until it is taken over."""
         size = align_up(nbytes)
         with self._optional_lock:
-            if self.min_budget_bytes + self._optional_bytes + size > self.pool.budget_bytes:
+            if within_slack and self.min_budget_bytes + self._optional_bytes + size > self.pool.budget_bytes:
                 return None
             buf = self.pool.acquire(size, block=False, what=what)
             if buf is None:
@@ -786,13 +792,24 @@ class TieredTensorStore:
         # all or nothing: half a read-ahead would still leave the step waiting for reads
         total = sum(align_up(self._regions[kind].region_bytes(unit)) for kind, _ in wanted)
         with self._optional_lock:
-            if self.min_budget_bytes + self._optional_bytes + total > self.pool.budget_bytes:
+            budget = self.pool.budget_bytes
+            from_slack = self.min_budget_bytes + self._optional_bytes + total <= budget
+            # Or from what the minimum reserves but this moment cannot use: this is the window's last
+            # step, every other step is submitted, so until it runs the work can only still take the
+            # staging those steps have not taken yet and this unit's weights and gradient. If that
+            # fits beside everything held now and the read-ahead, nobody ever waits for it. (Not with
+            # partitioned state, whose weights gather stages more.)
+            ahead_of_need = self.shard is None and (
+                self.pool.in_use_bytes + total + self._staging_pending + self._unit_need_bytes(unit) <= budget
+            )
+            if not (from_slack or ahead_of_need):
                 return
         staged: dict[TensorKind, _Held] = {}
         for kind, ranges in wanted:
             regions = self._regions[kind]
             assert isinstance(regions, SSDRegions)
-            held = self._acquire_optional(regions.region_bytes(unit), f"unit {unit} {kind.value} read-ahead")
+            held = self._acquire_optional(regions.region_bytes(unit), f"unit {unit} {kind.value} read-ahead",
+                                          within_slack=False)
             if held is None:
                 for other in staged.values():
                     self._take_over(other)
@@ -801,6 +818,33 @@ class TieredTensorStore:
             held.reads = [regions.submit_read(unit, held.buf, kind.value, r) for r in ranges]
             staged[kind] = held
         self._step_ahead[unit] = (staged.get(TensorKind.MASTER_WEIGHTS), staged.get(TensorKind.OPTIMIZER_STATES))
+
+    def _step_staging_bytes(self, unit: int, weights_held: bool) -> int:
+        """Pool bytes a step of ``unit`` stages (its first part's buffers are whole regions), as
+        :meth:`_step_part` does: master weights (or the weights region as master under 32-true, when
+        not held), optimizer state, and under bf16-mixed the compute weights when not held."""
+        def ssd(kind: TensorKind) -> int:
+            regions = self._regions.get(kind)
+            return align_up(regions.region_bytes(unit)) if isinstance(regions, SSDRegions) else 0
+
+        need = ssd(TensorKind.OPTIMIZER_STATES) if self.slots else 0
+        if self.separate_master:
+            need += ssd(TensorKind.MASTER_WEIGHTS) + (0 if weights_held else ssd(TensorKind.WEIGHTS))
+        elif not weights_held:
+            need += ssd(TensorKind.WEIGHTS)
+        return need
+
+    def _unit_need_bytes(self, unit: int) -> int:
+        """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither
+        held nor prefetched, its gradient accumulator if not started."""
+        need = 0
+        weights = self._regions.get(TensorKind.WEIGHTS)
+        if isinstance(weights, SSDRegions) and unit not in self._weights and unit not in self._prefetched:
+            need += align_up(weights.region_bytes(unit))
+        grads = self._regions.get(TensorKind.GRADIENTS)
+        if isinstance(grads, SSDRegions) and unit not in self._grads:
+            need += align_up(grads.region_bytes(unit))
+        return need
 
     def _drop_step_ahead(self, unit: int) -> None:
         for held in self._step_ahead.pop(unit, (None, None)):
@@ -980,6 +1024,9 @@ class TieredTensorStore:
         if deferred:
             self._alpha_pending.append((unit, hyper, has_grad))
         value = self.clip.value
+        staging = self._step_staging_bytes(unit, weights_held is not None)
+        with self._optional_lock:
+            self._staging_pending += staging
 
         def backward_part() -> None:
             stepped = False
@@ -989,7 +1036,11 @@ class TieredTensorStore:
                     self.grad_reducer(grad)  # data parallel: the ranks' gradients averaged, as DDP does
                 if value is not None:
                     grad.clamp_(-value, value)
-                self._step_part(unit, 0, grad, weights_held, hyper, has_grad)
+                try:
+                    self._step_part(unit, 0, grad, weights_held, hyper, has_grad)
+                finally:
+                    with self._optional_lock:
+                        self._staging_pending -= staging
                 lo, hi = opt.part_range(1)
                 if deferred and lo < hi:
                     # the forward part's gradient waits on its tier until the forward-part step

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_greedysnake import GreedySnakeStrategy, OffloadConfig
+from lightning_greedysnake.config import TensorKind
 from tests.helpers import RecordingLogger, TinyGPTModule, make_trainer, max_abs_diff, token_loader
 
 LR = 3e-3
@@ -209,3 +210,28 @@ def test_step_telemetry_reaches_the_trainers_loggers(tmp_path):
     assert len(logged) == trainer.global_step == 4
     assert all(float(r["greedysnake/read_bytes/weights"]) > 0 for r in logged)
     assert {"greedysnake/ssd_read_busy_s", "greedysnake/compute_s", "train_loss_step"} <= set(rows[0])
+
+
+def test_the_automatic_budget_reads_the_last_step_ahead_from_what_the_minimum_reserves():
+    """Unit 0 here is a 12.8M-element embedding: its state (100 MB) is far beyond the automatic budget's
+    slack (one unit's weights and 16 MiB), so the slack cannot pay for its read-ahead. But when unit 0's
+    backward starts, every other step has run (synchronous steps here), and the staging the minimum
+    budget reserves for them is free: the window's last step reads ahead from that, every step after
+    the first (which has no state yet), and the result is exact."""
+    seen = {}
+
+    class Count(L.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            manager = trainer.strategy.tensor_manager
+            seen.update(ahead=manager.steps_read_ahead, steps=trainer.global_step,
+                        slack=manager.pool.budget_bytes - manager.min_budget_bytes,
+                        state=manager._region_bytes[TensorKind.OPTIMIZER_STATES][0])
+
+    ref, _ = _fit(GreedySnakeStrategy(offload=ON_DEVICE), False, WideEmbedding, _wide_loader(), k=2, epochs=1)
+    L.seed_everything(0, verbose=False)
+    module = WideEmbedding()
+    make_trainer(GreedySnakeStrategy(alpha=0.0, lag=0), 2, max_epochs=1, callbacks=[Count()]).fit(
+        module, _wide_loader())
+    assert seen["state"] > seen["slack"]
+    assert seen["ahead"] == seen["steps"] - 1 >= 3
+    assert max_abs_diff({n: p.detach() for n, p in module.named_parameters()}, ref) == 0
