@@ -736,13 +736,18 @@ class TieredTensorStore:
         other prefetches wait until it is taken over."""
         size = align_up(nbytes)
         with self._optional_lock:
-            if within_slack and self.min_budget_bytes + self._optional_bytes + size > self.pool.budget_bytes:
+            if within_slack and not self._slack_allows(size):
                 return None
             buf = self.pool.acquire(size, block=False, what=what)
             if buf is None:
                 return None
             self._optional_bytes += buf.nbytes
         return _Held(buf, pooled=True, optional=True)
+
+    def _slack_allows(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of prefetch fit in the budget's slack over the minimum (call with
+        ``_optional_lock`` held)."""
+        return self.min_budget_bytes + self._optional_bytes + nbytes <= self.pool.budget_bytes
 
     def _keep_as_prefetch(self, unit: int, held: _Held) -> bool:
         """After ``unit``'s complete step: keep its updated compute weights in memory as the prefetch of
@@ -753,7 +758,7 @@ class TieredTensorStore:
             return False  # host-tier weights: nothing to read back anyway
         size = held.buf.nbytes
         with self._optional_lock:
-            if unit in self._prefetched or self.min_budget_bytes + self._optional_bytes + size > self.pool.budget_bytes:
+            if unit in self._prefetched or not self._slack_allows(size):
                 return False
             self._optional_bytes += size
         held.optional = True
@@ -793,7 +798,7 @@ class TieredTensorStore:
         total = sum(align_up(self._regions[kind].region_bytes(unit)) for kind, _ in wanted)
         with self._optional_lock:
             budget = self.pool.budget_bytes
-            from_slack = self.min_budget_bytes + self._optional_bytes + total <= budget
+            from_slack = self._slack_allows(total)
             # Or from what the minimum reserves but this moment cannot use: this is the window's last
             # step, every other step is submitted, so until it runs the work can only still take the
             # staging those steps have not taken yet and this unit's weights and gradient. If that

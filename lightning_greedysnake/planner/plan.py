@@ -95,7 +95,7 @@ def read_ahead_bytes(units: list[UnitCost]) -> int:
     return units[0].master_bytes + units[0].state_bytes
 
 
-def window_tail(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: int, read_ahead: bool,
+def window_tail(units: list[UnitCost], machine: Machine, k: int, lag: int, read_ahead: bool,
                 recompute: bool = True) -> float:
     """Seconds the window's last step adds with a background optimizer: nothing is left to overlap it,
     and the next forward starts with its unit (which is why the tensor manager never defers part of it,
@@ -148,7 +148,7 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
         # the window's last step (unit 0's) does not overlap the backward: it is the tail
         tail_io, tail_cpu = opt_io(units[:1]), units[0].params / rate
         backward = max(b_compute, weights / read + ckpt / read + b_opt_io - tail_io, b_opt_cpu - tail_cpu)
-        backward += window_tail(units, machine, k, alpha, lag, read_ahead, recompute)
+        backward += window_tail(units, machine, k, lag, read_ahead, recompute)
     # a checkpoint on SSD is read at most one op ahead, and only from spare staging budget: counted on
     # the backward's critical path rather than hidden behind compute (conservative)
     backward += ckpt / read

@@ -83,8 +83,9 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, weights_on_ssd: boo
     unit once). Horizontal: per micro-batch; unit 0 stays in memory from one micro-batch's backward into
     the next forward, and partial gradients go out and back once per micro-batch (unit 0's not at the
     end). In both, unit 0's step ends the window and, when it is whole (nothing deferred, no global norm
-    to wait for) and the staging budget has ``slack`` over its minimum (the automatic budget has), leaves
-    the new weights in memory for the next window's first forward: one read less. The optimizer reads and writes its state, writes the new compute weights, and under 32-true
+    to wait for), in one process, with ``slack`` in the staging budget over its minimum (the automatic
+    budget has it), leaves the new weights in memory for the next window's first forward: one read
+    less. The optimizer reads and writes its state, writes the new compute weights, and under 32-true
     reads the weights as master where they are not in memory; the deferred range of each gradient
     goes to the gradients tier and back.
     """

@@ -174,11 +174,9 @@ def test_the_windows_last_step_waits_in_line_unless_read_ahead():
     disk = Machine(read_bytes_per_s=1e9, write_bytes_per_s=1e9, optimizer_elements_per_s=1e8)
     reads = (units[0].master_bytes + units[0].state_bytes) / 1e9
     cpu = units[0].params / 1e8
-    assert window_tail(units, disk, 4, 0.0, 1, read_ahead=False) == pytest.approx(reads + cpu)
-    assert window_tail(units, disk, 4, 0.0, 1, read_ahead=True) == pytest.approx(cpu)
-    assert window_tail(units, disk, 4, 0.0, 0, read_ahead=False) == 0.0  # lag 0: already in the backward phase
-    # unit 0 is never deferred: alpha does not change its share
-    assert window_tail(units, disk, 4, 0.5, 1, read_ahead=False) == pytest.approx(reads + cpu)
+    assert window_tail(units, disk, 4, 1, read_ahead=False) == pytest.approx(reads + cpu)
+    assert window_tail(units, disk, 4, 1, read_ahead=True) == pytest.approx(cpu)
+    assert window_tail(units, disk, 4, 0, read_ahead=False) == 0.0  # lag 0: already in the backward phase
     lean = score(units, disk, 4, 0.0, 1, MB, "host")
     ahead = score(units, disk, 4, 0.0, 1, MB, "host", read_ahead=True)
     assert sum(lean) - sum(ahead) == pytest.approx(reads)
