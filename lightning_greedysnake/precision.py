@@ -8,11 +8,12 @@ import contextlib
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Protocol
 
-import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
 
@@ -64,6 +65,7 @@ class GreedySnakePrecision(Precision):
         return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float32
 
     @contextlib.contextmanager
+    @override
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision == "bf16-mixed":
             with torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=False):
@@ -83,27 +85,33 @@ class GreedySnakePrecision(Precision):
         self._gradient_owner = gradient_owner
         self._after_step = after_step
 
-    def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
-        closure_result = closure()
-        # The closure ran the last micro-batch's training_step and backward. Whatever the schedule left
-        # for after that (the vertical order's unit-by-unit backward) must finish here, so that the
-        # gradients are complete when on_before_optimizer_step and gradient clipping see them.
-        if self._before_optimizer_step is not None:
-            self._before_optimizer_step()
-        self._after_closure(model, optimizer)
+    @override
+    def optimizer_step(self, optimizer: Steppable, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        def closure_then_finish_backward() -> Any:
+            result = closure()
+            # The closure ran the last micro-batch's training_step and backward. Whatever the schedule
+            # left for after that (the vertical order's unit-by-unit backward) must finish here: Lightning
+            # runs on_before_optimizer_step and gradient clipping right after the closure returns.
+            if self._before_optimizer_step is not None:
+                self._before_optimizer_step()
+            return result
+
+        output = super().optimizer_step(optimizer, model, closure_then_finish_backward, **kwargs)
         if self._gradient_owner is not None:
-            # units whose step had to wait for clipping are stepped now; the user's optimizer.step()
-            # that follows finds no gradients on the (offloaded) parameters and changes nothing
+            # units whose step had to wait for clipping are stepped now; the user's optimizer.step() just
+            # run found no gradients on the (offloaded) parameters and changed nothing
             self._gradient_owner.finish_step()
         if self._after_step is not None:
             self._after_step()
-        return closure_result
+        return output
 
+    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._gradient_owner is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
         self._gradient_owner.clip_by_norm(float(clip_val), self.main_params(optimizer))
 
+    @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._gradient_owner is None:
             return super().clip_grad_by_value(optimizer, clip_val)

@@ -7,7 +7,9 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from lightning_greedysnake.offload.stats import IOStats
 
 
 @dataclass
@@ -58,16 +60,27 @@ class StepTelemetry:
         return out
 
 
+class Observed(Protocol):
+    """What the recorder reads: the tensor manager's running counters."""
+
+    @property
+    def stats(self) -> IOStats: ...
+
+    @property
+    def optimizer_wait_seconds(self) -> float:
+        """Seconds the training thread spent blocked on the optimizer lane, since construction."""
+
+
 class StepRecorder:
     """Turns the manager's running counters into :class:`StepTelemetry` at each optimizer step."""
 
-    def __init__(self, manager: Any, keep: int = 1000) -> None:
+    def __init__(self, manager: Observed, keep: int = 1000) -> None:
         self.manager = manager
         self.keep = keep
         self.history: list[StepTelemetry] = []
         self._t = time.perf_counter()
         self._counters = manager.stats.snapshot()
-        self._lane_wait = manager.lane.wait_seconds
+        self._lane_wait = manager.optimizer_wait_seconds
         self._step = 0
         self.tokens = 0
         """Tokens fed to the model since the last step (the strategy adds them as it sees inputs)."""
@@ -97,7 +110,7 @@ class StepRecorder:
             return out
 
         io_wait = sum(c.wait_seconds for c in counters.values()) - sum(c.wait_seconds for c in self._counters.values())
-        unhidden = self.manager.lane.wait_seconds - self._lane_wait
+        unhidden = self.manager.optimizer_wait_seconds - self._lane_wait
         wall = now - self._t
         self._step += 1
         entry = StepTelemetry(
@@ -114,7 +127,7 @@ class StepRecorder:
             tokens=self.tokens,
         )
         self.tokens = 0
-        self._t, self._counters, self._lane_wait = now, counters, self.manager.lane.wait_seconds
+        self._t, self._counters, self._lane_wait = now, counters, self.manager.optimizer_wait_seconds
         self.history.append(entry)
         del self.history[: -self.keep]
         if self.trace_path is not None and self._trace_start is not None and self._step >= self.trace_steps:

@@ -430,6 +430,9 @@ class WindowEngine:
             out = self._blocks(unit, hidden, mb.ctx)
         if recompute:
             self.store.save_checkpoint(u + 1, m, out)
+            if u > 0 and (u, m) not in w.kept_inputs:
+                # read back again for backward: an offloading store frees it now (just in time)
+                self.store.release_checkpoint(u, m)
         else:
             w.graphs[(u, m)] = (leaf, out)
             w.kept_inputs[(u + 1, m)] = out.detach().requires_grad_(out.is_floating_point())

@@ -267,3 +267,44 @@ class ThreadedIOEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InlineIOEngine(ThreadedIOEngine):
+    """A debugging backend: every transfer runs on the submitting thread and is complete when ``submit_*``
+    returns. Nothing overlaps, and every staging buffer goes back to the pool at the earliest moment
+    its owner allows; with the poisoning pool (``GREEDYSNAKE_DEBUG_POOL=1``) any use of a buffer after
+    it was handed to write-behind computes with NaN, deterministically. Select it with
+    ``GREEDYSNAKE_DEBUG_IO=inline``."""
+
+    def _submit(self, op: str, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                nbytes: int) -> Future[None]:
+        if self._pool is None:
+            raise RuntimeError("the I/O engine is closed")
+        if (offset | buffer_offset | nbytes) % ALIGN_BYTES:
+            raise ValueError(f"{op} of {nbytes} bytes at {offset} is not {ALIGN_BYTES}-byte aligned (O_DIRECT)")
+        if offset + nbytes > file.size_bytes:
+            raise ValueError(f"{op} of {nbytes} bytes at offset {offset} runs past the end of {file}")
+        done: Future[None] = Future()
+        try:
+            fn = self._read_piece if op == "read" else self._write_piece
+            if nbytes:
+                fn(file, offset, buffer, buffer_offset, nbytes)
+        except BaseException as e:  # noqa: BLE001 - delivered through the future, as the threaded engine does
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+        return done
+
+
+DEBUG_IO_ENV = "GREEDYSNAKE_DEBUG_IO"
+
+
+def default_engine(config: IOConfig) -> ThreadedIOEngine:
+    """The backend for ``config``: the threaded O_DIRECT engine, or :class:`InlineIOEngine` when
+    ``GREEDYSNAKE_DEBUG_IO=inline``."""
+    mode = os.environ.get(DEBUG_IO_ENV, "").strip().lower()
+    if mode in ("", "0", "threaded"):
+        return ThreadedIOEngine(config)
+    if mode == "inline":
+        return InlineIOEngine(config)
+    raise ValueError(f"{DEBUG_IO_ENV}={mode!r} is not a known I/O mode. Fix: unset it, or set it to 'inline'.")

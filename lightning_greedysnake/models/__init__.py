@@ -1,5 +1,14 @@
 """Layered models: the protocol, this package's GPT, and adapters for other model families."""
 
+from lightning_greedysnake.models import hf  # noqa: F401 - registers the Hugging Face adapter
+from lightning_greedysnake.models.adapters import (
+    Adapter,
+    chain_of,
+    is_layered,
+    register_adapter,
+    sequential_chain,
+    unit_initializer_of,
+)
 from lightning_greedysnake.models.discovery import (
     LayeredModelNotFound,
     Unit,
@@ -8,19 +17,11 @@ from lightning_greedysnake.models.discovery import (
     make_units,
 )
 from lightning_greedysnake.models.gpt import GPT, GPTConfig
-from lightning_greedysnake.models.protocol import (
-    LayerChain,
-    LayeredModel,
-    UnitInitializer,
-    chain_of,
-    is_layered,
-    reset_modules,
-    sequential_chain,
-    unit_initializer_of,
-)
+from lightning_greedysnake.models.protocol import LayerChain, LayeredModel, UnitInitializer, reset_modules
 
 __all__ = [
     "GPT",
+    "Adapter",
     "GPTConfig",
     "LayerChain",
     "LayeredModel",
@@ -28,11 +29,12 @@ __all__ = [
     "Unit",
     "UnitInitializer",
     "chain_of",
-    "is_layered",
-    "unit_initializer_of",
     "check_parameter_ownership",
     "find_layered_model",
+    "is_layered",
     "make_units",
+    "register_adapter",
     "reset_modules",
     "sequential_chain",
+    "unit_initializer_of",
 ]

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_greedysnake.models.protocol import LayerChain, chain_of, is_layered
+from lightning_greedysnake.models.adapters import chain_of, is_layered
+from lightning_greedysnake.models.protocol import LayerChain
 
 
 class LayeredModelNotFound(ValueError):

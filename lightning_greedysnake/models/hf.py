@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_greedysnake.models.adapters import Adapter, register_adapter
 from lightning_greedysnake.models.protocol import LayerChain
 
 _LAYERS = ("layers", "h")
@@ -114,7 +115,7 @@ def hf_chain(model: nn.Module) -> LayerChain:
 
 
 # -- pretrained weights and initialization -------------------------------------------------------------------
-def _safetensors_index(path: Path) -> dict[str, Path]:
+def safetensors_index(path: Path) -> dict[str, Path]:
     """Tensor name -> file, for a ``save_pretrained`` directory (single file or sharded)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -143,7 +144,7 @@ class HFInitializer:
         self.model = model
         self.names = {id(m): n for n, m in model.named_modules()}
         path = getattr(model, _PRETRAINED, None)
-        self.index = _safetensors_index(Path(path)) if path else None
+        self.index = safetensors_index(Path(path)) if path else None
         self.tensors_read = 0
 
     def weight_init_generator(self) -> Any:
@@ -185,3 +186,6 @@ def load_module_weights(model: nn.Module, modules: Sequence[nn.Module], index: d
             for key, tensor in items:
                 with torch.no_grad():
                     tensor.copy_(f.get_tensor(key))
+
+
+register_adapter(Adapter("Hugging Face causal LM", is_hf_causal_lm, hf_chain, HFInitializer))

@@ -1,4 +1,5 @@
-"""The layered-model seam: what the engine needs to know about a model to run it unit by unit."""
+"""The layered-model seam: what the engine needs to know about a model to run it unit by unit. It knows
+no model family: adapters register with :mod:`lightning_greedysnake.models.adapters`."""
 
 from __future__ import annotations
 
@@ -74,61 +75,3 @@ def reset_modules(modules: Sequence[nn.Module]) -> None:
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
                 reset()
-
-
-def _call_block(block: nn.Module, hidden: Tensor, ctx: Any) -> Tensor:
-    return block(hidden)
-
-
-def sequential_chain(model: nn.Sequential) -> LayerChain:
-    """``nn.Sequential``: every child is one block; no pre or post (identity)."""
-    if len(model) == 0:
-        raise ValueError("greedysnake found an empty nn.Sequential; it needs at least one child layer")
-
-    def pre(*args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
-        if kwargs or len(args) != 1:
-            raise TypeError(
-                "an nn.Sequential takes exactly one positional input; the training_step called it with "
-                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
-            )
-        return args[0], None
-
-    return LayerChain(
-        pre_modules=(),
-        blocks=tuple(model.children()),
-        post_modules=(),
-        pre=pre,
-        block_forward=_call_block,
-        post=lambda hidden, ctx: hidden,
-    )
-
-
-def chain_of(module: nn.Module) -> LayerChain | None:
-    """The chain of ``module`` if it is a layered model or a built-in adapter knows it, else None."""
-    if isinstance(module, LayeredModel):
-        return module.layer_chain()
-    if isinstance(module, nn.Sequential):
-        return sequential_chain(module)
-    from lightning_greedysnake.models.hf import hf_chain, is_hf_causal_lm
-
-    if is_hf_causal_lm(module):
-        return hf_chain(module)
-    return None
-
-
-def is_layered(module: nn.Module) -> bool:
-    """A module :func:`chain_of` knows (without building its chain)."""
-    from lightning_greedysnake.models.hf import is_hf_causal_lm
-
-    return isinstance(module, (LayeredModel, nn.Sequential)) or is_hf_causal_lm(module)
-
-
-def unit_initializer_of(module: nn.Module) -> UnitInitializer | None:
-    """How to materialize a meta-device layered model unit by unit (None: ``reset_parameters()``)."""
-    if isinstance(module, UnitInitializer):
-        return module
-    from lightning_greedysnake.models.hf import HFInitializer, is_hf_causal_lm
-
-    if is_hf_causal_lm(module):
-        return HFInitializer(module)
-    return None

@@ -3,23 +3,50 @@
 The budget caps what the tensor manager holds in host memory at once: weights in use and prefetched,
 the optimizer's working set, checkpoints in flight. A request that can never fit is an error up front;
 one that fits later waits for a release (write-behind completions release from I/O threads).
+
+Nobody calls :meth:`BufferPool.release` directly but a :class:`~lightning_greedysnake.offload.staging.Staged`
+handle, which does so only after every transfer on its buffer completed.
+
+Debug mode (``GREEDYSNAKE_DEBUG_POOL=1``, or ``debug=True``): every buffer the pool hands out fresh and
+every buffer given back is filled with a poison pattern (all bits set: NaN in every float dtype), and an
+acquisition of a cached buffer first checks that the pattern is intact. So a read of a buffer after it
+was given back computes with NaN instead of plausible stale numbers, and a late write into a free
+buffer (an I/O still filling it) is an error naming the buffer's last owner.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable
 
 from lightning_greedysnake.io import AlignedBuffer, align_up
 
+DEBUG_POOL_ENV = "GREEDYSNAKE_DEBUG_POOL"
+POISON_BYTE = 0xFF
+"""All bits set: NaN as fp32, bf16 and fp16 (exponent all ones, mantissa not zero)."""
+
+
+def debug_pool_enabled() -> bool:
+    return os.environ.get(DEBUG_POOL_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
 
 class BufferBudgetError(ValueError):
     """A single request is larger than the whole budget, or the budget stayed full too long."""
 
 
+class PoolCorruptionError(AssertionError):
+    """Debug pool: a buffer was written while it was free (a transfer or a thread still used it)."""
+
+
 class BufferPool:
-    def __init__(self, budget_bytes: int, wait_timeout_s: float = 120.0) -> None:
+    def __init__(self, budget_bytes: int, wait_timeout_s: float = 120.0, debug: bool | None = None) -> None:
+        self.debug = debug_pool_enabled() if debug is None else debug
+        """Poison released buffers and check them on reuse (see the module's docstring)."""
+        self._last_owner: dict[int, str] = {}
+        """Debug mode: who held each free buffer last (its ``what``), for the corruption message."""
+        self._owner: dict[int, str] = {}
         self.budget_bytes = budget_bytes
         self.wait_timeout_s = wait_timeout_s
         self._cond = threading.Condition()
@@ -58,10 +85,14 @@ class BufferPool:
                 if cached:
                     buf = cached.pop()
                     self._free_bytes -= nbytes
+                    if self.debug:
+                        self._check_poison(buf, what)
                     break
                 if self.in_use_bytes + nbytes <= self.budget_bytes:
                     self._evict(self.in_use_bytes + self._free_bytes + nbytes - self.budget_bytes)
                     buf = AlignedBuffer(nbytes)
+                    if self.debug:
+                        self._poison(buf)  # fresh memory is zero: as plausible as stale numbers
                     break
                 if not block:
                     return None
@@ -79,6 +110,8 @@ class BufferPool:
                         "Fix: raise offload.buffer_budget_bytes."
                     )
             self._in_use[id(buf)] = buf
+            if self.debug:
+                self._owner[id(buf)] = what
             self.in_use_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.in_use_bytes + self._free_bytes)
             return buf
@@ -98,16 +131,38 @@ class BufferPool:
             if self._closed:
                 buf.close()
             else:
+                if self.debug:
+                    self._poison(buf)
+                    self._last_owner[id(buf)] = self._owner.pop(id(buf), "?")
                 self._free[buf.nbytes].append(buf)
                 self._free_bytes += buf.nbytes
             self._cond.notify_all()
+
+    @staticmethod
+    def _poison(buf: AlignedBuffer) -> None:
+        assert buf.tensor is not None
+        buf.tensor.fill_(POISON_BYTE)
+
+    def _check_poison(self, buf: AlignedBuffer, what: str) -> None:
+        assert buf.tensor is not None
+        changed = (buf.tensor != POISON_BYTE).nonzero()
+        if changed.numel():
+            first, count = int(changed[0]), int(changed.numel())
+            raise PoolCorruptionError(
+                f"debug pool: a free buffer of {buf.nbytes} bytes was written while nobody owned it ({count} "
+                f"bytes changed, the first at offset {first}); its last owner was "
+                f"{self._last_owner.get(id(buf), '?')!r}, now acquired for {what!r}. A transfer or a thread "
+                "still used it after it was given back."
+            )
 
     def _evict(self, excess: int) -> None:
         """Close cached buffers until ``excess`` bytes are gone (called with the lock held)."""
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
             while bufs and excess > 0:
-                bufs.pop().close()
+                evicted = bufs.pop()
+                self._last_owner.pop(id(evicted), None)
+                evicted.close()
                 self._free_bytes -= size
                 excess -= size
 

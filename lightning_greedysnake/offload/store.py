@@ -22,7 +22,12 @@ class TensorStore(Protocol):
         """Keep the input of ``unit`` for ``microbatch`` (the output of ``unit - 1``)."""
 
     def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
-        """The tensor saved by ``save_checkpoint``; it stays stored until ``drop_checkpoint``."""
+        """The tensor saved by ``save_checkpoint``; it stays stored until ``drop_checkpoint``. The tensor
+        returned is valid until ``release_checkpoint`` or ``drop_checkpoint`` of it."""
+
+    def release_checkpoint(self, unit: int, microbatch: int) -> None:
+        """The op that loaded it is done with the tensor for now (it stays stored for backward); an
+        offloading store may free its memory and read it back at the next load."""
 
     def drop_checkpoint(self, unit: int, microbatch: int) -> None:
         """The checkpoint will not be read again in this window."""
@@ -74,6 +79,9 @@ class InMemoryTensorStore:
 
     def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
         return self._checkpoints[(unit, microbatch)]
+
+    def release_checkpoint(self, unit: int, microbatch: int) -> None:
+        pass
 
     def drop_checkpoint(self, unit: int, microbatch: int) -> None:
         self._checkpoints.pop((unit, microbatch), None)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up
-from lightning_greedysnake.offload.layout import FileLayout, build_file_layout
+from lightning_greedysnake.layout import FileLayout, build_file_layout
 from lightning_greedysnake.offload.stats import IOStats
 
 
@@ -75,7 +75,7 @@ class SSDRegions:
         self._stats = stats
         self.file: OffloadFile = engine.open(path, max(self.layout.total_bytes, 4096), preallocate=not sparse)
         self._inflight: dict[int, list[_InFlight]] = {}
-        """Per unit: operations not known to have succeeded (failed ones stay, so waits raise them)."""
+        """Per unit: operations not known to have completed (failed writes stay, so waits raise them)."""
         self._lock = threading.Lock()
 
     def region_bytes(self, unit: int) -> int:
@@ -98,17 +98,24 @@ class SSDRegions:
         return self._submit("write", unit, buf, label, byte_range)
 
     def wait(self, unit: int) -> None:
-        """Block until every operation submitted on ``unit``'s region has completed (raises its error)."""
+        """Block until every operation submitted on ``unit``'s region has completed; raises the first
+        failed write (a failed read was raised to whoever waited for it, and changed nothing)."""
         with self._lock:
             ops = list(self._inflight.get(unit, ()))
-        for op in ops:
-            op.done.result()
+        self._wait(ops)
 
     def wait_all(self) -> None:
         with self._lock:
             ops = [op for unit_ops in self._inflight.values() for op in unit_ops]
+        self._wait(ops)
+
+    @staticmethod
+    def _wait(ops: list[_InFlight]) -> None:
         for op in ops:
-            op.done.result()
+            if op.write:
+                op.done.result()
+            else:
+                op.done.exception()
 
     def _submit(
         self, op: str, unit: int, buf: AlignedBuffer, label: str | None, byte_range: tuple[int, int] | None
@@ -120,7 +127,10 @@ class SSDRegions:
         write = op == "write"
         done: Future[None] = Future()
         with self._lock:
-            ops = [o for o in self._inflight.get(unit, ()) if not (o.done.done() and o.done.exception() is None)]
+            # completed operations are forgotten, but for failed writes: the bytes on disk are not what
+            # later operations expect, so they fail too, and so does every wait
+            ops = [o for o in self._inflight.get(unit, ())
+                   if not (o.done.done() and (o.done.exception() is None or not o.write))]
             # an earlier operation on overlapping bytes must complete first, unless both only read
             deps = [o.done for o in ops if o.lo < hi and lo < o.hi and (write or o.write)]
             ops.append(_InFlight(lo, hi, write, done))
@@ -180,7 +190,9 @@ class SSDRegions:
 
 class SSDScratch:
     """Space for activation checkpoints on SSD: bump-allocated within a window, reset at its end; the
-    file grows (preallocated) when a window needs more than any before."""
+    file grows (preallocated) when a window needs more than any before. Its users order their own
+    transfers (a checkpoint is read only after its write completed); the scratch only makes sure no
+    transfer outlives the file: :meth:`close` waits for every one still in flight."""
 
     tier = "ssd"
 
@@ -191,6 +203,9 @@ class SSDScratch:
         self._stats = stats
         self.file: OffloadFile = engine.open(path, 4096)
         self._next = 0
+        self._inflight: set[Future[None]] = set()
+        """Transfers submitted and not complete (guarded by ``_lock``; completions remove themselves)."""
+        self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> int:
         nbytes = align_up(nbytes)
@@ -221,13 +236,28 @@ class SSDScratch:
             f = self._engine.submit_read(self.file, offset, buf, 0, nbytes)
         else:
             f = self._engine.submit_write(self.file, offset, buf, 0, nbytes)
-        f.add_done_callback(
-            lambda fut: fut.exception() is None
-            and self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0, t0)
-        )
+        with self._lock:
+            self._inflight.add(f)
+
+        def finished(fut: Future[None]) -> None:  # on an I/O thread
+            with self._lock:
+                self._inflight.discard(fut)
+            if fut.exception() is None:
+                self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0, t0)
+
+        f.add_done_callback(finished)
         return f
 
+    def wait_all(self) -> None:
+        """Block until every transfer submitted so far completed (errors stay with their futures)."""
+        with self._lock:
+            pending = list(self._inflight)
+        for f in pending:
+            f.exception()
+
     def close(self) -> None:
+        """Close the file once no transfer is in flight on it (a dropped read-ahead may still be)."""
+        self.wait_all()
         self.file.close()
 
 

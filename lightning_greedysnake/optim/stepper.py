@@ -1,161 +1,310 @@
-"""The background lane that runs per-unit optimizer jobs in submission order.
+"""The per-unit stepper: when each unit's optimizer step runs, on which thread, in how many parts.
 
-Ordering guarantees (the callers rely on them):
+- A unit's step runs on the optimizer lane (:class:`StepLane`) as soon as its gradient is complete: its
+  backward part at once (the lane may trail backward by ``lag`` units), its forward (alpha) part, when
+  ``alpha`` defers one, after the window's backward, overlapping the next forward.
+- With clipping by the global norm (or a custom ``configure_gradient_clipping``) every unit's whole step
+  waits until the whole backward is done and the clip coefficient is known.
+- A unit's :class:`UpdateGate` entry is cleared when its step is submitted and published by the job
+  that runs its last part, once the new weights are on their tier (and, with partitioned state, once
+  every rank's chunk was gathered). Unit 0's step ends the window and the next forward starts with it,
+  so it is never split, and its new weights may stay in memory for that forward (``keep_weights``).
 
-- Jobs run one at a time, in the order submitted: a unit's backward-part job always runs before its
-  forward-part (alpha) job, which is submitted later.
-- ``submit(..., heavy=True)`` is for jobs that hold a unit's gradient buffer: it blocks while ``lag`` such
-  jobs are outstanding, so the optimizer is never more than ``lag`` units behind backward and the
-  memory held by queued gradients is bounded. ``lag == 0`` runs every job inline, synchronously.
-- The first exception in a job stops the lane; it is raised in the training thread at the next
-  ``submit``, ``drain`` or ``check``. Jobs queued behind it are dropped.
+Threads: everything here but the jobs runs on the training thread; the jobs run on the lane, in
+submission order, and own the handles they captured.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import Tensor
 
-Job = Callable[[], None]
+from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.optim.lane import StepLane
+from lightning_greedysnake.optim.part_step import PartStepper
+from lightning_greedysnake.optim.protocols import StagedBuffer, Staging, UpdateGate
+from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer, split_numel
 
 
-class OptimizerLaneError(RuntimeError):
-    """An optimizer job failed in the background; the original exception is the cause."""
+@dataclass
+class ClipPolicy:
+    """How gradients are clipped, known at setup from the Trainer."""
+
+    value: float | None = None
+    """Clip each element to [-value, value], unit by unit as each gradient completes."""
+    defer: bool = False
+    """Hold every unit's step until the whole backward is done (global-norm clipping needs all
+    gradients first; a custom ``configure_gradient_clipping`` may need them too)."""
 
 
-class StepLane:
-    def __init__(self, lag: int, on_busy: Callable[[float, float], None] | None = None) -> None:
+class UnitStepper:
+    def __init__(self, optimizer: torch.optim.Optimizer | None, state: StateLayout, slots: tuple[str, ...],
+                 staging: Staging, gate: UpdateGate, compute_dtype: torch.dtype, clip: ClipPolicy,
+                 alpha: float, lag: int, on_busy: Callable[[float, float], None] | None = None) -> None:
+        self.optimizer = optimizer
+        self.state = state
+        self.slots = slots
+        self.clip = clip
+        self.compute_dtype = compute_dtype
+        self.alpha = alpha
         self.lag = lag
+        self._staging = staging
+        self._gate = gate
         self._on_busy = on_busy
-        self._cond = threading.Condition()
-        self._jobs: deque[tuple[Job, bool]] = deque()
-        self._heavy = 0
-        self._running = False
-        self._error: BaseException | None = None
-        self._stop = False
-        self.wait_seconds = 0.0
-        """Time the training thread spent blocked on this lane (the optimizer work not hidden)."""
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        # the thread starts with the first job, so a lane that never runs anything owns no thread
+        self.unit_optimizers: list[UnitOptimizer | None] = [self._unit_optimizer(u) for u in range(state.num_units)]
+        self.parts = PartStepper(staging, self.unit_optimizers, slots, compute_dtype)
+        self.lane = StepLane(lag, on_busy=on_busy)
+        self.keep_weights: Callable[[int, StagedBuffer], bool] = lambda unit, held: False
+        """Offered unit 0's new weights after its step: True when it kept them (and owns the handle)."""
+        self.grad_reducer: Callable[[Tensor], None] | None = None
+        """Data parallel: averages a unit's complete fp32 gradient over the ranks, in place, before its
+        step (called on the optimizer lane, in unit order on every rank)."""
+        self.weights_gatherer: Callable[[Tensor, list[tuple[int, int]]], None] | None = None
+        """Partitioned state: fills a unit's flat compute weights with every rank's chunk (given every
+        rank's bounds), after this rank stepped its own (on the lane, in unit order on every rank)."""
+        self._alpha_pending: list[tuple[int, list[dict[str, Any]], list[bool]]] = []
+        """Forward parts to submit after this window's backward: (unit, hyperparameters, has_grad)."""
+        self._waiting: list[int] = []
+        """Units whose complete gradient waits for clipping (deferred mode)."""
+        self._clip_coef: Tensor | None = None
+        self._value_clips: list[float] = []
 
-    def _ensure_thread(self) -> bool:
-        """Start the worker if this lane runs in the background; False for a synchronous lane."""
-        if self.lag == 0 or self._closed:
-            return False
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="greedysnake-optimizer", daemon=True)
-            self._thread.start()
-        return True
+    def _unit_optimizer(self, u: int) -> UnitOptimizer | None:
+        if self.optimizer is None:
+            return None
+        lay = self.state.units[u]
+        return UnitOptimizer(self.optimizer, lay, self.slots, split_numel(lay, self.alpha_of(u), self.state.bounds(u)),
+                             self.state.bounds(u))
 
-    def submit(self, job: Job, heavy: bool) -> None:
-        if not self._ensure_thread():
-            # synchronous: the training thread runs the step itself, so all of it is unhidden
-            t0 = time.perf_counter()
-            try:
-                self._run(job)
-            finally:
-                self.wait_seconds += time.perf_counter() - t0
+    # -- the split --------------------------------------------------------------------------------------
+    def alpha_of(self, unit: int) -> float:
+        """The deferred fraction of ``unit``'s update. Never of unit 0's: its step ends the window and the
+        next forward starts with it, so a deferred part would run right away anyway, only adding its
+        gradient's trip to the SSD and back."""
+        return 0.0 if unit == 0 else self.alpha
+
+    def defers(self, unit: int) -> bool:
+        """Whether ``unit`` has a deferred (alpha) part on any rank: every rank must make the same
+        decision, since the weights gather follows the unit's last part."""
+        ranks = range(self.state.shard[1]) if self.state.shard is not None else [None]
+        for r in ranks:
+            lo, hi = self.state.bounds(unit, r)
+            if split_numel(self.state.units[unit], self.alpha_of(unit), (lo, hi)) < hi:
+                return True
+        return False
+
+    def deferred_range(self, unit: int) -> tuple[int, int]:
+        """Elements of ``unit`` this rank steps in the next forward (empty when nothing is deferred)."""
+        opt = self.unit_optimizers[unit]
+        if opt is None or not self.state.units[unit].trainable_numel:
+            return 0, 0
+        return opt.part_range(1)
+
+    def trains(self, unit: int) -> bool:
+        return self.unit_optimizers[unit] is not None and self.state.units[unit].trainable_numel > 0
+
+    def reconfigure(self, alpha: float, lag: int) -> None:
+        """Between steps, with the lane drained: re-split every unit keeping its state, resize the lane."""
+        self.parts.drop_all_read_aheads()  # read for the old split
+        self.alpha, self.lag = alpha, lag
+        for u, old in enumerate(self.unit_optimizers):
+            if old is None:
+                continue
+            new = self._unit_optimizer(u)
+            assert new is not None
+            for j in range(len(old.trainable)):
+                if old.param_initialized(j):
+                    new.set_param_scalar_state(j, old.param_scalar_state(j))
+            self.unit_optimizers[u] = new  # in place: the part stepper shares the list
+        self.lane.close()
+        self.lane = StepLane(lag, on_busy=self._on_busy)
+
+    # -- submitting (training thread) ------------------------------------------------------------------------
+    def _hyper(self) -> list[dict[str, Any]]:
+        """The user's param-group hyperparameters now (the LR Lightning's step would use), as a snapshot:
+        a deferred part must not see the LR scheduler's next value."""
+        assert self.optimizer is not None
+        return [
+            {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in self.optimizer.param_groups
+        ]
+
+    def read_ahead(self, unit: int, unit_need_bytes: Callable[[], int]) -> None:
+        """A hint: ``unit``'s step is the window's last, which the next forward waits for; read what it
+        reads now if the budget allows."""
+        if not 0 <= unit < self.state.num_units or self.clip.defer or not self._gate.is_current(unit):
             return
-        with self._cond:
-            self._raise_if_failed()
-            if heavy and self._heavy >= self.lag:
-                t0 = time.perf_counter()
-                while self._heavy >= self.lag and self._error is None:
-                    self._cond.wait()
-                self.wait_seconds += time.perf_counter() - t0
-                self._raise_if_failed()
-            self._jobs.append((job, heavy))
-            if heavy:
-                self._heavy += 1
-            self._cond.notify_all()
+        if self.unit_optimizers[unit] is None or self.parts.has_read_ahead(unit):
+            return
+        self.parts.read_ahead(unit, unit_need_bytes())
+
+    def submit_backward_part(self, unit: int, grad: StagedBuffer, weights: StagedBuffer | None,
+                             has_grad: list[bool]) -> None:
+        """``unit``'s gradient is complete: step its backward part on the lane (the forward part follows
+        with :meth:`submit_forward_parts`). The job owns ``grad`` and ``weights`` (the unit's acquired
+        compute weights, if still held) and gives them back."""
+        hyper = self._hyper()
+        self._gate.begin(unit)
+        opt = self.unit_optimizers[unit]
+        assert opt is not None
+        deferred = self.defers(unit)
+        if deferred:
+            self._alpha_pending.append((unit, hyper, has_grad))
+        value = self.clip.value
+        staging = self.parts.staging_bytes(unit, weights is not None)
+        self._staging.pending(staging)
+        numel = self.state.units[unit].numel
+
+        def backward_part() -> None:  # on the lane
+            stepped = grad_given_back = False
+            try:
+                flat = grad.view(torch.float32, numel)
+                if self.grad_reducer is not None:
+                    self.grad_reducer(flat)  # data parallel: the ranks' gradients averaged, as DDP does
+                if value is not None:
+                    flat.clamp_(-value, value)
+                try:
+                    self.parts.step_part(unit, 0, flat, weights, hyper, has_grad)
+                finally:
+                    self._staging.staged(staging)
+                lo, hi = opt.part_range(1)
+                grad_given_back = True
+                if deferred and lo < hi:
+                    # the forward part's gradient waits on its tier until the forward-part step
+                    self._staging.put_back(TensorKind.GRADIENTS, unit, grad,
+                                           self.state.byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
+                else:
+                    grad.release()
+                stepped = True
+            finally:
+                if not grad_given_back:
+                    grad.release()
+                if weights is not None and not (
+                    stepped and not deferred and unit == 0 and self.state.shard is None
+                    and self.keep_weights(unit, weights)
+                ):
+                    weights.release()
+            if not deferred:
+                self._gather_weights(unit)
+                self._gate.publish(unit)
+
+        self.lane.submit(backward_part, heavy=True)
+
+    def submit_forward_parts(self) -> None:
+        """After a window's backward: the deferred (alpha) part of every stepped unit, in the order the
+        next forward needs them; each unit's forward waits for its own."""
+        pending, self._alpha_pending = sorted(self._alpha_pending, key=lambda e: e[0]), []
+        for unit, hyper, has_grad in pending:
+
+            def forward_part(unit: int = unit, hyper: list = hyper, has_grad: list = has_grad) -> None:  # lane
+                opt = self.unit_optimizers[unit]
+                assert opt is not None
+                lo, hi = opt.part_range(1)
+                if lo < hi:  # (a rank's chunk may end before the split: nothing deferred on this rank)
+                    held = self._staging.stage(TensorKind.GRADIENTS, unit, read=True,
+                                               ranges=self.state.byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
+                    try:
+                        flat = held.view(torch.float32, self.state.units[unit].numel)
+                        self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
+                    finally:
+                        held.release()
+                self._gather_weights(unit)
+                self._gate.publish(unit)
+
+            self.lane.submit(forward_part, heavy=False)
+
+    # -- clipping (deferred mode) -------------------------------------------------------------------------
+    def wait_for_clipping(self, unit: int) -> None:
+        """Deferred mode: ``unit``'s gradient is complete; its step waits for :meth:`submit_whole_step`."""
+        self._waiting.append(unit)
+
+    def take_waiting(self) -> list[int]:
+        waiting, self._waiting = sorted(self._waiting), []
+        return waiting
+
+    def clip_by_norm(self, max_norm: float, total: Tensor) -> None:
+        """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step)."""
+        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+    def clip_by_value(self, value: float) -> None:
+        if not self.clip.defer:
+            if self.clip.value is None or float(value) != float(self.clip.value):
+                raise ValueError(
+                    f"gradient clipping by value {value} was requested at step time, but greedysnake already "
+                    f"stepped units with clip value {self.clip.value}. Fix: set Trainer(gradient_clip_val=...) "
+                    "to the value you pass to clip_gradients."
+                )
+            return
+        self._value_clips.append(float(value))
+
+    def take_clipping(self) -> tuple[list[float], Tensor | None]:
+        """The clipping requested for this window (value clips, norm coefficient), forgotten here."""
+        values, coef = list(self._value_clips), self._clip_coef
+        self._value_clips, self._clip_coef = [], None
+        return values, coef
+
+    def submit_whole_step(self, unit: int, grad: StagedBuffer | None, has_grad: list[bool], values: list[float],
+                          coef: Tensor | None) -> None:
+        """Deferred mode, after clipping: ``unit``'s whole step (``grad``: its gradient in memory, owned by
+        the job from now on; None: on its tier)."""
+        hyper = self._hyper()
+        self._gate.begin(unit)
+
+        def whole_step() -> None:  # on the lane
+            held = grad if grad is not None else self._staging.stage(TensorKind.GRADIENTS, unit, read=True)
+            try:
+                flat = held.view(torch.float32, self.state.units[unit].numel)
+                for v in values:
+                    flat.clamp_(-v, v)
+                if coef is not None:
+                    flat.mul_(coef)
+                self.parts.step_part(unit, 0, flat, None, hyper, has_grad)
+                self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
+            finally:
+                held.release()
+            self._gather_weights(unit)
+            self._gate.publish(unit)
+
+        self.lane.submit(whole_step, heavy=False)
+
+    def _gather_weights(self, unit: int) -> None:
+        """Partitioned state: after this rank's chunk of ``unit`` is stepped, bring every other chunk's new
+        compute weights into the weights tier (all ranks call this in the same unit order)."""
+        if self.state.shard is None:
+            return
+        assert self.weights_gatherer is not None, "partitioned state needs a weights gatherer"
+        held = self._staging.stage(TensorKind.WEIGHTS, unit, read=True)
+        try:
+            flat = held.view(self.compute_dtype, self.state.units[unit].numel)
+            self.weights_gatherer(flat, [self.state.bounds(unit, r) for r in range(self.state.shard[1])])
+        except BaseException:
+            held.release()
+            raise
+        self._staging.put_back(TensorKind.WEIGHTS, unit, held)
+
+    # -- lifetime (training thread) ---------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise a background step's error, if one failed."""
+        self.lane.check()
 
     def drain(self) -> None:
-        """Block until every submitted job has run (raises the lane's error, if any)."""
-        if self._thread is None:
-            return
-        with self._cond:
-            if self._jobs or self._running:
-                t0 = time.perf_counter()
-                while (self._jobs or self._running) and self._error is None:
-                    self._cond.wait()
-                self.wait_seconds += time.perf_counter() - t0
-            self._raise_if_failed()
+        """Complete every pending step, deferred forward parts included."""
+        if self._alpha_pending:
+            self.submit_forward_parts()
+        self.lane.drain()
 
-    def wait_for(self, done: threading.Event) -> None:
-        """Block until ``done`` is set by a job (counted as unhidden optimizer time)."""
-        if done.is_set():
-            return
-        t0 = time.perf_counter()
-        while not done.wait(0.05):
-            with self._cond:
-                self._raise_if_failed()
-        self.wait_seconds += time.perf_counter() - t0
-
-    def check(self) -> None:
-        with self._cond:
-            self._raise_if_failed()
-
-    @property
-    def failed(self) -> bool:
-        with self._cond:
-            return self._error is not None
-
-    @property
-    def idle(self) -> bool:
-        with self._cond:
-            return not self._jobs and not self._running
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise OptimizerLaneError(f"a background optimizer step failed: {self._error}") from self._error
-
-    def _run(self, job: Job) -> None:
-        t0 = time.perf_counter()
-        try:
-            job()
-        finally:
-            if self._on_busy is not None:
-                self._on_busy(t0, time.perf_counter())
-
-    def _loop(self) -> None:
-        # One intra-op thread for the optimizer's kernels: on a CPU the training thread's kernels use
-        # every core, and two full OpenMP teams spinning against each other slow both down badly. (The
-        # setting is per thread: the training thread keeps its own.)
-        torch.set_num_threads(1)
-        while True:
-            with self._cond:
-                while not self._jobs and not self._stop:
-                    self._cond.wait()
-                if self._stop and not self._jobs:
-                    return
-                job, heavy = self._jobs.popleft()
-                self._running = True
-            try:
-                self._run(job)
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                with self._cond:
-                    self._error = e
-                    self._jobs.clear()
-                    self._heavy = 0
-            finally:
-                with self._cond:
-                    self._running = False
-                    if heavy and self._heavy > 0:
-                        self._heavy -= 1
-                    self._cond.notify_all()
+    def discard(self) -> None:
+        """An abandoned window: forget its pending forward parts, waiting steps and read-aheads."""
+        self._alpha_pending.clear()
+        self._waiting.clear()
+        self.parts.drop_all_read_aheads()
 
     def close(self) -> None:
-        """Finish queued jobs (unless one failed) and stop the thread. Idempotent; never raises."""
-        self._closed = True
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        thread.join()
+        """Run what is queued (a failed lane runs nothing more) and stop the lane; drop read-aheads."""
+        self.lane.close()
+        self.parts.drop_all_read_aheads()

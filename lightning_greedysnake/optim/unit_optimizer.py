@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_greedysnake.offload.layout import ParamSlot, UnitLayout
+from lightning_greedysnake.layout import SPLIT_ALIGN_NUMEL, ParamSlot, UnitLayout
 
 
 class UnsupportedOptimizerError(ValueError):
@@ -71,11 +71,6 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return tuple(slots)
 
 
-SPLIT_ALIGN_NUMEL = 2048
-"""The split between a unit's backward and forward parts falls on a multiple of this many elements, so
-each part's bytes start on a 4 KiB boundary in every dtype (2-byte compute weights, 4-byte master/state)."""
-
-
 def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None = None) -> int:
     """First element of the forward (alpha) part of a unit's flat buffers: ``[lo, split)`` is stepped when
     the unit's gradient completes, ``[split, hi)`` is deferred into the next iteration's forward.
@@ -87,14 +82,6 @@ def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None
         return lo
     cut = lo + int((hi - lo) * (1.0 - alpha)) // SPLIT_ALIGN_NUMEL * SPLIT_ALIGN_NUMEL
     return min(max(cut, lo), hi)
-
-
-def shard_bounds(layout: UnitLayout, rank: int, world: int) -> tuple[int, int]:
-    """The element range of a unit that ``rank`` of ``world`` steps: equal chunks on a
-    ``SPLIT_ALIGN_NUMEL`` boundary (so every chunk's bytes start on 4 KiB), the last one shorter."""
-    chunk = -(-layout.numel // world)
-    chunk = -(-chunk // SPLIT_ALIGN_NUMEL) * SPLIT_ALIGN_NUMEL
-    return min(layout.numel, rank * chunk), min(layout.numel, (rank + 1) * chunk)
 
 
 class _Part:

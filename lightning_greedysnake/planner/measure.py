@@ -4,39 +4,45 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.layout import UnitLayout
 from lightning_greedysnake.planner.roofline import UnitCost
 
 
-def unit_costs(manager: Any, forward_s: list[float] | None = None, backward_s: list[float] | None = None,
+class SizedStore(Protocol):
+    """What the roofline needs of the tensor manager: its units and their byte sizes."""
+
+    @property
+    def layouts(self) -> Sequence[UnitLayout]: ...
+
+    def region_bytes(self, kind: TensorKind, u: int) -> int: ...
+
+    def deferred_bytes(self, kind: TensorKind, u: int) -> int:
+        """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""
+
+
+def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backward_s: list[float] | None = None,
                activation_bytes: dict[int, int] | None = None) -> list[UnitCost]:
-    """:class:`UnitCost` per unit of a :class:`TieredTensorStore` (sizes as laid out; times if given;
+    """:class:`UnitCost` per unit of a tensor manager (sizes as laid out; times if given;
     ``activation_bytes`` as the engine measured them). Every unit but the fused last one recomputes its
     forward in backward."""
     last = len(manager.layouts) - 1
-    sizes = manager._region_bytes
     out = []
     for u, lay in enumerate(manager.layouts):
-        opt = manager.unit_optimizers[u]
-        alpha_w = alpha_g = 0
-        if opt is not None and lay.trainable_numel:
-            lo, hi = opt.part_range(1)
-            if lo < hi:
-                alpha_w = sum(b - a for a, b in manager._byte_ranges(TensorKind.WEIGHTS, u, lo, hi))
-                alpha_g = sum(b - a for a, b in manager._byte_ranges(TensorKind.GRADIENTS, u, lo, hi))
         out.append(UnitCost(
             forward_s=forward_s[u] if forward_s else 0.0,
             backward_s=backward_s[u] if backward_s else 0.0,
-            weight_bytes=sizes[TensorKind.WEIGHTS][u],
-            grad_bytes=sizes[TensorKind.GRADIENTS][u],
-            master_bytes=sizes[TensorKind.MASTER_WEIGHTS][u],
-            state_bytes=sizes[TensorKind.OPTIMIZER_STATES][u],
+            weight_bytes=manager.region_bytes(TensorKind.WEIGHTS, u),
+            grad_bytes=manager.region_bytes(TensorKind.GRADIENTS, u),
+            master_bytes=manager.region_bytes(TensorKind.MASTER_WEIGHTS, u),
+            state_bytes=manager.region_bytes(TensorKind.OPTIMIZER_STATES, u),
             params=lay.trainable_numel,
-            alpha_weight_bytes=alpha_w,
-            alpha_grad_bytes=alpha_g,
+            alpha_weight_bytes=manager.deferred_bytes(TensorKind.WEIGHTS, u),
+            alpha_grad_bytes=manager.deferred_bytes(TensorKind.GRADIENTS, u),
             recompute_s=(forward_s[u] if forward_s and u < last else 0.0),
             activation_bytes=(activation_bytes or {}).get(u, 0),
         ))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_greedysnake.models.hf import _safetensors_index, attach_pretrained, load_module_weights
+from lightning_greedysnake.models.hf import attach_pretrained, load_module_weights, safetensors_index
 
 
 def _config(config: Any) -> Any:
@@ -85,7 +85,7 @@ class HFCausalLMModule(L.LightningModule):
             if on_meta:
                 attach_pretrained(self.model, pretrained)  # the strategy streams it in, unit by unit
             else:
-                load_module_weights(self.model, [self.model], _safetensors_index(Path(pretrained)))
+                load_module_weights(self.model, [self.model], safetensors_index(Path(pretrained)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits

@@ -16,7 +16,8 @@ import torch
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload import OffloadDirLock
-from lightning_greedysnake.offload.manager import TieredTensorStore
+from lightning_greedysnake.offload.staging import REGION_KINDS
+from lightning_greedysnake.tensor_manager import TieredTensorStore
 from tests.helpers import TinyGPTModule, make_trainer, mounted, token_loader
 
 LR = 3e-3
@@ -31,14 +32,12 @@ class Snapshot(L.Callback):
         manager.drain()  # count the steps and the write-behind still in flight
         self.manager = manager
         self.stats = manager.stats.copy()
-        self.region_bytes = {kind.value: list(sizes) for kind, sizes in manager._region_bytes.items()}
+        self.region_bytes = {kind.value: [manager.region_bytes(kind, u) for u in range(manager.num_units)]
+                             for kind in REGION_KINDS}
         self.loads = dict(manager.weight_loads)
         self.steps = trainer.global_step
         self.files = list(manager.files)
-        self.direct = {
-            str(path): _has_o_direct(regions.file.fd)
-            for path, regions in ((r.path, r) for r in manager._regions.values() if hasattr(r, "file"))
-        }
+        self.direct = {str(f.path): _has_o_direct(f.fd) for f in manager.open_files()}
 
 
 def _has_o_direct(fd: int | None) -> bool:
@@ -104,12 +103,10 @@ def test_the_deferred_part_moves_only_its_own_bytes():
     manager = snap.manager
     from lightning_greedysnake.config import TensorKind
 
-    deferring = [u for u in range(3) if manager._defers(u)]
+    deferring = [u for u in range(3) if manager.stepper.defers(u)]
     assert deferring == [1, 2]  # unit 0's step ends the window: never deferred
-    grad_range = sum(hi - lo for u in deferring for lo, hi in manager._byte_ranges(
-        TensorKind.GRADIENTS, u, *manager.unit_optimizers[u].part_range(1)))
-    weight_range = sum(hi - lo for u in deferring for lo, hi in manager._byte_ranges(
-        TensorKind.WEIGHTS, u, *manager.unit_optimizers[u].part_range(1)))
+    grad_range = sum(manager.deferred_bytes(TensorKind.GRADIENTS, u) for u in deferring)
+    weight_range = sum(manager.deferred_bytes(TensorKind.WEIGHTS, u) for u in deferring)
     assert 0 < grad_range < sum(snap.region_bytes["gradients"])
     assert snap.stats.bytes_written("gradients") == snap.steps * grad_range
     assert snap.stats.bytes_read("gradients") == snap.steps * grad_range
@@ -356,3 +353,27 @@ def test_spare_budget_reads_the_windows_last_step_ahead_and_keeps_its_weights_ex
     for (n, a), (_, b), (_, c) in zip(tight.named_parameters(), roomy.named_parameters(), plain.named_parameters()):
         assert torch.equal(a, b), n
         assert (a.float() - c.float()).abs().max() <= (1e-5 if precision == "32-true" else 2e-2), n
+
+
+def test_ssd_checkpoints_are_read_back_just_in_time_within_the_documented_budget():
+    """With checkpoints on SSD the forward reads each unit input back, uses it and lets its buffer go
+    (the copy on SSD stays for backward): memory holds one checkpoint being read and one being written,
+    not every unit's inputs from forward to backward. The documented minimum (one unit's working set
+    plus two checkpoints) trains K=8 through 6 units, bit for bit as with a roomy budget."""
+    probe: dict[str, Any] = {}
+
+    class Budget(L.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            probe.setdefault("min", trainer.strategy.tensor_manager.min_budget_bytes)
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            probe["peak_loaded"] = trainer.strategy.tensor_manager.activations.peak_loaded
+
+    ssd = {"checkpoints": "ssd"}
+    _, roomy = _fit(GreedySnakeStrategy(offload=ssd), 8, steps=2, n_layer=6, callbacks=[Budget()])
+    checkpoint_bytes = 4096  # one unit input of one micro-batch: 2 x 8 x 16 fp32, page-aligned
+    tight = {**ssd, "buffer_budget_bytes": probe["min"] + 2 * checkpoint_bytes}
+    _, got = _fit(GreedySnakeStrategy(offload=tight), 8, steps=2, n_layer=6, callbacks=[Budget()])
+    assert probe["peak_loaded"] <= 2, probe  # the one in use and at most one read ahead
+    for (n, a), (_, b) in zip(roomy.named_parameters(), got.named_parameters(), strict=True):
+        assert torch.equal(a, b), n

@@ -115,7 +115,7 @@ def test_a_failed_background_step_surfaces_in_the_training_thread(tmp_path):
     import os
 
     from lightning_greedysnake.io import ShortReadError
-    from lightning_greedysnake.optim.stepper import OptimizerLaneError
+    from lightning_greedysnake.optim import OptimizerLaneError
 
     class Truncate(L.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
@@ -225,7 +225,7 @@ def test_the_automatic_budget_reads_the_last_step_ahead_from_what_the_minimum_re
             manager = trainer.strategy.tensor_manager
             seen.update(ahead=manager.steps_read_ahead, steps=trainer.global_step,
                         slack=manager.pool.budget_bytes - manager.min_budget_bytes,
-                        state=manager._region_bytes[TensorKind.OPTIMIZER_STATES][0])
+                        state=manager.region_bytes(TensorKind.OPTIMIZER_STATES, 0))
 
     ref, _ = _fit(GreedySnakeStrategy(offload=ON_DEVICE), False, WideEmbedding, _wide_loader(), k=2, epochs=1)
     L.seed_everything(0, verbose=False)

@@ -1,4 +1,4 @@
-from lightning_greedysnake.offload.layout import PARAM_ALIGN_NUMEL, build_file_layout, build_unit_layout
+from lightning_greedysnake.layout import PARAM_ALIGN_NUMEL, build_file_layout, build_unit_layout
 
 
 def test_parameters_start_on_aligned_offsets_and_regions_are_page_multiples():

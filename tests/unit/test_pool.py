@@ -74,3 +74,30 @@ def test_cached_buffers_are_evicted_to_stay_within_budget():
     assert pool.peak_bytes <= 2 * 4096
     pool.release(c)
     pool.close()
+
+
+def test_the_debug_pool_poisons_what_is_given_back_and_names_a_write_into_a_free_buffer():
+    import torch
+
+    from lightning_greedysnake.offload.pool import PoolCorruptionError
+
+    pool = BufferPool(1 << 20, debug=True)
+    buf = pool.acquire(8192, what="unit 3 weights")
+    assert buf is not None
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.isnan(buf.view(dtype, 1024)).all()  # fresh memory is poisoned too
+    buf.view(torch.float32, 2048).fill_(1.0)
+    stale = buf.view(torch.float32, 2048)
+    pool.release(buf)
+    assert torch.isnan(stale).all()  # a use after release computes with NaN, not plausible numbers
+    stale[5] = 0.0  # a late write into the free buffer (an I/O or a thread that still used it)
+    with pytest.raises(PoolCorruptionError, match=r"last owner was 'unit 3 weights', now acquired for 'x'"):
+        pool.acquire(8192, what="x")
+    pool.close()
+
+
+def test_the_debug_pool_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("GREEDYSNAKE_DEBUG_POOL", "1")
+    assert BufferPool(4096).debug
+    monkeypatch.setenv("GREEDYSNAKE_DEBUG_POOL", "0")
+    assert not BufferPool(4096).debug

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_greedysnake.offload.layout import build_unit_layout as build_layout
-from lightning_greedysnake.optim.unit_optimizer import SPLIT_ALIGN_NUMEL, shard_bounds, split_numel
+from lightning_greedysnake.layout import SPLIT_ALIGN_NUMEL, shard_bounds
+from lightning_greedysnake.layout import build_unit_layout as build_layout
+from lightning_greedysnake.optim.unit_optimizer import split_numel
 
 
 @pytest.mark.parametrize("numel, world", [(10_000, 2), (10_000, 3), (100, 4), (2 * SPLIT_ALIGN_NUMEL, 2)])

@@ -1,0 +1,171 @@
+"""Flat per-unit layouts: where each parameter of a unit sits inside the unit's flat buffers, where each
+unit's region sits inside a kind's offload file, and which bytes of a region an element range (a part of
+a step, a rank's chunk) covers. Pure arithmetic, no torch state: placement is data. Every component of
+the tensor manager and the per-unit stepper read their sizes here, so they agree by construction.
+
+Every unit's region starts on a 4 KiB boundary and has a 4 KiB-multiple length, so one O_DIRECT request
+moves a whole unit; inside a region each parameter starts on a 64-element boundary (cache lines for the
+optimizer's vector kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.io import align_up
+
+PARAM_ALIGN_NUMEL = 64
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter's place in its unit's flat buffers."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset_numel: int
+    group: int | None
+    """Index of the optimizer param group that trains it; ``None``: frozen (no gradient, never stepped)."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    unit: int
+    params: tuple[ParamSlot, ...]
+    numel: int
+    """Elements of the unit's flat buffer, padding included."""
+
+    def nbytes(self, itemsize: int) -> int:
+        """Bytes of one region of this unit holding elements of ``itemsize`` bytes (4 KiB aligned)."""
+        return align_up(max(self.numel, 1) * itemsize)
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.group is not None)
+
+
+def build_unit_layout(unit: int, params: list[tuple[str, tuple[int, ...], int | None]]) -> UnitLayout:
+    """Lay ``(name, shape, group)`` entries out one after another, each on a 64-element boundary."""
+    slots = []
+    offset = 0
+    for name, shape, group in params:
+        slot = ParamSlot(name, tuple(shape), offset, group)
+        slots.append(slot)
+        offset = align_up(offset + slot.numel, PARAM_ALIGN_NUMEL)
+    return UnitLayout(unit, tuple(slots), offset)
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Where each unit's region of one kind starts in that kind's file."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.offsets[-1] + self.sizes[-1]) if self.offsets else 0
+
+
+def build_file_layout(region_bytes: list[int]) -> FileLayout:
+    offsets = []
+    offset = 0
+    for size in region_bytes:
+        assert size % 4096 == 0, size
+        offsets.append(offset)
+        offset += size
+    return FileLayout(tuple(offsets), tuple(region_bytes))
+
+
+SPLIT_ALIGN_NUMEL = 2048
+"""Element ranges that split a unit (a step's backward and forward parts, a rank's chunk) start on a
+multiple of this many elements, so their bytes start on a 4 KiB boundary in every dtype (2-byte compute
+weights, 4-byte master weights and state)."""
+
+
+def shard_bounds(layout: UnitLayout, rank: int, world: int) -> tuple[int, int]:
+    """The element range of a unit that ``rank`` of ``world`` steps: equal chunks on a
+    ``SPLIT_ALIGN_NUMEL`` boundary (so every chunk's bytes start on 4 KiB), the last one shorter."""
+    chunk = -(-layout.numel // world)
+    chunk = -(-chunk // SPLIT_ALIGN_NUMEL) * SPLIT_ALIGN_NUMEL
+    return min(layout.numel, rank * chunk), min(layout.numel, (rank + 1) * chunk)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Every unit's regions of every kind: their sizes, and the bytes an element range covers in each.
+
+    Compute weights hold ``compute_itemsize``-byte elements; master weights, gradients and every
+    optimizer-state slot are fp32. Master weights exist only under a 16-bit compute dtype
+    (``separate_master``); a unit without trainable parameters has no master, state or gradient region."""
+
+    units: tuple[UnitLayout, ...]
+    compute_itemsize: int
+    num_slots: int
+    """Per-element optimizer state tensors per parameter (Adam: 2, SGD with momentum: 1)."""
+    separate_master: bool
+    shard: tuple[int, int] | None = None
+    """``(rank, world)`` with partitioned state: this rank keeps and steps only its chunk of every unit."""
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    def region_bytes(self, kind: TensorKind, u: int) -> int:
+        lay = self.units[u]
+        trainable = lay.trainable_numel > 0
+        if kind is TensorKind.WEIGHTS:
+            return lay.nbytes(self.compute_itemsize)
+        if kind is TensorKind.MASTER_WEIGHTS:
+            return lay.nbytes(4) if self.separate_master and trainable else 0
+        if kind is TensorKind.OPTIMIZER_STATES:
+            return lay.nbytes(4) * self.num_slots if trainable else 0
+        if kind is TensorKind.GRADIENTS:
+            return lay.nbytes(4) if trainable else 0
+        raise ValueError(f"{kind} has no per-unit region")
+
+    def all_region_bytes(self, kind: TensorKind) -> list[int]:
+        return [self.region_bytes(kind, u) for u in range(self.num_units)]
+
+    def byte_ranges(self, kind: TensorKind, u: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Byte ranges of elements ``[lo, hi)`` of unit ``u`` in ``kind``'s region (one per state slot);
+        a range reaching the unit's end runs to the region's (aligned) end."""
+        lay = self.units[u]
+        if kind is TensorKind.OPTIMIZER_STATES:
+            region, isz, copies = lay.nbytes(4), 4, self.num_slots
+        else:
+            isz = self.compute_itemsize if kind is TensorKind.WEIGHTS else 4
+            region, copies = lay.nbytes(isz), 1
+        end = region if hi >= lay.numel else hi * isz
+        return [(k * region + lo * isz, k * region + end) for k in range(copies)]
+
+    def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]:
+        """The element range of unit ``u`` that ``rank`` (default: this process) steps."""
+        if self.shard is None:
+            return 0, self.units[u].numel
+        return shard_bounds(self.units[u], self.shard[0] if rank is None else rank, self.shard[1])
+
+    def sharded(self, kind: TensorKind) -> bool:
+        """Kinds of which this rank keeps only its chunks (partitioned state)."""
+        return self.shard is not None and kind in (TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES)
+
+    def chunk_ranges(self, kind: TensorKind, u: int) -> list[tuple[int, int]] | None:
+        """Byte ranges of unit ``u``'s region that this rank writes (None: all of it)."""
+        if not self.sharded(kind):
+            return None
+        lo, hi = self.bounds(u)
+        return self.byte_ranges(kind, u, lo, hi) if lo < hi else []
+
+    def kept_bytes(self, kind: TensorKind) -> int:
+        """Bytes of ``kind`` this rank keeps in its file (partitioned state: its chunks only)."""
+        if not self.sharded(kind):
+            return sum(self.all_region_bytes(kind))
+        return sum(b - a for u in range(self.num_units) for a, b in (self.chunk_ranges(kind, u) or []))

@@ -1,0 +1,93 @@
+"""Adapters: how greedysnake reads a family of models as a :class:`LayerChain`.
+
+A small registry, asked in registration order: this package registers the :class:`LayeredModel`
+protocol and ``nn.Sequential`` here, and the Hugging Face adapter in :mod:`lightning_greedysnake.models.hf`
+(imported by the package); a user can register another family with :func:`register_adapter`. The
+protocol module knows none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_greedysnake.models.protocol import LayerChain, LayeredModel, UnitInitializer
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    matches: Callable[[nn.Module], bool]
+    """Whether this adapter knows ``module`` (cheap: no chain built)."""
+    chain: Callable[[nn.Module], LayerChain]
+    initializer: Callable[[nn.Module], UnitInitializer | None] = lambda module: None
+    """How to materialize a meta-device model of this family unit by unit (None: ``reset_parameters()``)."""
+
+
+_ADAPTERS: list[Adapter] = []
+
+
+def register_adapter(adapter: Adapter) -> None:
+    """Add ``adapter`` (after the ones registered before; a name registered again is replaced)."""
+    for i, known in enumerate(_ADAPTERS):
+        if known.name == adapter.name:
+            _ADAPTERS[i] = adapter
+            return
+    _ADAPTERS.append(adapter)
+
+
+def adapter_of(module: nn.Module) -> Adapter | None:
+    return next((a for a in _ADAPTERS if a.matches(module)), None)
+
+
+def chain_of(module: nn.Module) -> LayerChain | None:
+    """The chain of ``module`` if it is a layered model or an adapter knows it, else None."""
+    adapter = adapter_of(module)
+    return adapter.chain(module) if adapter is not None else None
+
+
+def is_layered(module: nn.Module) -> bool:
+    """A module :func:`chain_of` knows (without building its chain)."""
+    return adapter_of(module) is not None
+
+
+def unit_initializer_of(module: nn.Module) -> UnitInitializer | None:
+    """How to materialize a meta-device layered model unit by unit (None: ``reset_parameters()``)."""
+    if isinstance(module, UnitInitializer):
+        return module
+    adapter = adapter_of(module)
+    return adapter.initializer(module) if adapter is not None else None
+
+
+def _call_block(block: nn.Module, hidden: Tensor, ctx: Any) -> Tensor:
+    return block(hidden)
+
+
+def sequential_chain(model: nn.Sequential) -> LayerChain:
+    """``nn.Sequential``: every child is one block; no pre or post (identity)."""
+    if len(model) == 0:
+        raise ValueError("greedysnake found an empty nn.Sequential; it needs at least one child layer")
+
+    def pre(*args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        if kwargs or len(args) != 1:
+            raise TypeError(
+                "an nn.Sequential takes exactly one positional input; the training_step called it with "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        return args[0], None
+
+    return LayerChain(
+        pre_modules=(),
+        blocks=tuple(model.children()),
+        post_modules=(),
+        pre=pre,
+        block_forward=_call_block,
+        post=lambda hidden, ctx: hidden,
+    )
+
+
+register_adapter(Adapter("LayeredModel", lambda m: isinstance(m, LayeredModel), lambda m: m.layer_chain()))
+register_adapter(Adapter("nn.Sequential", lambda m: isinstance(m, nn.Sequential), sequential_chain))

@@ -1,0 +1,179 @@
+"""The activation-checkpoint store: each unit's input per micro-batch, kept from forward to backward.
+
+On the host tier a checkpoint is the tensor itself. On the SSD tier it is written to a scratch file at
+once (the staging buffer comes back when the write is done) and read back just in time: for the op
+that uses it (:meth:`load`), one op ahead when the budget's slack allows (:meth:`prefetch`), and given
+back as soon as the op is done with it (:meth:`release` after a forward, :meth:`drop` after its
+backward). So memory holds one checkpoint being used and at most one being read ahead, whatever K and
+the number of units, plus those still being written (bounded by the budget: a save waits for writes to
+return buffers).
+
+Threads: the training thread only; reads and writes complete on I/O threads and are ordered here: a
+checkpoint is read only after its write completed, and the scratch file closes only after every
+transfer on it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
+from lightning_greedysnake.io import IOEngine, OffloadFile
+from lightning_greedysnake.offload.staging import FILE_NAMES, Staged, StagingArena
+from lightning_greedysnake.offload.stats import IOStats
+from lightning_greedysnake.offload.tiers import SSDScratch
+
+
+@dataclass
+class _OnSSD:
+    offset: int
+    nbytes: int
+    shape: torch.Size
+    dtype: torch.dtype
+    write: Future[None]
+    loaded: Staged | None = None
+    """The checkpoint's bytes in memory (its reads perhaps still in flight when read ahead)."""
+
+
+class ActivationStore:
+    def __init__(self, arena: StagingArena, config: OffloadConfig, stats: IOStats) -> None:
+        self._arena = arena
+        self._config = config
+        self._stats = stats
+        self._scratch: SSDScratch | None = None
+        self._host: dict[tuple[int, int], Tensor] = {}
+        self._ssd: dict[tuple[int, int], _OnSSD] = {}
+        self._loaded = 0
+        self.peak_loaded = 0
+        """Most SSD checkpoints in memory at once (in use or read ahead), since construction."""
+        self.checkpoint_bytes = 0
+        """The largest checkpoint seen (one unit input of one micro-batch), for planning."""
+        self.prefetches = 0
+        """SSD checkpoint reads started ahead of need, since construction."""
+        self.files: list[Path] = []
+
+    def open(self, offload_dir: Path | None, engine: IOEngine | None) -> None:
+        if self._config.checkpoints is Tier.SSD:
+            assert engine is not None and offload_dir is not None, "SSD checkpoints need an offload directory"
+            path = offload_dir / FILE_NAMES[TensorKind.CHECKPOINTS]
+            self.files.append(path)
+            self._scratch = SSDScratch(TensorKind.CHECKPOINTS.value, engine, path, self._stats)
+
+    def open_files(self) -> list[OffloadFile]:
+        return [self._scratch.file] if self._scratch is not None else []
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._host) + len(self._ssd)
+
+    def save(self, unit: int, microbatch: int, hidden: Tensor) -> None:
+        key = (unit, microbatch)
+        nbytes = hidden.numel() * hidden.element_size()
+        self.checkpoint_bytes = max(self.checkpoint_bytes, nbytes)
+        assert key not in self._host and key not in self._ssd, f"checkpoint {key} twice"
+        if self._scratch is None:
+            self._host[key] = hidden
+            return
+        self._arena.reserve_checkpoints(nbytes)
+        held = self._arena.acquire(nbytes, f"checkpoint of unit {unit}")
+        try:
+            held.view(hidden.dtype, hidden.numel()).copy_(hidden.reshape(-1))
+            offset = self._scratch.allocate(nbytes)
+            write = self._scratch.submit("write", offset, held.buf, nbytes)
+            held.track_write(write)
+        finally:
+            held.release()  # back once written
+        self._ssd[key] = _OnSSD(offset, nbytes, hidden.shape, hidden.dtype, write)
+
+    def load(self, unit: int, microbatch: int) -> Tensor:
+        """The checkpoint, in memory until :meth:`release` or :meth:`drop`."""
+        key = (unit, microbatch)
+        if self._scratch is None:
+            return self._host[key]
+        ck = self._ssd[key]
+        if ck.loaded is None:
+            ck.write.result()  # the read must see the completed write
+            held = self._arena.acquire(ck.nbytes, f"checkpoint of unit {unit}")
+            self._read(ck, held)
+        held = ck.loaded
+        assert held is not None
+        held.take_over()
+        if held.reads_pending:
+            try:
+                self._arena.await_reads(held, label=TensorKind.CHECKPOINTS.value)
+            except BaseException:
+                ck.loaded = None  # await_reads gave it back
+                self._loaded -= 1
+                raise
+        return held.view(ck.dtype, ck.shape.numel()).view(ck.shape)
+
+    def prefetch(self, unit: int, microbatch: int) -> None:
+        """Start reading a checkpoint the engine will need next (from the budget's slack, and only once
+        its write is complete: a read never races the write)."""
+        ck = self._ssd.get((unit, microbatch))
+        if ck is None or ck.loaded is not None or not ck.write.done() or self._scratch is None:
+            return
+        held = self._arena.acquire_optional(ck.nbytes, f"checkpoint of unit {unit} read-ahead")
+        if held is None:
+            return
+        self._read(ck, held)
+        self.prefetches += 1
+
+    def _read(self, ck: _OnSSD, held: Staged) -> None:
+        assert self._scratch is not None
+        try:
+            held.track_read(self._scratch.submit("read", ck.offset, held.buf, ck.nbytes))
+        except BaseException:
+            held.release()
+            raise
+        ck.loaded = held
+        self._loaded += 1
+        self.peak_loaded = max(self.peak_loaded, self._loaded)
+
+    def release(self, unit: int, microbatch: int) -> None:
+        """The op is done with the checkpoint for now; it stays stored (on SSD: its buffer goes back)."""
+        ck = self._ssd.get((unit, microbatch))
+        if ck is not None and ck.loaded is not None:
+            self._unload(ck)
+
+    def drop(self, unit: int, microbatch: int) -> None:
+        """The checkpoint will not be read again in this window."""
+        self._host.pop((unit, microbatch), None)
+        ck = self._ssd.pop((unit, microbatch), None)
+        if ck is not None and ck.loaded is not None:
+            self._unload(ck)  # a read-ahead may still be filling it: the handle waits for that
+
+    def _unload(self, ck: _OnSSD) -> None:
+        held, ck.loaded = ck.loaded, None
+        assert held is not None
+        self._loaded -= 1
+        held.release()
+
+    def end_window(self) -> None:
+        """Forget the window's checkpoints; the scratch space is reused by the next window."""
+        for key in list(self._ssd):
+            ck = self._ssd[key]
+            self.drop(*key)
+            ck.write.result()
+        self._host.clear()
+        if self._scratch is not None:
+            self._scratch.reset()
+
+    def close(self) -> None:
+        """Give back every loaded checkpoint and close the scratch file once nothing is in flight on it."""
+        for key in list(self._ssd):
+            self.drop(*key)
+        self._host.clear()
+        if self._scratch is not None:
+            self._scratch.close()
+            self._scratch = None
+
+    def flush(self) -> None:
+        """Wait for every checkpoint transfer in flight."""
+        if self._scratch is not None:
+            self._scratch.wait_all()

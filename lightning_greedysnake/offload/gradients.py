@@ -1,0 +1,167 @@
+"""The gradient accumulator: every unit's gradient for the window in one flat fp32 buffer.
+
+Gradients never stay in ``param.grad``: a post-accumulate hook adds each micro-batch's gradient into the
+unit's flat fp32 accumulator and clears ``param.grad``. A unit's accumulator lives from its first
+gradient to its optimizer step; if the unit is released before its gradient is complete (the horizontal
+order), or the step waits for the global norm, the accumulator waits on the ``gradients`` tier.
+
+Threads: the training thread only (autograd runs the hooks of CPU tensors on the thread that calls
+backward). A handle taken with :meth:`take` belongs to the caller (a step job) from then on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.offload.residency import slot_view
+from lightning_greedysnake.offload.staging import Staged, StagingArena
+
+
+class GradientAccumulator:
+    def __init__(self, arena: StagingArena, state: StateLayout, params: list[list[nn.Parameter]]) -> None:
+        self._arena = arena
+        self._state = state
+        self.params = params
+        self.where: dict[int, tuple[int, int]] = {
+            id(p): (u, i) for u, ps in enumerate(params) for i, p in enumerate(ps)
+        }
+        """Parameter id -> (unit, index in the unit's layout)."""
+        self._grads: dict[int, Staged] = {}
+        """Accumulators in memory."""
+        self._spilled: set[int] = set()
+        """Units whose accumulator waits on the gradients tier."""
+        self._has_grad: dict[int, list[bool]] = {}
+        """Per unit in this window, per parameter of its layout: whether a gradient reached it."""
+        self._norms: dict[int, list[Tensor | None]] = {}
+        """Per-parameter 2-norms of the complete gradients waiting for clipping by the global norm."""
+        self._hooks: list[Any] = []
+        self._scratch: Tensor | None = None
+        """fp32 room for one parameter's 16-bit gradient on its way into the accumulator."""
+        self._largest_param = max((s.numel for lay in state.units for s in lay.params), default=1)
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def register_hooks(self) -> None:
+        for ps in self.params:
+            for p in ps:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _on_grad(self, p: Tensor) -> None:
+        """Post-accumulate hook: move this micro-batch's gradient into the unit's fp32 accumulator."""
+        u, i = self.where[id(p)]
+        grad = p.grad
+        if grad is None:
+            return
+        slot = self._state.units[u].params[i]
+        if slot.group is None:
+            p.grad = None  # trainable but not in the optimizer: Lightning would never step it either
+            return
+        view = slot_view(self.flat(u), slot)
+        if not self._has_grad[u][i]:
+            view.copy_(grad)  # the accumulator is still zero: the first micro-batch's gradient is the sum
+        elif grad.dtype == view.dtype:
+            view.add_(grad)
+        else:
+            # fp32 += bf16 through torch's type promotion allocates an fp32 temporary per call, and every
+            # large one is fresh memory to fault in: ~15x slower than a copy into a kept buffer and an
+            # fp32 add (the same sum, bit for bit)
+            if self._scratch is None or self._scratch.numel() < grad.numel():
+                self._scratch = torch.empty(max(grad.numel(), self._largest_param), dtype=view.dtype)
+            scratch = self._scratch[: grad.numel()].view(grad.shape)
+            scratch.copy_(grad)
+            view.add_(scratch)
+        self._has_grad[u][i] = True
+        p.grad = None
+
+    # -- accumulators -------------------------------------------------------------------------------------
+    def flat(self, u: int) -> Tensor:
+        """Unit ``u``'s accumulator in memory: started (zero) on its first gradient, read back if spilled."""
+        held = self._grads.get(u)
+        if held is None:
+            if u in self._spilled:
+                self._spilled.discard(u)
+                held = self._arena.stage(TensorKind.GRADIENTS, u, read=True)
+            else:
+                held = self._arena.stage(TensorKind.GRADIENTS, u, read=False)
+                held.view(torch.float32, self._state.units[u].numel).zero_()
+                self._has_grad[u] = [False] * len(self._state.units[u].params)
+            self._grads[u] = held
+        return held.view(torch.float32, self._state.units[u].numel)
+
+    def has(self, u: int) -> bool:
+        """A gradient reached unit ``u`` in this window."""
+        return u in self._grads or u in self._spilled
+
+    def in_memory(self, u: int) -> bool:
+        return u in self._grads
+
+    def spill(self, u: int) -> None:
+        """Send unit ``u``'s accumulator to its tier (the buffer comes back once written)."""
+        held = self._grads.pop(u)
+        self._arena.put_back(TensorKind.GRADIENTS, u, held)
+        self._spilled.add(u)
+
+    def take(self, u: int) -> Staged:
+        """Unit ``u``'s complete accumulator, in memory; the caller owns the handle from now on."""
+        self.flat(u)
+        return self._grads.pop(u)
+
+    def take_waiting(self, u: int) -> Staged | None:
+        """Like :meth:`take`, but a spilled accumulator stays on its tier (None: the step reads it back)."""
+        self._spilled.discard(u)
+        return self._grads.pop(u, None)
+
+    def pop_has_grad(self, u: int) -> list[bool]:
+        """Per trainable parameter of unit ``u``: whether it got a gradient in this window (for the step;
+        torch skips parameters without one)."""
+        has = self._has_grad.pop(u, None) or [False] * len(self._state.units[u].params)
+        return [h for h, slot in zip(has, self._state.units[u].params, strict=True) if slot.group is not None]
+
+    # -- norms (clipping by the global norm) --------------------------------------------------------------
+    def record_norms(self, u: int, reduce: Callable[[Tensor], None] | None) -> None:
+        """Unit ``u``'s gradient is complete: average it over the ranks (``reduce``) and keep the norm of
+        each parameter's gradient, for :meth:`global_norm`."""
+        flat = self.flat(u)
+        if reduce is not None:
+            reduce(flat)  # the norm is of the averaged gradient (nothing else on the lane now)
+        has = self._has_grad[u]
+        views = [slot_view(flat, s) for s, h in zip(self._state.units[u].params, has, strict=True) if h]
+        norms = iter(torch._foreach_norm(views, 2.0) if views else [])
+        self._norms[u] = [next(norms) if h else None for h in has]
+
+    def global_norm(self, order: Iterable[nn.Parameter]) -> Tensor:
+        """The 2-norm over every waiting gradient, combined in ``order`` (the optimizer's parameter order,
+        as ``torch.nn.utils.clip_grad_norm_`` combines them)."""
+        norms = []
+        for p in order:
+            where = self.where.get(id(p))
+            if where is None:
+                continue
+            per_unit = self._norms.get(where[0])
+            if per_unit is not None and per_unit[where[1]] is not None:
+                norms.append(per_unit[where[1]])
+        if not norms:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def clear_norms(self) -> None:
+        self._norms.clear()
+
+    def discard(self) -> None:
+        """Drop every gradient of the window (abandoned before its step, as Lightning's zero_grad)."""
+        for u in list(self._grads):
+            self._grads.pop(u).release()
+        self._spilled.clear()
+        self._has_grad.clear()
+        self._norms.clear()

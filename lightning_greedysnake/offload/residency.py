@@ -1,0 +1,202 @@
+"""Weights residency: which units' compute weights are in memory, bound to the user's parameters.
+
+The parameters stay the user's ``nn.Parameter`` objects (the optimizer and LR schedulers keep pointing
+at them). Between uses their ``data`` is a one-element NaN placeholder expanded to the right shape
+(``numel`` and shapes answer correctly; any accidental compute on it is visibly NaN); :meth:`acquire`
+binds them to views of the unit's staged compute weights.
+
+Threads. The training thread acquires, releases and prefetches. The optimizer lane touches this object
+in one place only: after unit 0's step it may keep the unit's new weights as the prefetch of its next
+acquisition (:meth:`keep_as_prefetch`), before publishing the unit in the :class:`UpdateGate`; the
+training thread reads the prefetch table for a unit only once the gate shows the unit current, and
+``_lock`` guards the table itself.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.layout import ParamSlot, StateLayout
+from lightning_greedysnake.offload.staging import Staged, StagingArena
+
+
+def slot_view(flat: Tensor, slot: ParamSlot) -> Tensor:
+    """The parameter ``slot`` inside a unit's flat buffer, in its own shape."""
+    return flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)
+
+
+class UpdateGate:
+    """Per unit: whether its weights on their tier are current (no optimizer step of it in flight).
+
+    The training thread clears a unit's event when it submits a step of it; whoever runs the step's
+    last part (the lane, or the training thread itself when ``lag=0``) sets it after the new weights
+    were handed to their tier. Every reader of a unit's weights waits for the event: it is the
+    hand-over from the lane to the training thread."""
+
+    def __init__(self, num_units: int) -> None:
+        self._events = [threading.Event() for _ in range(num_units)]
+        for event in self._events:
+            event.set()
+
+    def begin(self, unit: int) -> None:
+        """A step of ``unit`` was submitted (training thread)."""
+        self._events[unit].clear()
+
+    def publish(self, unit: int) -> None:
+        """``unit``'s step is complete: its weights may be read (the thread that ran it)."""
+        self._events[unit].set()
+
+    def is_current(self, unit: int) -> bool:
+        return self._events[unit].is_set()
+
+    def event(self, unit: int) -> threading.Event:
+        return self._events[unit]
+
+
+class WeightsResidency:
+    def __init__(self, arena: StagingArena, state: StateLayout, params: list[list[nn.Parameter]],
+                 compute_dtype: torch.dtype, gate: UpdateGate,
+                 wait_for: Callable[[threading.Event], None]) -> None:
+        """``wait_for(event)`` blocks until a unit's step completed (the lane's wait: it raises the lane's
+        error instead of hanging when a step failed)."""
+        self._arena = arena
+        self._state = state
+        self.params = params
+        self.compute_dtype = compute_dtype
+        self.gate = gate
+        self._wait_for = wait_for
+        self.dtypes = [[p.dtype for p in ps] for ps in params]
+        """The parameters' own dtypes, given back at :meth:`restore`."""
+        self._placeholders = [
+            [torch.full((1,), math.nan, dtype=compute_dtype).expand(p.shape) for p in ps] for ps in params
+        ]
+        self.weight_loads: dict[int, int] = {u: 0 for u in range(len(params))}
+        """Times each unit's compute weights were acquired, since construction."""
+        self._held: dict[int, Staged] = {}
+        """Units in use by the training thread (training thread only)."""
+        self._donated: set[int] = set()
+        """Held units whose handle a step job took over: the job gives it back (training thread only)."""
+        self._prefetched: dict[int, Staged] = {}
+        """Weights read ahead of their acquisition (guarded by ``_lock``; see the module's docstring)."""
+        self._lock = threading.Lock()
+
+    # -- the training thread ---------------------------------------------------------------------------
+    def acquire(self, unit: int) -> None:
+        assert unit not in self._held, f"unit {unit} acquired twice"
+        # the unit's last optimizer step (perhaps in the background, perhaps its deferred alpha part)
+        # must be complete: no forward ever reads a stale or half-updated weight
+        self._wait_for(self.gate.event(unit))
+        self.weight_loads[unit] += 1
+        with self._lock:
+            held = self._prefetched.pop(unit, None)
+        if held is not None:
+            held.take_over()
+            self._arena.await_reads(held, label=TensorKind.WEIGHTS.value)  # gives it back if the read failed
+        else:
+            held = self._arena.stage(TensorKind.WEIGHTS, unit, read=True)
+        self._held[unit] = held
+        self.bind(unit, held.view(self.compute_dtype, self._state.units[unit].numel))
+
+    def release(self, unit: int) -> None:
+        held = self._held.pop(unit)
+        self.unbind(unit)
+        if unit in self._donated:
+            self._donated.discard(unit)  # the step job owns the handle now and gives it back
+        else:
+            held.release()
+
+    def is_held(self, unit: int) -> bool:
+        return unit in self._held
+
+    def is_staged(self, unit: int) -> bool:
+        """Held or prefetched: acquiring it stages nothing more."""
+        with self._lock:
+            return unit in self._held or unit in self._prefetched
+
+    def donate(self, unit: int) -> Staged | None:
+        """Hand the held weights of ``unit`` to its step job (which gives them back); None if not held.
+        The unit stays bound until :meth:`release`: the job does not change them before it runs, and
+        the training thread releases the unit before the job can (lag) or right after (synchronous)."""
+        held = self._held.get(unit)
+        if held is not None:
+            self._donated.add(unit)
+        return held
+
+    def prefetch(self, unit: int) -> None:
+        """Start reading ``unit``'s weights now if they live on SSD and the budget's slack allows."""
+        if not self._arena.on_ssd(TensorKind.WEIGHTS) or unit in self._held:
+            return
+        if not self.gate.is_current(unit):
+            return  # its step is still running: the weights on SSD are about to change
+        with self._lock:
+            if unit in self._prefetched:
+                return
+        held = self._arena.acquire_optional(self._state.region_bytes(TensorKind.WEIGHTS, unit),
+                                            f"unit {unit} weights prefetch")
+        if held is None:
+            return
+        try:
+            self._arena.read_into(TensorKind.WEIGHTS, unit, held)
+        except BaseException:
+            held.release()
+            raise
+        with self._lock:
+            self._prefetched[unit] = held
+
+    def drop_prefetch(self, unit: int) -> None:
+        """Forget ``unit``'s prefetch (its step is about to change the weights); the buffer comes back
+        once the read is done."""
+        with self._lock:
+            held = self._prefetched.pop(unit, None)
+        if held is not None:
+            held.release()
+
+    # -- the optimizer lane -----------------------------------------------------------------------------
+    def keep_as_prefetch(self, unit: int, held: Staged) -> bool:
+        """After ``unit``'s complete step: keep its new compute weights in memory as the prefetch of its
+        next acquisition, if the slack allows; True when this object took the handle over. Worth it for
+        unit 0 only: the last unit of every backward is the first of the next forward, which would
+        otherwise wait for the write of these very bytes and read them back. Called before the unit is
+        published, so the training thread does not look for it yet."""
+        if not held.pooled:
+            return False  # host-tier weights: nothing to read back anyway
+        with self._lock:
+            if unit in self._prefetched or not self._arena.adopt_optional(held):
+                return False
+            self._prefetched[unit] = held
+        return True
+
+    # -- parameters ---------------------------------------------------------------------------------------
+    def bind(self, unit: int, flat: Tensor) -> None:
+        """Point unit ``unit``'s parameters at views of ``flat`` (its flat compute weights)."""
+        for p, slot in zip(self.params[unit], self._state.units[unit].params, strict=True):
+            p.data = slot_view(flat, slot)
+
+    def unbind(self, unit: int) -> None:
+        for p, placeholder in zip(self.params[unit], self._placeholders[unit], strict=True):
+            p.data = placeholder
+
+    def materialize(self, unit: int) -> None:
+        """Give ``unit``'s parameters real (uninitialized) memory in their own dtypes (meta models)."""
+        for p, dtype in zip(self.params[unit], self.dtypes[unit], strict=True):
+            p.data = torch.empty(p.shape, dtype=dtype)
+
+    def restore(self, unit: int, values: list[Tensor]) -> None:
+        """Give the parameters real memory again, holding ``values`` (the end of a run)."""
+        for p, value, dtype in zip(self.params[unit], values, self.dtypes[unit], strict=True):
+            p.data = value.to(dtype) if value.dtype != dtype else value
+
+    def close(self) -> None:
+        """Give back every held and prefetched buffer (teardown)."""
+        for unit in list(self._held):
+            self.release(unit)
+        with self._lock:
+            prefetched, self._prefetched = list(self._prefetched.values()), {}
+        for held in prefetched:
+            held.release()

@@ -1,0 +1,390 @@
+"""Staging: the budgeted pool of page-aligned host buffers, every kind's per-unit regions on their tiers,
+and the handles through which a staged buffer is used and given back.
+
+Ownership. A :class:`Staged` handle owns one buffer and every transfer in flight on it. It has one owner
+at a time, the holder of the reference, and changes hands only in one of two ways, each named where it
+happens: a lane job that captures it (the lane's queue lock orders the hand-over), or a table guarded by
+a lock from which the next owner pops it. The buffer goes back only through :meth:`Staged.release`,
+exactly once, on whatever path ends its use (success, failure, drop, teardown), and reaches the pool
+only after every transfer on it completed (from the last one's completion callback if need be).
+
+Budget. Work that must run (a unit in use, its gradient, the running steps' staging, two activation
+checkpoints on SSD) never needs more than :attr:`StagingArena.min_budget_bytes` at once. Work ahead of
+need (prefetches, read-aheads) holds only the slack over that minimum, so a must-run acquisition only
+ever waits for write-behind to return buffers, never for a prefetch to be used.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
+from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up
+from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
+from lightning_greedysnake.offload.stats import IOStats
+from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions
+
+FILE_NAMES = {
+    TensorKind.WEIGHTS: "weights.bin",
+    TensorKind.MASTER_WEIGHTS: "master_weights.bin",
+    TensorKind.OPTIMIZER_STATES: "optimizer_states.bin",
+    TensorKind.GRADIENTS: "gradients.bin",
+    TensorKind.CHECKPOINTS: "checkpoints.bin",
+}
+REGION_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES, TensorKind.GRADIENTS)
+AUTO_BUDGET_EXTRA_BYTES = 16 << 20
+"""The automatic budget's room beyond the minimum and one weights prefetch (checkpoint read-aheads)."""
+
+
+class Staged:
+    """A staging buffer and every transfer in flight on it (see the module's docstring)."""
+
+    __slots__ = ("_io", "_pool", "_released", "_slack", "_unawaited", "buf", "what")
+
+    def __init__(self, buf: AlignedBuffer, pool: BufferPool | None, what: str,
+                 slack: Callable[[int], None] | None = None) -> None:
+        self.buf = buf
+        self.what = what
+        self._pool = pool
+        """None: a host-tier region, owned by its :class:`HostRegions`; nothing goes back anywhere."""
+        self._io: list[Future[None]] = []
+        """Every read and write submitted on the buffer and not known complete (completed ones are
+        pruned as new ones come). Appended by the owner only."""
+        self._unawaited: list[Future[None]] = []
+        """Reads the owner has not waited for yet (a subset of ``_io``)."""
+        self._released = False
+        self._slack = slack
+        """Taken ahead of need from the budget's slack: called with the byte count once the work it was
+        taken for owns it (:meth:`take_over`) or it is given back."""
+
+    @property
+    def pooled(self) -> bool:
+        return self._pool is not None
+
+    def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> Tensor:
+        assert not self._released, f"{self.what}: used after it was released"
+        return self.buf.view(dtype, numel, offset_bytes)
+
+    def track_read(self, fut: Future[None]) -> None:
+        self._prune()
+        self._io.append(fut)
+        self._unawaited.append(fut)
+
+    def track_write(self, fut: Future[None]) -> None:
+        self._prune()
+        self._io.append(fut)
+
+    def _prune(self) -> None:
+        if len(self._io) > 8:
+            self._io = [f for f in self._io if not f.done()]
+
+    @property
+    def reads_pending(self) -> bool:
+        return bool(self._unawaited)
+
+    def wait_reads(self) -> None:
+        """Block until every read into the buffer landed; raises the first failure (the handle still
+        owns the buffer then: release it)."""
+        reads, self._unawaited = self._unawaited, []
+        for f in reads:
+            f.result()
+
+    def wait_io(self) -> None:
+        """Block until every transfer on the buffer completed, before the owner changes its bytes (a
+        write still in flight reads them)."""
+        for f in list(self._io):
+            f.exception()
+
+    def take_over(self) -> None:
+        """The work a prefetch was taken for owns this buffer now: it stops counting against the slack."""
+        slack, self._slack = self._slack, None
+        if slack is not None:
+            slack(self.buf.nbytes)
+
+    def release(self) -> None:
+        """Give the buffer back, once every transfer on it completed. Exactly once per handle."""
+        assert not self._released, f"{self.what}: released twice"
+        self._released = True
+        self.take_over()
+        pool = self._pool
+        if pool is None:
+            return
+        pending = [f for f in self._io if not f.done()]
+        self._io, self._unawaited = [], []
+        if not pending:
+            pool.release(self.buf)
+            return
+        remaining = [len(pending)]
+        gate = threading.Lock()
+        pool.will_return()
+
+        def one_done(_: Future[None]) -> None:  # on an I/O thread
+            with gate:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                pool.release(self.buf, returning=True)
+
+        for f in pending:
+            f.add_done_callback(one_done)
+
+
+def min_budget_bytes(state: StateLayout, config: OffloadConfig, lag: int) -> int:
+    """Staging bytes the must-run work needs at once. Synchronous: one unit's working set (weights,
+    gradient, master, state on SSD). With a background optimizer (``lag`` > 0) the training thread holds
+    one unit's weights and gradient, up to ``lag`` queued steps hold theirs, and the running step stages
+    its master and state. (Activation checkpoints on SSD add two checkpoints once their size is known:
+    :meth:`StagingArena.reserve_checkpoints`.)"""
+    need = 0
+    for u in range(state.num_units):
+        per = {kind: (state.region_bytes(kind, u) if config.tier(kind) is Tier.SSD else 0) for kind in REGION_KINDS}
+        working = sum(per.values())
+        held = per[TensorKind.WEIGHTS] + per[TensorKind.GRADIENTS]
+        need = max(need, working if lag == 0 else (lag + 1) * held + working - held)
+    return max(need, 4096)
+
+
+class StagingArena:
+    """The pool, the budget and its slack, and every kind's per-unit regions (host buffers or an SSD
+    file each). Shared by the training thread, the optimizer lane and I/O completion callbacks: the
+    regions order their own transfers, the pool locks itself, and ``_lock`` guards the slack counters."""
+
+    def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, lag: int) -> None:
+        self.state = state
+        self.config = config
+        self.stats = stats
+        self._regions: dict[TensorKind, HostRegions | SSDRegions] = {}
+        self.files: list[Path] = []
+        self._checkpoint_reserve = 0
+        self._lock = threading.Lock()
+        self._optional_bytes = 0
+        """Bytes of staging held by work ahead of need (guarded by ``_lock``)."""
+        self._staging_pending = 0
+        """Bytes that submitted steps have yet to stage (their master and state buffers): with what is
+        in use, the most they can still take before anything comes back (guarded by ``_lock``)."""
+        self._lag = lag
+        self.min_budget_bytes = min_budget_bytes(state, config, lag)
+        budget = config.buffer_budget_bytes
+        if budget is not None and budget < self.min_budget_bytes:
+            raise BufferBudgetError(
+                f"offload.buffer_budget_bytes={budget} is below the {self.min_budget_bytes} bytes one unit's "
+                "weights, gradient, master weights and optimizer state need at once. Fix: raise it to at "
+                f"least {self.min_budget_bytes}, lower layers_per_unit, or leave it None (automatic)."
+            )
+        self.pool = BufferPool(budget if budget is not None else self._auto_budget())
+
+    def _auto_budget(self) -> int:
+        """The automatic budget: the minimum, room to prefetch the next unit's weights, and a little
+        slack for checkpoint read-aheads."""
+        weights = self.state.all_region_bytes(TensorKind.WEIGHTS)
+        prefetch = max(weights) if self.config.weights is Tier.SSD else 0
+        return self.min_budget_bytes + prefetch + AUTO_BUDGET_EXTRA_BYTES
+
+    # -- lifetime (training thread) ----------------------------------------------------------------
+    def open(self, offload_dir: Path | None, engine: IOEngine | None) -> None:
+        """Create the host regions and the preallocated offload files (after preflight)."""
+        try:
+            for kind in REGION_KINDS:
+                sizes = self.state.all_region_bytes(kind)
+                if sum(sizes) == 0:
+                    continue
+                if self.config.tier(kind) is Tier.SSD:
+                    assert engine is not None and offload_dir is not None, "an SSD tier needs a directory"
+                    path = offload_dir / FILE_NAMES[kind]
+                    self.files.append(path)
+                    self._regions[kind] = SSDRegions(kind.value, sizes, engine, path, self.stats,
+                                                     sparse=self.state.sharded(kind))
+                else:
+                    self._regions[kind] = HostRegions(kind.value, sizes)
+        except BaseException:
+            self.close()
+            raise
+
+    def flush(self) -> None:
+        """Wait for every transfer in flight on the regions (raises the first I/O error)."""
+        for regions in self._regions.values():
+            if isinstance(regions, SSDRegions):
+                regions.wait_all()
+
+    def close(self) -> None:
+        """Close the regions (each waits for its transfers first) and the pool; buffers still held come
+        back to a closed pool and are freed there."""
+        for regions in self._regions.values():
+            regions.close()
+        self._regions.clear()
+        self.pool.close()
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    def ssd_bytes(self) -> dict[str, int]:
+        """Bytes each SSD-resident kind keeps in the offload directory (for preflight)."""
+        return {kind.value: self.state.kept_bytes(kind) for kind in REGION_KINDS
+                if self.config.tier(kind) is Tier.SSD and self.state.kept_bytes(kind)}
+
+    def open_files(self) -> list[OffloadFile]:
+        return [r.file for r in self._regions.values() if isinstance(r, SSDRegions)]
+
+    def on_ssd(self, kind: TensorKind) -> bool:
+        return isinstance(self._regions.get(kind), SSDRegions)
+
+    def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:
+        """Pool bytes staging unit ``u``'s region of ``kind`` takes (0 where it is not on SSD)."""
+        return align_up(self.state.region_bytes(kind, u)) if self.on_ssd(kind) else 0
+
+    def set_budget(self, budget_bytes: int, lag: int) -> None:
+        """Between steps (the planner's choice): a new lag changes the minimum; the budget never goes below it."""
+        self._lag = lag
+        self.min_budget_bytes = min_budget_bytes(self.state, self.config, lag) + self._checkpoint_reserve
+        self.pool.budget_bytes = max(budget_bytes, self.min_budget_bytes)
+
+    def reserve_checkpoints(self, checkpoint_bytes: int) -> None:
+        """Activation checkpoints on SSD: the must-run work holds two at once (one read back for the op
+        in progress, one being written), known once the first one is saved. Raises the minimum (and an
+        automatic budget with it); an explicit budget below the new minimum is a clear error."""
+        reserve = 2 * align_up(checkpoint_bytes)
+        if reserve <= self._checkpoint_reserve:
+            return
+        grow = reserve - self._checkpoint_reserve
+        self._checkpoint_reserve = reserve
+        self.min_budget_bytes += grow
+        if self.config.buffer_budget_bytes is None:
+            self.pool.budget_bytes += grow
+        elif self.pool.budget_bytes < self.min_budget_bytes:
+            raise BufferBudgetError(
+                f"offload.buffer_budget_bytes={self.pool.budget_bytes} is below the {self.min_budget_bytes} "
+                f"bytes one unit's working set and two activation checkpoints of {checkpoint_bytes} bytes "
+                f"(offload.checkpoints='ssd') need at once. Fix: raise it to at least {self.min_budget_bytes}, "
+                "or leave it None (automatic)."
+            )
+
+    # -- staging (any thread; each handle then belongs to the caller) ---------------------------------
+    def stage(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
+              ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> Staged:
+        """A handle on unit ``u``'s region of ``kind``: the region itself on the host tier; a pool buffer
+        on the SSD tier, filled from the SSD when ``read`` (only ``ranges``, byte ranges of the region, if
+        given; counted under ``label`` if given). ``wait=False``: return with the reads in flight, for
+        :meth:`await_reads` (so several regions load at once). On a failure the buffer is given back."""
+        regions = self._regions[kind]
+        what = f"unit {u} {kind.value}"
+        if isinstance(regions, HostRegions):
+            return Staged(regions.host_buffer(u), None, what)
+        buf = self.pool.acquire(regions.region_bytes(u), what=what)
+        assert buf is not None
+        held = Staged(buf, self.pool, what)
+        if read:
+            try:
+                self.read_into(kind, u, held, ranges, label)
+            except BaseException:
+                held.release()
+                raise
+            if wait:
+                self.await_reads(held, label=label or kind.value)
+        return held
+
+    def acquire(self, nbytes: int, what: str) -> Staged:
+        """A handle on a pool buffer of ``nbytes`` for must-run work (waits for write-behind if need be)."""
+        buf = self.pool.acquire(nbytes, what=what)
+        assert buf is not None
+        return Staged(buf, self.pool, what)
+
+    def read_into(self, kind: TensorKind, u: int, held: Staged, ranges: list[tuple[int, int]] | None = None,
+                  label: str | None = None) -> None:
+        """Submit reads of unit ``u``'s region (or its byte ``ranges``) into ``held``; they are ``held``'s."""
+        regions = self._regions[kind]
+        assert isinstance(regions, SSDRegions)
+        for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
+            held.track_read(regions.submit_read(u, held.buf, label, r))
+
+    def await_reads(self, *helds: Staged | None, label: str = "optimizer") -> None:
+        """Wait for the reads of ``helds``; if one failed, give every one of ``helds`` back (each waits
+        for what is still in flight on it) and raise."""
+        t0 = time.perf_counter()
+        try:
+            for held in helds:
+                if held is not None:
+                    held.wait_reads()
+        except BaseException:
+            for held in helds:
+                if held is not None:
+                    held.release()
+            raise
+        if threading.current_thread() is threading.main_thread():
+            self.stats.record_wait(label, "ssd", time.perf_counter() - t0)
+
+    def put_back(self, kind: TensorKind, u: int, held: Staged, ranges: list[tuple[int, int]] | None = None, *,
+                 release: bool = True, label: str | None = None) -> None:
+        """Write ``held`` (or its byte ``ranges``) to unit ``u``'s region of ``kind`` (write-behind) and,
+        with ``release``, give it back (the buffer returns once written). Host-tier regions were changed
+        in place: nothing to write."""
+        if held.pooled:
+            regions = self._regions[kind]
+            assert isinstance(regions, SSDRegions)
+            for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
+                held.track_write(regions.submit_write(u, held.buf, label, r))
+        if release:
+            held.release()
+
+    # -- work ahead of need -----------------------------------------------------------------------
+    def acquire_optional(self, nbytes: int, what: str, within_slack: bool = True) -> Staged | None:
+        """A handle for work ahead of need, or ``None``. It counts against the slack until the work it
+        was read for takes it over (:meth:`Staged.take_over`) or it is released. ``within_slack=False``:
+        the caller made sure otherwise (:meth:`read_ahead_fits`)."""
+        size = align_up(nbytes)
+        with self._lock:
+            if within_slack and not self._slack_allows(size):
+                return None
+            buf = self.pool.acquire(size, block=False, what=what)
+            if buf is None:
+                return None
+            self._optional_bytes += buf.nbytes
+        return Staged(buf, self.pool, what, slack=self._give_back_slack)
+
+    def adopt_optional(self, held: Staged) -> bool:
+        """Make an owned handle count as work ahead of need (the slack permitting): unit 0's new weights
+        kept for the next forward. False: no room; the caller keeps it."""
+        size = held.buf.nbytes
+        with self._lock:
+            if not self._slack_allows(size):
+                return False
+            self._optional_bytes += size
+        held._slack = self._give_back_slack
+        return True
+
+    def read_ahead_fits(self, nbytes: int, unit_need_bytes: int) -> bool:
+        """Whether a read-ahead of ``nbytes`` for the window's last step may be taken: from the slack, or
+        from what the minimum reserves but this moment cannot use. Every other step of the window is
+        submitted, so until this one runs the work can still take only the staging those steps have not
+        taken yet and the unit's own weights and gradient (``unit_need_bytes``). If that fits beside
+        everything held now and the read-ahead, nobody ever waits for it. (Not with partitioned state,
+        whose weights gather stages more.)"""
+        with self._lock:
+            if self._slack_allows(nbytes):
+                return True
+            return self.state.shard is None and (
+                self.pool.in_use_bytes + nbytes + self._staging_pending + unit_need_bytes <= self.pool.budget_bytes
+            )
+
+    def pending(self, nbytes: int) -> None:
+        """A step that will stage ``nbytes`` was submitted (training thread)."""
+        with self._lock:
+            self._staging_pending += nbytes
+
+    def staged(self, nbytes: int) -> None:
+        """That step has staged them (the lane)."""
+        with self._lock:
+            self._staging_pending -= nbytes
+
+    def _slack_allows(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of work ahead of need fit in the slack (call with ``_lock`` held)."""
+        return self.min_budget_bytes + self._optional_bytes + nbytes <= self.pool.budget_bytes
+
+    def _give_back_slack(self, nbytes: int) -> None:
+        with self._lock:
+            self._optional_bytes -= nbytes

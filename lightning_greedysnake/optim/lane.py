@@ -1,0 +1,161 @@
+"""The background lane that runs per-unit optimizer jobs in submission order.
+
+Ordering guarantees (the callers rely on them):
+
+- Jobs run one at a time, in the order submitted: a unit's backward-part job always runs before its
+  forward-part (alpha) job, which is submitted later.
+- ``submit(..., heavy=True)`` is for jobs that hold a unit's gradient buffer: it blocks while ``lag`` such
+  jobs are outstanding, so the optimizer is never more than ``lag`` units behind backward and the
+  memory held by queued gradients is bounded. ``lag == 0`` runs every job inline, synchronously.
+- The first exception in a job stops the lane; it is raised in the training thread at the next
+  ``submit``, ``drain`` or ``check``. Jobs queued behind it are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+Job = Callable[[], None]
+
+
+class OptimizerLaneError(RuntimeError):
+    """An optimizer job failed in the background; the original exception is the cause."""
+
+
+class StepLane:
+    def __init__(self, lag: int, on_busy: Callable[[float, float], None] | None = None) -> None:
+        self.lag = lag
+        self._on_busy = on_busy
+        self._cond = threading.Condition()
+        self._jobs: deque[tuple[Job, bool]] = deque()
+        self._heavy = 0
+        self._running = False
+        self._error: BaseException | None = None
+        self._stop = False
+        self.wait_seconds = 0.0
+        """Time the training thread spent blocked on this lane (the optimizer work not hidden)."""
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        # the thread starts with the first job, so a lane that never runs anything owns no thread
+
+    def _ensure_thread(self) -> bool:
+        """Start the worker if this lane runs in the background; False for a synchronous lane."""
+        if self.lag == 0 or self._closed:
+            return False
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="greedysnake-optimizer", daemon=True)
+            self._thread.start()
+        return True
+
+    def submit(self, job: Job, heavy: bool) -> None:
+        if not self._ensure_thread():
+            # synchronous: the training thread runs the step itself, so all of it is unhidden
+            t0 = time.perf_counter()
+            try:
+                self._run(job)
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
+            return
+        with self._cond:
+            self._raise_if_failed()
+            if heavy and self._heavy >= self.lag:
+                t0 = time.perf_counter()
+                while self._heavy >= self.lag and self._error is None:
+                    self._cond.wait()
+                self.wait_seconds += time.perf_counter() - t0
+                self._raise_if_failed()
+            self._jobs.append((job, heavy))
+            if heavy:
+                self._heavy += 1
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Block until every submitted job has run (raises the lane's error, if any)."""
+        if self._thread is None:
+            return
+        with self._cond:
+            if self._jobs or self._running:
+                t0 = time.perf_counter()
+                while (self._jobs or self._running) and self._error is None:
+                    self._cond.wait()
+                self.wait_seconds += time.perf_counter() - t0
+            self._raise_if_failed()
+
+    def wait_for(self, done: threading.Event) -> None:
+        """Block until ``done`` is set by a job (counted as unhidden optimizer time)."""
+        if done.is_set():
+            return
+        t0 = time.perf_counter()
+        while not done.wait(0.05):
+            with self._cond:
+                self._raise_if_failed()
+        self.wait_seconds += time.perf_counter() - t0
+
+    def check(self) -> None:
+        with self._cond:
+            self._raise_if_failed()
+
+    @property
+    def failed(self) -> bool:
+        with self._cond:
+            return self._error is not None
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._jobs and not self._running
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise OptimizerLaneError(f"a background optimizer step failed: {self._error}") from self._error
+
+    def _run(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            job()
+        finally:
+            if self._on_busy is not None:
+                self._on_busy(t0, time.perf_counter())
+
+    def _loop(self) -> None:
+        # One intra-op thread for the optimizer's kernels: on a CPU the training thread's kernels use
+        # every core, and two full OpenMP teams spinning against each other slow both down badly. (The
+        # setting is per thread: the training thread keeps its own.)
+        torch.set_num_threads(1)
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stop:
+                    self._cond.wait()
+                if self._stop and not self._jobs:
+                    return
+                job, heavy = self._jobs.popleft()
+                self._running = True
+            try:
+                self._run(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                with self._cond:
+                    self._error = e
+                    self._jobs.clear()
+                    self._heavy = 0
+            finally:
+                with self._cond:
+                    self._running = False
+                    if heavy and self._heavy > 0:
+                        self._heavy -= 1
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        """Finish queued jobs (unless one failed) and stop the thread. Idempotent; never raises."""
+        self._closed = True
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        thread.join()

@@ -1,0 +1,213 @@
+"""One part (element range) of one unit's optimizer step, with its staging: read the range's master
+weights and optimizer state (or take them from a read-ahead), step them with the unit's optimizer,
+write them back, and refresh the compute weights.
+
+Threads: :meth:`PartStepper.step_part` runs on whichever thread runs the step (the optimizer lane, or
+the training thread with ``lag=0``). A read-ahead is started by the training thread
+(:meth:`PartStepper.read_ahead`) and taken by the step of that unit, which the training thread submits
+afterwards: the table between them is guarded by ``_lock``, and the lane's queue orders the hand-over.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.io.heap import trim_heap
+from lightning_greedysnake.optim.protocols import StagedBuffer, Staging
+from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer
+
+
+class PartStepper:
+    def __init__(self, staging: Staging, unit_optimizers: list[UnitOptimizer | None], slots: tuple[str, ...],
+                 compute_dtype: torch.dtype) -> None:
+        """``unit_optimizers`` is the stepper's own list (re-split in place by a reconfiguration)."""
+        self._staging = staging
+        self._state = staging.state
+        self._unit_optimizers = unit_optimizers
+        self._slots = slots
+        self._compute_dtype = compute_dtype
+        self._separate_master = self._state.separate_master
+        self._ahead: dict[int, tuple[StagedBuffer | None, StagedBuffer | None]] = {}
+        """Master weights and optimizer state read ahead for a unit's coming step (its first part):
+        (master, states), each None where not read ahead (guarded by ``_lock``)."""
+        self._lock = threading.Lock()
+        self.steps_taken = 0
+        """Parts stepped, since construction (written by the stepping thread; read after a drain)."""
+        self.steps_read_ahead = 0
+        """Steps that found their master weights or state read ahead, since construction (likewise)."""
+
+    # -- read-ahead (training thread) ----------------------------------------------------------------------
+    def read_ahead(self, unit: int, unit_need_bytes: int) -> None:
+        """Read ``unit``'s master weights and optimizer state for its coming step (the first part's
+        range) where they live on SSD and the budget allows, all or nothing: half a read-ahead would
+        still leave the step waiting for reads."""
+        opt = self._unit_optimizers[unit]
+        with self._lock:
+            if opt is None or unit in self._ahead:
+                return
+        lo, hi = opt.part_range(0)
+        if lo >= hi or opt.parts[0].shadow is None:
+            return
+        wanted: list[tuple[TensorKind, list[tuple[int, int]]]] = []
+        if self._separate_master:
+            wanted.append((TensorKind.MASTER_WEIGHTS, self._state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi)))
+        if self._slots and opt.part_initialized(0):
+            wanted.append((TensorKind.OPTIMIZER_STATES,
+                           self._state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi)))
+        wanted = [(kind, ranges) for kind, ranges in wanted if self._staging.on_ssd(kind)]
+        if not wanted:
+            return
+        total = sum(self._staging.ssd_region_bytes(kind, unit) for kind, _ in wanted)
+        if not self._staging.read_ahead_fits(total, unit_need_bytes):
+            return
+        staged: dict[TensorKind, StagedBuffer] = {}
+        for kind, ranges in wanted:
+            held = self._staging.acquire_optional(self._state.region_bytes(kind, unit),
+                                                  f"unit {unit} {kind.value} read-ahead", within_slack=False)
+            if held is None:
+                for other in staged.values():
+                    other.release()  # back once its read landed
+                return
+            try:
+                self._staging.read_into(kind, unit, held, ranges, label=kind.value)
+            except BaseException:
+                held.release()
+                for other in staged.values():
+                    other.release()
+                raise
+            staged[kind] = held
+        with self._lock:
+            self._ahead[unit] = (staged.get(TensorKind.MASTER_WEIGHTS), staged.get(TensorKind.OPTIMIZER_STATES))
+
+    def has_read_ahead(self, unit: int) -> bool:
+        with self._lock:
+            return unit in self._ahead
+
+    def drop_read_ahead(self, unit: int) -> None:
+        """Forget ``unit``'s read-ahead (what it read is about to change, or was read for another split)."""
+        with self._lock:
+            ahead = self._ahead.pop(unit, (None, None))
+        for held in ahead:
+            if held is not None:
+                held.release()
+
+    def drop_all_read_aheads(self) -> None:
+        with self._lock:
+            units = list(self._ahead)
+        for unit in units:
+            self.drop_read_ahead(unit)
+
+    def staging_bytes(self, unit: int, weights_held: bool) -> int:
+        """Pool bytes a step of ``unit`` stages (its first part's buffers are whole regions), as
+        :meth:`step_part` does: master weights (or the weights region as master under 32-true, when not
+        held), optimizer state, and under a 16-bit compute dtype the compute weights when not held."""
+        ssd = self._staging.ssd_region_bytes
+        need = ssd(TensorKind.OPTIMIZER_STATES, unit) if self._slots else 0
+        if self._separate_master:
+            need += ssd(TensorKind.MASTER_WEIGHTS, unit) + (0 if weights_held else ssd(TensorKind.WEIGHTS, unit))
+        elif not weights_held:
+            need += ssd(TensorKind.WEIGHTS, unit)
+        return need
+
+    # -- stepping (the thread running the step) -------------------------------------------------------------
+    def step_part(self, unit: int, part: int, grad: Tensor, weights_held: StagedBuffer | None,
+                  hyper: list[dict[str, Any]], has_grad: list[bool]) -> None:
+        """Step part ``part`` of ``unit``. ``grad``: the unit's flat fp32 gradient; ``weights_held``: its
+        compute weights still in memory (the acquired buffer; its owner gives it back), if any."""
+        opt = self._unit_optimizers[unit]
+        assert opt is not None
+        lo, hi = opt.part_range(part)
+        if lo >= hi or opt.parts[part].shadow is None:
+            return
+        state = self._state
+        lay = state.units[unit]
+        w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
+        if part == 0:
+            with self._lock:
+                ahead_master, ahead_states = self._ahead.pop(unit, (None, None))
+        else:
+            ahead_master = ahead_states = None
+        # the handles this part staged or took from the read-ahead: given back on every path
+        owned = [held for held in (ahead_master, ahead_states) if held is not None]
+        for held in owned:
+            held.take_over()
+        if owned:
+            self.steps_read_ahead += 1
+        try:
+            # every read this part needs goes out at once, then one wait
+            if ahead_master is not None:
+                master = ahead_master
+            elif self._separate_master:
+                master = self._staging.stage(TensorKind.MASTER_WEIGHTS, unit, read=True, wait=False,
+                                             ranges=state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
+                owned.append(master)
+            elif weights_held is not None:
+                master = weights_held  # 32-true: the compute weights in memory are the master copy
+            else:
+                master = self._staging.stage(TensorKind.WEIGHTS, unit, read=True, wait=False, ranges=w_ranges,
+                                             label=TensorKind.MASTER_WEIGHTS.value)
+                owned.append(master)
+            states = ahead_states
+            if self._slots and states is None:
+                states = self._staging.stage(TensorKind.OPTIMIZER_STATES, unit, read=opt.part_initialized(part),
+                                             wait=False,
+                                             ranges=state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
+                owned.append(states)
+            compute = None
+            if self._separate_master:
+                compute = weights_held
+                if compute is None:
+                    compute = self._staging.stage(TensorKind.WEIGHTS, unit, read=True, ranges=w_ranges, wait=False)
+                    owned.append(compute)
+        except BaseException:
+            for held in owned:
+                held.release()
+            raise
+        self._staging.await_reads(*owned)  # (all of them given back if a read failed)
+        try:
+            if weights_held is not None:
+                weights_held.wait_io()  # changed in place below: its last write-behind must be done
+            mflat = master.view(torch.float32, lay.numel)
+            state_views = {
+                name: states.view(torch.float32, lay.numel, offset_bytes=k * lay.nbytes(4))
+                for k, name in enumerate(self._slots)
+            } if states is not None else {}
+            opt.step(mflat, grad, state_views, has_grad, part, hyper)
+        except BaseException:
+            for held in owned:
+                held.release()
+            raise
+        self.steps_taken += 1
+        self._write_back(unit, lo, hi, master, states, compute, weights_held, mflat)
+        trim_heap((hi - lo) * 4)
+
+    def _write_back(self, unit: int, lo: int, hi: int, master: StagedBuffer, states: StagedBuffer | None,
+                    compute: StagedBuffer | None, weights_held: StagedBuffer | None, mflat: Tensor) -> None:
+        state = self._state
+        w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
+        if states is not None:
+            self._staging.put_back(TensorKind.OPTIMIZER_STATES, unit, states,
+                                   state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
+        if self._separate_master:
+            assert compute is not None
+            lay = state.units[unit]
+            cflat = compute.view(self._compute_dtype, lay.numel)
+            for slot in lay.params:
+                a, b = max(lo, slot.offset_numel), min(hi, slot.offset_numel + slot.numel)
+                if slot.group is not None and a < b:
+                    cflat[a:b].copy_(mflat[a:b])
+            # only now may the master buffer go back: once its write completes the pool can hand it to
+            # the training thread (a gradient accumulator of the same size is zeroed at once), so reading
+            # it for the cast after put_back raced with that (found by benchmarks/stress_bf16_lane.py)
+            self._staging.put_back(TensorKind.MASTER_WEIGHTS, unit, master,
+                                   state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
+            self._staging.put_back(TensorKind.WEIGHTS, unit, compute, w_ranges, release=weights_held is None)
+        else:
+            # the updated fp32 weights are the new compute weights; an acquired buffer is given back by
+            # its owner once this write is done
+            self._staging.put_back(TensorKind.WEIGHTS, unit, master, w_ranges, release=weights_held is None)

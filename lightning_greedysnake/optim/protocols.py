@@ -1,0 +1,73 @@
+"""What the per-unit stepper needs from the tensor manager, as Protocols: it stages buffers and publishes
+new weights through these seams and imports nothing of ``offload``. (``offload.staging.StagingArena``,
+``offload.staging.Staged`` and ``offload.residency.UpdateGate`` implement them.)"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.layout import StateLayout
+
+
+class StagedBuffer(Protocol):
+    """One staging buffer and every transfer in flight on it; given back exactly once."""
+
+    @property
+    def pooled(self) -> bool: ...
+
+    def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> Tensor: ...
+
+    def take_over(self) -> None:
+        """A buffer read ahead of need is now owned by the work it was read for."""
+
+    def wait_io(self) -> None:
+        """Block until every transfer on the buffer completed (before changing its bytes)."""
+
+    def release(self) -> None:
+        """Give the buffer back once every transfer on it completed."""
+
+
+class Staging(Protocol):
+    """Stages units' regions of each kind in and out of their tiers, under the budget."""
+
+    state: StateLayout
+
+    def on_ssd(self, kind: TensorKind) -> bool: ...
+
+    def ssd_region_bytes(self, kind: TensorKind, u: int) -> int: ...
+
+    def stage(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
+              ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> StagedBuffer: ...
+
+    def read_into(self, kind: TensorKind, u: int, held: StagedBuffer, ranges: list[tuple[int, int]] | None = None,
+                  label: str | None = None) -> None: ...
+
+    def await_reads(self, *helds: StagedBuffer | None, label: str = "optimizer") -> None:
+        """Wait for the reads into ``helds``; if one failed, give all of them back and raise."""
+
+    def put_back(self, kind: TensorKind, u: int, held: StagedBuffer, ranges: list[tuple[int, int]] | None = None,
+                 *, release: bool = True, label: str | None = None) -> None: ...
+
+    def acquire_optional(self, nbytes: int, what: str, within_slack: bool = True) -> StagedBuffer | None: ...
+
+    def read_ahead_fits(self, nbytes: int, unit_need_bytes: int) -> bool: ...
+
+    def pending(self, nbytes: int) -> None:
+        """A submitted step will stage ``nbytes`` (training thread)."""
+
+    def staged(self, nbytes: int) -> None:
+        """That step has staged them (the thread that ran it)."""
+
+
+class UpdateGate(Protocol):
+    """Per unit: whether its weights on their tier are current (no step of it in flight)."""
+
+    def begin(self, unit: int) -> None: ...
+
+    def publish(self, unit: int) -> None: ...
+
+    def is_current(self, unit: int) -> bool: ...

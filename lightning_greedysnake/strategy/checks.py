@@ -1,0 +1,77 @@
+"""What the strategy refuses or warns about before any work starts: module hooks it cannot honour,
+optimizers it cannot step unit by unit, and how the Trainer's gradient clipping maps onto the stepper."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+from lightning_greedysnake.optim import ClipPolicy
+
+Warn = Callable[[str, str], None]
+"""``warn(key, message)``: warn once per key."""
+
+
+def check_module_for_training(module: LightningModule, warn: Warn) -> None:
+    if not module.automatic_optimization:
+        raise ValueError(
+            "strategy='greedysnake' owns backward and the optimizer step, so it needs "
+            "automatic_optimization=True (found False). Fix: remove `self.automatic_optimization = False` "
+            "and return the loss from training_step."
+        )
+    if type(module).backward is not LightningModule.backward:
+        raise ValueError(
+            f"{type(module).__name__} overrides `backward`, which strategy='greedysnake' cannot honour: it "
+            "back-propagates unit by unit itself. Fix: remove the override (use on_before_backward or "
+            "on_before_optimizer_step for custom logic)."
+        )
+    if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+        raise ValueError(
+            "training_step(dataloader_iter) is not supported by strategy='greedysnake': it reads a window "
+            "of batches ahead. Fix: take `batch` (and optionally `batch_idx`) as arguments."
+        )
+    if type(module).on_after_backward is not LightningModule.on_after_backward:
+        warn(
+            "on_after_backward",
+            f"{type(module).__name__}.on_after_backward runs after each micro-batch's backward through the "
+            "last unit only; with strategy='greedysnake' the earlier units' gradients are complete only "
+            "in on_before_optimizer_step. Inspect gradients there.",
+        )
+
+
+def check_optimizers(optimizers: list[Any]) -> None:
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"strategy='greedysnake' needs exactly one optimizer from configure_optimizers (got "
+            f"{len(optimizers)}). Fix: return one optimizer, with several param groups if needed."
+        )
+    if isinstance(optimizers[0], torch.optim.LBFGS):
+        raise ValueError(
+            "torch.optim.LBFGS re-evaluates the closure several times per step, which strategy='greedysnake' "
+            "cannot do. Fix: use AdamW, Adam or SGD."
+        )
+
+
+def clip_policy(trainer: Any, module: LightningModule, warn: Warn) -> ClipPolicy:
+    """Clipping by value is applied unit by unit as each gradient completes; clipping by norm (or a
+    custom ``configure_gradient_clipping``) needs every gradient first, so every step waits for it."""
+    custom = type(module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
+    value = trainer.gradient_clip_val
+    algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm")
+    if custom:
+        warn(
+            "configure_gradient_clipping",
+            f"{type(module).__name__}.configure_gradient_clipping runs with the gradients in greedysnake's "
+            "offloaded buffers: self.clip_gradients(...) works, but param.grad is not populated. Every "
+            "unit's optimizer step waits until it has run.",
+        )
+        return ClipPolicy(defer=True)
+    if value is None or value <= 0:
+        return ClipPolicy()
+    if algorithm == "value":
+        return ClipPolicy(value=float(value))
+    return ClipPolicy(defer=True)

@@ -1,0 +1,450 @@
+"""The strategy: Lightning's hooks routed to the engine and the tensor manager. Owns no tensor logic.
+
+How a window of K micro-batches maps onto Lightning (automatic optimization, accumulate_grad_batches=K):
+
+- micro-batch m's ``training_step`` -> the engine runs the plan up to the fused op ``L.m`` (vertically at
+  m=0: every unit but the last, for all K micro-batches, read ahead through
+  :class:`~lightning_greedysnake.strategy.inputs.WindowInputs`), then the user's own ``training_step``
+  runs with the layered model's ``forward`` answered by the fused op: the last unit and head, from the
+  checkpoint. The user's loss and ``self.log`` calls are real.
+- micro-batch m's ``backward`` -> the loss is back-propagated through the fused op; the engine then runs
+  the backward ops that follow (vertically after the last micro-batch: unit by unit, recomputing).
+- the optimizer step -> the precision plugin makes sure the window's backward is complete, then
+  Lightning's own path runs: ``on_before_optimizer_step``, gradient clipping, ``optimizer.step()``,
+  LR schedulers, ``global_step``.
+
+Each concern beside the routing lives in its own module of this package: data-parallel plumbing
+(``data_parallel``), the offload directory (``offload_dir``), window inputs (``inputs``), meta models
+(``materialize``), checks (``checks``), the auto plan (``auto_plan``), checkpoints (``checkpoints``),
+progress (``progress``), and the Lightning internals it needs (``lightning_api``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_greedysnake.checkpoint import is_checkpoint_dir
+from lightning_greedysnake.checkpoint.streamed import load_streamed
+from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Tier
+from lightning_greedysnake.distributed import ShardedStateView
+from lightning_greedysnake.engine import WindowEngine
+from lightning_greedysnake.models import check_parameter_ownership, find_layered_model, make_units
+from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
+from lightning_greedysnake.precision import GreedySnakePrecision
+from lightning_greedysnake.strategy import checks, progress
+from lightning_greedysnake.strategy.auto_plan import auto_plan
+from lightning_greedysnake.strategy.checkpoints import StreamedCheckpoints
+from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
+from lightning_greedysnake.strategy.inputs import WindowInputs, forward_replaced, loss_of, tokens_in
+from lightning_greedysnake.strategy.manager_setup import (
+    check_device,
+    open_tensor_manager,
+    stand_in_for_meta_parameters,
+)
+from lightning_greedysnake.strategy.offload_dir import OffloadDirectory
+from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
+from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore
+
+
+class GreedySnakeStrategy(DataParallelStrategy):
+    """Trains a layered model with GreedySnake's vertical schedule and recompute backward.
+
+    Args:
+        config: a full :class:`GreedySnakeConfig`; keyword settings below override its fields.
+        checkpoint_io: Lightning's checkpoint IO plugin.
+        precision_plugin: usually left out; ``Trainer(precision=...)`` decides.
+        **settings: any :class:`GreedySnakeConfig` field, e.g. ``schedule="horizontal"``,
+            ``layers_per_unit=2``.
+    """
+
+    strategy_name = "greedysnake"
+
+    @override
+    def __init__(self, config: GreedySnakeConfig | Mapping[str, Any] | None = None, *,
+                 checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
+                 **settings: Any) -> None:
+        if isinstance(config, Mapping):
+            settings = {**config, **settings}
+            config = None
+        # validate first: bad settings fail at construction, before Lightning does anything
+        self.config = GreedySnakeConfig.from_kwargs(config, **settings)
+        super().__init__(checkpoint_io=checkpoint_io)
+        self._gs_precision: GreedySnakePrecision | None = None
+        if precision_plugin is not None:
+            self.precision_plugin = precision_plugin
+        self._engine: WindowEngine | None = None
+        self._store: TensorStore | None = None
+        self._layered: nn.Module | None = None
+        self._layered_path: str | None = None
+        self._inputs: WindowInputs | None = None
+        self._dir: OffloadDirectory | None = None
+        self._checkpoints = StreamedCheckpoints()
+        self._telemetry: StepRecorder | None = None
+        self._batch_idx = 0
+        """The epoch-local index of the batch in progress (from ``on_train_batch_start``)."""
+        self._warned: set[str] = set()
+        self._failed = False
+        self.plan_choice: Any = None
+        """The planner's choice when ``auto=True`` (after the first optimizer step)."""
+
+    # -- the precision plugin ----------------------------------------------------------------------
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> GreedySnakePrecision:
+        if self._gs_precision is None:
+            # not stored in _precision_plugin: Lightning must still see "none chosen" and build one from
+            # Trainer(precision=...), which the setter below then translates
+            return GreedySnakePrecision()
+        return self._gs_precision
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning installs a plain plugin built from Trainer(precision=...) after constructing a
+        # strategy chosen by name; keep ours (translated) instead, or refuse what we cannot honour.
+        if plugin is None:
+            self._gs_precision = None
+            self._precision_plugin = None
+            return
+        self._gs_precision = GreedySnakePrecision.from_plugin(plugin)
+        self._precision_plugin = self._gs_precision
+
+    # -- what the strategy exposes ------------------------------------------------------------------
+    @property
+    def engine(self) -> WindowEngine:
+        assert self._engine is not None, "the strategy is not set up"
+        return self._engine
+
+    @property
+    def store(self) -> TensorStore:
+        assert self._store is not None, "the strategy is not set up"
+        return self._store
+
+    @property
+    def tensor_manager(self) -> TieredTensorStore | None:
+        """The SSD/host tensor manager, when the placement uses one (None: everything on the device)."""
+        return self._store if isinstance(self._store, TieredTensorStore) else None
+
+    def io_stats(self) -> dict[str, float]:
+        """The tensor manager's I/O counters so far: ``{"ssd/weights/bytes_read": ..., ...}`` (bytes,
+        busy seconds and the seconds training waited, per kind and tier); empty without offload."""
+        manager = self.tensor_manager
+        return manager.stats.flat() if manager is not None else {}
+
+    @property
+    def step_telemetry(self) -> list[StepTelemetry]:
+        """Per optimizer step: lane busy seconds (SSD read, SSD write, optimizer), compute, the seconds the
+        training thread waited on reads and on the optimizer, bytes per kind. Empty without offload."""
+        return self._telemetry.history if self._telemetry is not None else []
+
+    @property
+    def last_checkpoint_seconds(self) -> float | None:
+        """Wall time of the last checkpoint save streamed from the tiers."""
+        return self._checkpoints.last_seconds
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        presets = {
+            "greedysnake": ("GreedySnake vertical schedule", {"schedule": "vertical"}),
+            "greedysnake_horizontal": (
+                "the horizontal (ZeRO-Infinity) order on the greedysnake engine", {"schedule": "horizontal"}),
+            "greedysnake_cpu": (
+                "GreedySnake vertical schedule with every tensor in host memory (no SSD tier)",
+                {"schedule": "vertical", "offload": OffloadConfig.everywhere(Tier.HOST)},
+            ),
+        }
+        for name, (description, params) in presets.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **params)
+
+    # -- setup and teardown ---------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            checks.check_module_for_training(module, self._warn_once)
+        path, layered, chain = find_layered_model(module, self.config.layered_module)
+        units = make_units(chain, self.config.layers_per_unit)
+        if fitting:
+            check_parameter_ownership(module, path, units)
+        on_meta = stand_in_for_meta_parameters(module, units, self.config.offload.uses_tensor_manager)
+        super().setup(trainer)  # model to device, optimizers, precision plugin
+        if fitting:
+            checks.check_optimizers(self.optimizers)
+        self._layered, self._layered_path = layered, path
+        self._inputs = WindowInputs(layered, path)
+        if self.config.offload.uses_tensor_manager:
+            manager = self._open_tensor_manager(trainer, module, units, fitting, layered if on_meta else None)
+            self._store = manager
+            self._telemetry = StepRecorder(manager)
+            if fitting and self.config.trace_steps:
+                trace = Path(self.config.trace_path or Path(trainer.default_root_dir) / "greedysnake_trace.json")
+                self._telemetry.start_trace(self.config.trace_steps, trace)
+            self.precision_plugin.attach(self._finish_window, manager, self._after_step)
+        else:
+            self.broadcast_parameters([p for unit in units for p in unit.parameters()])
+            self._store = InMemoryTensorStore()
+            self.precision_plugin.attach(self._finish_window)
+        self._engine = WindowEngine(chain, units, self.config, self._store, self.root_device,
+                                    self.precision_plugin.forward_context)
+        if self.tensor_manager is not None:
+            lanes = self.tensor_manager.stats.lanes
+            self._engine.observer = lambda name, a, b: lanes.add("compute", a, b, name)
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``trainer.init_module(empty_init=True)``: with the tensor manager, build the model on the meta
+        device; setup then materializes it one unit at a time straight into its tiers."""
+        if empty_init and self.config.offload.uses_tensor_manager:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    def _open_tensor_manager(self, trainer: Any, module: Any, units: list, fitting: bool,
+                             meta_model: nn.Module | None) -> TieredTensorStore:
+        check_device(self.config, self.root_device)
+        manager = TieredTensorStore(
+            units, {id(p): n for n, p in module.named_parameters()},
+            self.optimizers[0] if (fitting and self.optimizers) else None, self.config.offload,
+            compute_dtype=self.precision_plugin.compute_dtype, alpha=self.config.alpha, lag=self.config.lag,
+            clip=checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy(),
+            shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None,
+        )
+        if self.is_distributed:
+            manager.stepper.grad_reducer = lambda grad: self._dp.average_gradient(grad, self.world_size)
+            manager.stepper.weights_gatherer = lambda flat, b: self._dp.gather_weights(flat, b, self.global_rank)
+        self._dir = OffloadDirectory(self.config.offload)
+        open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),
+                            (self.global_rank, self.local_rank, self.is_distributed), units,
+                            self.broadcast_parameters, meta_model, rank_zero_info)
+        return manager
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # teardown follows: it must clean up without raising again over the original error
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        manager = self.tensor_manager
+        failed, self._failed = self._failed, False
+        try:
+            if self._engine is not None:
+                self._engine.close()
+            if manager is not None and self.config.offload.return_weights and not manager.closed and not failed:
+                # the LightningModule should be usable after fit, as with any other strategy
+                manager.restore_parameters(self._master_source(manager))
+        finally:
+            try:
+                if self._store is not None:
+                    self._store.close()
+            finally:
+                if self._dir is not None:
+                    self._dir.cleanup(manager.files if manager is not None else [])
+                    self._dir = None
+                self.precision_plugin.attach(None)
+                self._engine = None
+                self._store = None
+                self._inputs = None
+                super().teardown()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
+
+    # -- data ---------------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or self._inputs is None:
+            return dataloader
+        return self._inputs.wrap(dataloader, trainer.accumulate_grad_batches)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_idx = batch_idx
+
+    # -- the training step ------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine, inputs = self.engine, self._inputs
+        assert inputs is not None
+        module = self.lightning_module
+        trainer = module.trainer
+        microbatch = inputs.open_window(engine, self._batch_idx, trainer.accumulate_grad_batches,
+                                        trainer.num_training_batches, self._warn_once)
+        inputs.feed(engine, microbatch, module, args, kwargs, self.precision_plugin.train_step_context,
+                    trainer.precision_plugin.convert_input, lambda b: self.batch_to_device(b, dataloader_idx=0))
+        engine.run_until_fused(microbatch)
+
+        def fused(*a: Any, **kw: Any) -> Any:
+            if self._telemetry is not None:
+                self._telemetry.tokens += tokens_in(a, kw)
+            t0 = time.perf_counter()
+            out = engine.fused_forward(microbatch, a, kw)
+            self._observe(f"L{engine.units[-1].index}.{microbatch} forward", t0)
+            return out
+
+        with forward_replaced(inputs.layered, fused):
+            output = super().training_step(*args, **kwargs)
+        if engine.fused_pending != microbatch:
+            raise ValueError(inputs.no_model_call_message())
+        if microbatch == 0 and self._telemetry is not None:
+            progress.show_progress(module, self._telemetry.history[-1] if self._telemetry.history else None)
+        if loss_of(output) is None:
+            # Lightning skips backward when training_step returns no loss: this micro-batch adds nothing
+            engine.fused_backward_done(microbatch)
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        engine = self.engine
+        microbatch = engine.fused_pending
+        assert microbatch is not None, "backward called without a fused forward"
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        t0 = time.perf_counter()
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._observe(f"L{engine.units[-1].index}.{microbatch} backward", t0)
+        engine.fused_backward_done(microbatch)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _finish_window(self) -> None:
+        self.engine.finish_window()
+        if self.is_distributed and self.tensor_manager is None:
+            self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
+
+    def _observe(self, name: str, start: float) -> None:
+        manager = self.tensor_manager
+        if manager is not None:
+            manager.stats.lanes.add("compute", start, time.perf_counter(), name)
+
+    def _after_step(self) -> None:
+        """The step's telemetry to the loggers; the auto plan after the first step."""
+        assert self._telemetry is not None
+        entry = self._telemetry.record()
+        manager = self.tensor_manager
+        if self.config.auto and self.plan_choice is None and manager is not None:
+            trainer = self.lightning_module.trainer
+            self.plan_choice, self.config, report = auto_plan(
+                manager, self.engine.activation_bytes, self.config, trainer.accumulate_grad_batches,
+                Path(trainer.default_root_dir), self.broadcast)
+            self.engine.config = self.config  # between windows: the engine reads it op by op
+            rank_zero_info(report)
+        progress.log_step(self.lightning_module.trainer, entry)
+
+    # -- state dicts and checkpoints (the tensor manager holds the real values) -------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # with a tensor manager, a checkpoint's state goes into it unit by unit, so it must exist first
+        return self.config.offload.uses_tensor_manager
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Lightning's state dict for checkpoints; with the tensor manager, placeholders that
+        :meth:`save_checkpoint` streams from the tiers (:meth:`full_state_dict` gives real tensors)."""
+        state = super().lightning_module_state_dict()
+        manager = self.tensor_manager
+        return state if manager is None else StreamedCheckpoints.placeholders(state, manager)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's state dict with every parameter's current value (full precision),
+        gathered in memory (collective with partitioned state: every rank calls it)."""
+        state = super().lightning_module_state_dict()
+        manager = self.tensor_manager
+        if manager is None:
+            return state
+        return StreamedCheckpoints.filled(state, manager, self._master_source(manager) or manager.unit_master_weights)
+
+    def _master_source(self, manager: TieredTensorStore) -> Any:
+        """Partitioned state: full-precision weights gathered from every rank's chunk; None: the manager's."""
+        if manager.shard is None:
+            return None
+        return ShardedStateView(manager, self.global_rank, self.world_size).unit_master_weights
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        manager = self.tensor_manager
+        if manager is None or manager.optimizer is None:
+            return super().optimizer_state(optimizer)
+        return StreamedCheckpoints.optimizer_placeholder(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        manager = self.tensor_manager
+        if manager is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._checkpoints.save(manager, checkpoint, filepath, storage_options, rank=self.global_rank,
+                               world=self.world_size, global_step=self.lightning_module.trainer.global_step,
+                               layered_prefix=f"{self._layered_path}." if self._layered_path else "",
+                               precision=str(self.precision_plugin.precision))
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not (self.is_global_zero and StreamedCheckpoints.remove(filepath)):
+            super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if is_checkpoint_dir(checkpoint_path):
+            return load_streamed(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        manager = self.tensor_manager
+        if manager is None:
+            StreamedCheckpoints.refuse_without_manager(checkpoint["state_dict"])
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._checkpoints.load_model(manager, self.lightning_module, checkpoint["state_dict"], strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        manager = self.tensor_manager
+        if manager is None or manager.optimizer is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        StreamedCheckpoints.load_optimizer(manager, self.optimizers[0], checkpoint)
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with forward_replaced(self._layered_module(), self.engine.eval_forward):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with forward_replaced(self._layered_module(), self.engine.eval_forward):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with forward_replaced(self._layered_module(), self.engine.eval_forward):
+            return super().predict_step(*args, **kwargs)
+
+    def _layered_module(self) -> nn.Module:
+        assert self._layered is not None, "the strategy is not set up"
+        return self._layered

@@ -1,0 +1,104 @@
+"""The tensor manager at setup: the placement checked against the device, the offload directory
+prepared and locked, the initial weights stored in the tiers (rank 0's, broadcast).
+
+Models created on the meta device (``trainer.init_module(empty_init=True)``): the layered model's
+parameters get memory-less stand-ins at setup, and are then materialized one unit at a time straight
+into the tensor manager's tiers, so a model larger than RAM never exists there whole (Lightning's
+convention for FSDP and DeepSpeed)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_greedysnake.config import GreedySnakeConfig, TensorKind
+from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
+from lightning_greedysnake.strategy.offload_dir import OffloadDirectory
+from lightning_greedysnake.tensor_manager import TieredTensorStore
+
+Broadcast = Callable[[list[nn.Parameter]], None]
+"""Every rank's copy of these parameters becomes rank 0's (a no-op in one process)."""
+
+
+def stand_in_for_meta_parameters(module: nn.Module, units: list[Unit], uses_tensor_manager: bool) -> bool:
+    """Swap every meta parameter of the layered model for a memory-less CPU stand-in (the same
+    Parameter object, so the optimizer Lightning builds next refers to it); False if none is meta."""
+    meta_outside = [
+        n for n, t in [*module.named_parameters(), *module.named_buffers()]
+        if t.is_meta and not any(t is q for unit in units for q in unit.parameters())
+    ]
+    in_units = [p for unit in units for p in unit.parameters() if p.is_meta]
+    if not in_units and not meta_outside:
+        return False
+    if meta_outside:
+        raise ValueError(
+            f"tensors on the meta device outside the layered model's parameters: {meta_outside[:6]}. "
+            "greedysnake materializes the layered model's parameters unit by unit; buffers and other "
+            "tensors must be real. Fix: create them on the CPU (e.g. register buffers in setup())."
+        )
+    if not uses_tensor_manager:
+        raise ValueError(
+            "the model's parameters are on the meta device, but the placement keeps everything on the "
+            "device, where nothing materializes them. Fix: use an offload placement (the default) or "
+            "create the model without empty_init."
+        )
+    for p in in_units:
+        stand_in = nn.Parameter(
+            torch.full((1,), float("nan"), dtype=p.dtype).expand(p.shape), requires_grad=p.requires_grad
+        )
+        torch.utils.swap_tensors(p, stand_in)
+    return True
+
+
+def materialize(manager: TieredTensorStore, layered: nn.Module, units: list[Unit],
+                broadcast: Callable[[list[nn.Parameter]], None]) -> None:
+    """Initialize the layered model unit by unit into ``manager`` (each unit's values ``broadcast`` from
+    rank 0 with several processes), with the model's own initializer or ``reset_parameters()``."""
+    initializer = unit_initializer_of(layered)
+    if initializer is not None:
+        generator = initializer.weight_init_generator()
+
+        def init(u: int) -> None:
+            initializer.init_modules(units[u].modules, generator)
+            broadcast(units[u].parameters())
+    else:
+
+        def init(u: int) -> None:
+            reset_modules(units[u].modules)
+            broadcast(units[u].parameters())
+
+    manager.initialize_unit_by_unit(init)
+
+
+def check_device(config: GreedySnakeConfig, device: torch.device) -> None:
+    if device.type != "cpu":
+        placement = ", ".join(f"{kind.value}={config.offload.tier(kind).value}" for kind in TensorKind)
+        raise ValueError(
+            f"offload placement {placement} on a {device.type} device: the tensor manager's accelerator path "
+            "(pinned buffers, copy streams) is not built yet. Fix: Trainer(accelerator='cpu'), or keep "
+            "everything on the device with offload=OffloadConfig.everywhere('device')."
+        )
+
+
+def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectory, default_root: Path,
+                        ranks: tuple[int, int, bool], units: list[Unit], broadcast: Broadcast,
+                        meta_model: nn.Module | None, report: Callable[[str], None]) -> None:
+    """Prepare and lock ``directory``, open ``manager``'s files there and store the model's initial
+    weights in its tiers (materialized unit by unit from ``meta_model`` if given). ``ranks``: (global
+    rank, local rank, whether there are several processes). On a failure everything taken is given back."""
+    try:
+        if manager.config.uses_ssd:
+            report(directory.prepare(default_root, manager.ssd_bytes(), *ranks).text())
+        manager.open(directory.path)
+        if meta_model is not None:
+            materialize(manager, meta_model, units, broadcast)
+        else:
+            broadcast([p for unit in units for p in unit.parameters()])
+            manager.initialize_from_parameters()
+    except BaseException:
+        manager.close()
+        directory.cleanup(manager.files)
+        raise

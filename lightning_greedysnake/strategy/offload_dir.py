@@ -1,0 +1,78 @@
+"""The offload directory of one process: chosen from the config (one per rank with several
+processes), checked before any work starts (preflight: writable, O_DIRECT, free space), locked for the
+run, and cleaned up at its end, removing only what this run created."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from lightning_greedysnake.config import OffloadConfig
+from lightning_greedysnake.offload import OffloadDirLock, PreflightReport, preflight
+
+
+class OffloadDirectory:
+    def __init__(self, config: OffloadConfig) -> None:
+        self.config = config
+        self.path: Path | None = None
+        self._lock: OffloadDirLock | None = None
+        self._created: Path | None = None
+        """The directory, when this run created it (removed at cleanup, when empty)."""
+        self._created_rank_parent: Path | None = None
+        """The default parent of the per-rank directories: whichever rank leaves last removes it."""
+
+    def _choose(self, default_root: Path, rank: int, local_rank: int, distributed: bool) -> Path:
+        offload = self.config
+        path = Path(offload.path or default_root / "greedysnake_offload")
+        if offload.path is not None and ("{rank}" in offload.path or "{local_rank}" in offload.path):
+            try:
+                return Path(offload.path.format(rank=rank, local_rank=local_rank))
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(
+                    f"offload.path={offload.path!r}: only {{rank}} and {{local_rank}} are filled in ({e!r}). "
+                    "Fix: escape other braces as {{ and }}."
+                ) from None
+        if distributed:
+            # each rank its own files and lock, under the one configured directory
+            if path.parent.exists():
+                path.mkdir(exist_ok=True)  # the first rank makes it
+            if offload.path is None:  # ours: whichever rank leaves last removes it (when empty)
+                self._created_rank_parent = path
+            return path / f"rank_{rank}"
+        return path
+
+    def prepare(self, default_root: Path, ssd_bytes: dict[str, int], rank: int = 0, local_rank: int = 0,
+                distributed: bool = False) -> PreflightReport:
+        """Choose, check and lock the directory for a run that keeps ``ssd_bytes`` there."""
+        path = self._choose(default_root, rank, local_rank, distributed)
+        existed = path.exists()
+        if self.config.path is None and not existed:
+            # our own default under default_root_dir (which Lightning creates lazily): make the parents;
+            # a user-given path with a missing parent is refused by preflight instead (a typo?)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        report = preflight(path, ssd_bytes)
+        if not existed:
+            self._created = report.offload_dir
+        self._lock = OffloadDirLock(report.offload_dir)
+        self._lock.acquire()
+        self.path = report.offload_dir
+        return report
+
+    def cleanup(self, files: list[Path]) -> None:
+        """Remove the run's ``files`` (unless ``keep_files``), release the lock, remove the directories
+        this run created when they are empty (never what someone else put there). Idempotent."""
+        keep = self.config.keep_files
+        if not keep:
+            for path in files:
+                path.unlink(missing_ok=True)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        created, self._created = self._created, None
+        if created is not None and not keep:
+            with contextlib.suppress(OSError):
+                created.rmdir()  # only if empty
+            if self._created_rank_parent is not None:
+                with contextlib.suppress(OSError):  # only when empty: the last rank out removes it
+                    self._created_rank_parent.rmdir()
+        self._created_rank_parent = None

@@ -1,0 +1,28 @@
+"""What the user sees of the tensor manager while training: tokens/s and SSD GB/s on the progress bar,
+and each optimizer step's telemetry in the Trainer's loggers (``greedysnake/<metric>``, every
+``log_every_n_steps``, as Lightning logs its own metrics)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_greedysnake.telemetry import StepTelemetry
+
+
+def show_progress(module: Any, last: StepTelemetry | None) -> None:
+    """The last step's tokens/s and SSD GB/s on the progress bar (not the loggers: they get it all)."""
+    if last is None:
+        return
+    values = {"gs/ssd_GBps": round(last.ssd_gb_per_s, 3)}
+    if last.tokens:
+        values["gs/tok_s"] = round(last.tokens_per_s, 1)
+    module.log_dict(values, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+
+
+def log_step(trainer: Any, entry: StepTelemetry) -> None:
+    every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
+    step = trainer.global_step
+    if trainer.loggers and step % every == 0:
+        metrics = {f"greedysnake/{k}": v for k, v in entry.as_metrics().items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)

@@ -1,0 +1,427 @@
+"""The tensor manager: each unit's weights, master weights, optimizer state, waiting gradients and
+activation checkpoints on the tier the placement names, and the optimizer step that streams them.
+
+It is a composition of components, each one owner of one concern (this module only wires them and
+routes the :class:`~lightning_greedysnake.offload.TensorStore` protocol to them):
+
+- :class:`~lightning_greedysnake.offload.staging.StagingArena`: the pool and its budget, every kind's
+  regions on their tiers, and the :class:`~lightning_greedysnake.offload.staging.Staged` handles that
+  own a buffer and every transfer on it;
+- :class:`~lightning_greedysnake.offload.residency.WeightsResidency`: compute weights bound to the
+  parameters, prefetch, the :class:`~lightning_greedysnake.offload.residency.UpdateGate`;
+- :class:`~lightning_greedysnake.offload.gradients.GradientAccumulator`: hooks, flat fp32 gradients,
+  spill, norms;
+- :class:`~lightning_greedysnake.offload.activations.ActivationStore`: activation checkpoints;
+- :class:`~lightning_greedysnake.optim.UnitStepper`: each unit's optimizer step on the lane, through
+  the staging Protocols.
+
+Threads: the training thread calls everything here; the optimizer lane runs the stepper's jobs; I/O
+threads complete transfers and give buffers back. Each component's docstring says what it shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_greedysnake.checkpoint import optimizer_state as opt_state
+from lightning_greedysnake.config import OffloadConfig, TensorKind
+from lightning_greedysnake.io import IOConfig, IOEngine, OffloadFile, default_engine
+from lightning_greedysnake.io.heap import trim_heap
+from lightning_greedysnake.layout import StateLayout, UnitLayout, build_unit_layout
+from lightning_greedysnake.models import Unit
+from lightning_greedysnake.offload import unit_values
+from lightning_greedysnake.offload.activations import ActivationStore
+from lightning_greedysnake.offload.gradients import GradientAccumulator
+from lightning_greedysnake.offload.pool import BufferPool
+from lightning_greedysnake.offload.residency import UpdateGate, WeightsResidency
+from lightning_greedysnake.offload.staging import StagingArena
+from lightning_greedysnake.offload.stats import IOStats
+from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper, discover_slots
+
+__all__ = ["ClipPolicy", "TieredTensorStore"]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class TieredTensorStore:
+    """The SSD/host tensor manager behind the :class:`TensorStore` protocol, plus the optimizer step."""
+
+    owns_optimizer_step = True
+
+    def __init__(self, units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
+                 config: OffloadConfig, compute_dtype: torch.dtype = torch.float32, clip: ClipPolicy | None = None,
+                 alpha: float = 0.0, lag: int = 0, shard: tuple[int, int] | None = None) -> None:
+        """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
+
+        ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
+        ``lag``: how many units the background optimizer may trail backward by (0: synchronous);
+        ``shard``: ``(rank, world)`` of data parallel with partitioned state: this process steps only its
+        chunk of every unit, and the stepper's ``weights_gatherer`` brings the other chunks' weights."""
+        self.config = config
+        self.optimizer = optimizer
+        self.compute_dtype = compute_dtype
+        self.clip = clip or ClipPolicy()
+        self.stats = IOStats()
+        self.offload_dir: Path | None = None
+        self._engine: IOEngine | None = None
+        self._closed = False
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
+        self.params: list[list[nn.Parameter]] = [unit.parameters() for unit in units]
+        layouts = [
+            build_unit_layout(unit.index, [
+                (param_names.get(id(p), f"unit{unit.index}.{i}"), tuple(p.shape),
+                 group_of.get(id(p)) if p.requires_grad else None)
+                for i, p in enumerate(ps)
+            ])
+            for unit, ps in zip(units, self.params, strict=True)
+        ]
+        self.slots: tuple[str, ...] = discover_slots(optimizer) if optimizer is not None else ()
+        self.state = StateLayout(tuple(layouts), _itemsize(compute_dtype), len(self.slots),
+                                 separate_master=compute_dtype != torch.float32, shard=shard)
+        self.arena = StagingArena(self.state, config, self.stats, lag)
+        self.gate = UpdateGate(len(units))
+        self.stepper = UnitStepper(optimizer, self.state, self.slots, self.arena, self.gate, compute_dtype,
+                                   self.clip, alpha, lag,
+                                   on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
+        self.weights = WeightsResidency(self.arena, self.state, self.params, compute_dtype, self.gate,
+                                        wait_for=lambda event: self.stepper.lane.wait_for(event))
+        self.stepper.keep_weights = self.weights.keep_as_prefetch
+        self.grads = GradientAccumulator(self.arena, self.state, self.params)
+        self.activations = ActivationStore(self.arena, config, self.stats)
+        self.pool.others_active = lambda: not self.stepper.lane.idle
+
+    # -- views of the components (read-only) ------------------------------------------------------------
+    @property
+    def layouts(self) -> tuple[UnitLayout, ...]:
+        return self.state.units
+
+    @property
+    def num_units(self) -> int:
+        return self.state.num_units
+
+    @property
+    def shard(self) -> tuple[int, int] | None:
+        return self.state.shard
+
+    @property
+    def separate_master(self) -> bool:
+        return self.state.separate_master
+
+    @property
+    def pool(self) -> BufferPool:
+        return self.arena.pool
+
+    @property
+    def min_budget_bytes(self) -> int:
+        return self.arena.min_budget_bytes
+
+    @property
+    def files(self) -> list[Path]:
+        return [*self.arena.files, *self.activations.files]
+
+    @property
+    def alpha(self) -> float:
+        return self.stepper.alpha
+
+    @property
+    def lag(self) -> int:
+        return self.stepper.lag
+
+    @property
+    def unit_optimizers(self) -> list[UnitOptimizer | None]:
+        return self.stepper.unit_optimizers
+
+    @property
+    def weight_loads(self) -> dict[int, int]:
+        """Times each unit's compute weights were acquired, since construction."""
+        return self.weights.weight_loads
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
+        return self.activations.checkpoint_bytes
+
+    @property
+    def checkpoint_prefetches(self) -> int:
+        """SSD checkpoint reads started ahead of need, since construction."""
+        return self.activations.prefetches
+
+    @property
+    def steps_read_ahead(self) -> int:
+        """Steps that found their master weights and state read ahead (:meth:`prefetch_step`)."""
+        return self.stepper.parts.steps_read_ahead
+
+    @property
+    def optimizer_wait_seconds(self) -> float:
+        """Seconds the training thread spent blocked on the optimizer lane, since construction."""
+        return self.stepper.lane.wait_seconds
+
+    def region_bytes(self, kind: TensorKind, u: int) -> int:
+        return self.state.region_bytes(kind, u)
+
+    def deferred_bytes(self, kind: TensorKind, u: int) -> int:
+        """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""
+        lo, hi = self.stepper.deferred_range(u)
+        return sum(b - a for a, b in self.state.byte_ranges(kind, u, lo, hi)) if lo < hi else 0
+
+    def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]:
+        """The element range of unit ``u`` that ``rank`` (default: this process) steps."""
+        return self.state.bounds(u, rank)
+
+    def ssd_bytes(self) -> dict[str, int]:
+        """Bytes each SSD-resident kind keeps in the offload directory (for preflight)."""
+        return self.arena.ssd_bytes()
+
+    def open_files(self) -> list[OffloadFile]:
+        """The offload files open now (each kind's regions, the checkpoint scratch)."""
+        return [*self.arena.open_files(), *self.activations.open_files()]
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+    def open(self, offload_dir: Path | None, io_engine: IOEngine | None = None) -> None:
+        """Create the host regions and the preallocated offload files (after preflight). ``io_engine``:
+        the I/O backend (default: the threaded O_DIRECT engine of ``offload.io_threads`` threads, see
+        :func:`~lightning_greedysnake.io.default_engine`); this store closes it."""
+        config = self.config
+        self.offload_dir = offload_dir
+        if config.uses_ssd:
+            assert offload_dir is not None, "an SSD tier needs an offload directory"
+            self._engine = io_engine or default_engine(
+                IOConfig(config.io_threads, config.io_chunk_bytes, config.direct_io))
+        try:
+            self.arena.open(offload_dir, self._engine)
+            self.activations.open(offload_dir, self._engine)
+        except BaseException:
+            self._close_files()
+            raise
+
+    def initialize_from_parameters(self) -> None:
+        """Copy the parameters' current values into their tiers, then detach the parameters' memory.
+
+        Called once, after the model exists (and after a checkpoint's weights were loaded into it)."""
+        for u in range(self.num_units):
+            self.load_unit_weights(u, [p.data for p in self.params[u]])
+            self.weights.unbind(u)
+        self.flush()
+        self.grads.register_hooks()
+
+    def initialize_unit_by_unit(self, init_unit: Callable[[int], None]) -> None:
+        """For a model created on the meta device: give unit u's parameters real (uninitialized) memory,
+        let ``init_unit(u)`` fill them in place, store them in their tiers and free the memory again,
+        one unit at a time, so the whole model never exists in RAM at once."""
+        for u in range(self.num_units):
+            self.weights.materialize(u)
+            init_unit(u)
+            self.load_unit_weights(u, [p.data for p in self.params[u]])
+            self.weights.unbind(u)
+            trim_heap(self.layouts[u].numel * 4)
+        self.flush()
+        self.grads.register_hooks()
+
+    def drain(self) -> None:
+        """Complete every pending optimizer step, deferred forward parts included (before reading the
+        weights or optimizer state from outside a window: checkpoints, evaluation, the end of the run)."""
+        self.stepper.drain()
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait for every write in flight (raises the first I/O error)."""
+        self.arena.flush()
+
+    def flush_checkpoints(self) -> None:
+        """Wait for every activation-checkpoint transfer in flight."""
+        self.activations.flush()
+
+    def reconfigure(self, alpha: float, lag: int, buffer_budget_bytes: int) -> None:
+        """Change alpha, lag and the staging budget between steps (the planner's choice): drains every
+        pending step, re-splits each unit's optimizer keeping its state, resizes the lane and the pool."""
+        self.drain()
+        self.stepper.reconfigure(alpha, lag)
+        self.arena.set_budget(buffer_budget_bytes, lag)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for writes, stop the lane and the I/O threads, close files and buffers, remove hooks.
+        Idempotent. The parameters keep their placeholders: the state lives in the tiers (and in
+        checkpoints)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.grads.remove_hooks()
+        try:
+            self.stepper.close()  # runs what is queued (a failed lane runs nothing more)
+            self.weights.close()
+            self.grads.discard()  # a window cut short by an error leaves its accumulators
+            if self.stepper.lane.failed:
+                # the error already reached the training thread; finish cleaning up regardless
+                with contextlib.suppress(OSError):
+                    self.flush()
+            else:
+                self.flush()
+        finally:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        """Every transfer completes before its file closes: each region and the scratch wait for theirs,
+        then the engine stops its threads."""
+        try:
+            self.activations.close()
+            self.arena.close()
+        finally:
+            if self._engine is not None:
+                self._engine.close()
+
+    # -- weights in and out (training thread, between windows) ------------------------------------------------
+    def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
+        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
+        self.stepper.parts.drop_read_ahead(u)  # read before these new values
+        unit_values.write_unit(self.arena, u, values, self.compute_dtype)
+
+    def unit_master_weights(self, u: int) -> list[Tensor]:
+        """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
+        self.drain()
+        return unit_values.read_unit(self.arena, u, self.compute_dtype)
+
+    def restore_parameters(self, master: Callable[[int], list[Tensor]] | None = None) -> None:
+        """Give the parameters real memory again, holding the trained weights (end of a run).
+        ``master``: where unit u's full-precision weights come from (partitioned state: gathered)."""
+        for u in range(self.num_units):
+            self.weights.restore(u, (master or self.unit_master_weights)(u))
+
+    # -- optimizer state (checkpoints; training thread, between windows) -------------------------------------
+    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
+        """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout
+        (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
+        assert self.optimizer is not None
+        self.drain()
+        self.stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
+        return opt_state.unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u)
+
+    def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
+        """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
+        assert self.optimizer is not None
+        self.drain()
+        self.stepper.parts.drop_read_ahead(u)  # read before this new state
+        opt_state.load_unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u, entries)
+
+    def optimizer_state(self) -> dict[int, dict[str, Any]]:
+        """The optimizer's per-parameter state in ``torch.optim`` form (the ``state`` entry of
+        ``optimizer.state_dict()``). Holds it all in memory: checkpoints stream it unit by unit."""
+        assert self.optimizer is not None
+        return opt_state.optimizer_state(self.optimizer, self.grads.where, self.num_units, self.unit_optimizer_state)
+
+    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
+        """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
+        assert self.optimizer is not None
+        self.drain()
+        for u, entries in opt_state.split_optimizer_state(self.optimizer, self.grads.where, state).items():
+            self.load_unit_optimizer_state(u, entries)
+        self.flush()
+
+    # -- the TensorStore protocol (training thread) ----------------------------------------------------------
+    def acquire_unit(self, unit: int) -> None:
+        self.weights.acquire(unit)
+
+    def release_unit(self, unit: int) -> None:
+        self.weights.release(unit)
+        if self.grads.in_memory(unit):
+            # an incomplete gradient (the horizontal order) or one waiting for the global norm goes to
+            # its tier: host memory never holds more than the units in use
+            self.grads.spill(unit)
+
+    def prefetch(self, unit: int) -> None:
+        self.weights.prefetch(unit)
+
+    def prefetch_step(self, unit: int) -> None:
+        self.stepper.read_ahead(unit, lambda: self._unit_need_bytes(unit))
+
+    def _unit_need_bytes(self, unit: int) -> int:
+        """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither
+        held nor prefetched, its gradient accumulator if not started."""
+        need = 0 if self.weights.is_staged(unit) else self.arena.ssd_region_bytes(TensorKind.WEIGHTS, unit)
+        if not self.grads.in_memory(unit):
+            need += self.arena.ssd_region_bytes(TensorKind.GRADIENTS, unit)
+        return need
+
+    def save_checkpoint(self, unit: int, microbatch: int, hidden: Tensor) -> None:
+        self.activations.save(unit, microbatch, hidden)
+
+    def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
+        return self.activations.load(unit, microbatch)
+
+    def release_checkpoint(self, unit: int, microbatch: int) -> None:
+        self.activations.release(unit, microbatch)
+
+    def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
+        self.activations.prefetch(unit, microbatch)
+
+    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
+        self.activations.drop(unit, microbatch)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return self.activations.num_checkpoints
+
+    def gradient_ready(self, unit: int) -> None:
+        """``unit``'s gradient for this window is complete: hand its step to the stepper, or (deferred
+        mode) record its norms and let the gradient wait on its tier until :meth:`finish_step`."""
+        self.stepper.check()
+        if not self.stepper.trains(unit) or not self.grads.has(unit):
+            return  # (no gradient reached this unit in this window: torch skips such parameters too)
+        if self.clip.defer:
+            self.grads.record_norms(unit, self.stepper.grad_reducer)
+            self.stepper.wait_for_clipping(unit)
+            if not self.weights.is_held(unit):
+                self.grads.spill(unit)  # wait on the gradients tier until finish_step (else: at release)
+            return
+        grad = self.grads.take(unit)
+        weights = self.weights.donate(unit)  # released by the engine soon; the job gives it back
+        has_grad = self.grads.pop_has_grad(unit)
+        self.weights.drop_prefetch(unit)
+        self.stepper.submit_backward_part(unit, grad, weights, has_grad)
+
+    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter]) -> Tensor:
+        """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step)."""
+        total = self.grads.global_norm(order)
+        self.stepper.clip_by_norm(max_norm, total)
+        return total
+
+    def clip_by_value(self, value: float) -> None:
+        self.stepper.clip_by_value(value)
+
+    def finish_step(self) -> None:
+        """After clipping (Lightning's order): hand the forward parts of this window's steps to the lane
+        (they overlap the next forward); in deferred mode, every unit's whole step, in unit order."""
+        self.stepper.check()
+        if not self.clip.defer:
+            self.stepper.submit_forward_parts()
+            return
+        values, coef = self.stepper.take_clipping()
+        for unit in self.stepper.take_waiting():
+            grad = self.grads.take_waiting(unit)
+            has_grad = self.grads.pop_has_grad(unit)
+            self.weights.drop_prefetch(unit)
+            self.stepper.submit_whole_step(unit, grad, has_grad, values, coef)
+        self.grads.clear_norms()
+
+    def end_window(self, completed: bool = True) -> None:
+        """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its
+        gradients, as Lightning's own ``zero_grad`` would drop them. A completed window's gradients are
+        all stepped already, or (deferred mode) wait for :meth:`finish_step`."""
+        self.activations.end_window()
+        if not completed:
+            self.discard_gradients()
+
+    def discard_gradients(self) -> None:
+        self.stepper.discard()
+        self.grads.discard()
