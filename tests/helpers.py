@@ -139,6 +139,32 @@ def regression_loader(num_batches: int, batch_size: int = 4, seed: int = 0) -> D
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
+class ResumableLoader:
+    """A DataLoader that resumes mid-epoch (Lightning's ``state_dict``/``load_state_dict`` protocol for
+    stateful loaders): it remembers how many batches it handed out and skips them after a restore."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self.served, self._skip = loader, 0, 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        for _ in range(self._skip):
+            next(it)
+        self.served, self._skip = self._skip, 0
+        for batch in it:
+            self.served += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["served"]
+
+
 def make_trainer(strategy: Any, k: int, logger: Logger | None = None, **kwargs: Any) -> L.Trainer:
     defaults: dict[str, Any] = dict(
         accelerator="cpu",
@@ -164,7 +190,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def assert_series_close(a: list[tuple[Any, float]], b: list[tuple[Any, float]], atol: float) -> None:
     assert len(a) == len(b) and len(a) > 0, (len(a), len(b))
-    for (step_a, va), (step_b, vb) in zip(a, b):
+    for (step_a, va), (step_b, vb) in zip(a, b, strict=True):
         assert step_a == step_b, (step_a, step_b)
         assert math.isclose(va, vb, rel_tol=0.0, abs_tol=atol), (step_a, va, vb)
 

@@ -67,6 +67,10 @@ class UnitStepper:
         self.weights_gatherer: Callable[[Tensor, list[tuple[int, int]]], None] | None = None
         """Partitioned state: fills a unit's flat compute weights with every rank's chunk (given every
         rank's bounds), after this rank stepped its own (on the lane, in unit order on every rank)."""
+        self.gradient_observer: Callable[[int, Tensor], None] | None = None
+        """Told ``(unit, flat fp32 gradient)`` once per window for every stepped unit: the complete
+        gradient (averaged over the ranks, before clipping), on the thread running the step, valid only
+        during the call. With offloading ``param.grad`` is never populated: this is how to see it."""
         self._alpha_pending: list[tuple[int, list[dict[str, Any]], list[bool]]] = []
         """Forward parts to submit after this window's backward: (unit, hyperparameters, has_grad)."""
         self._waiting: list[int] = []
@@ -166,6 +170,8 @@ class UnitStepper:
                 flat = grad.view(torch.float32, numel)
                 if self.grad_reducer is not None:
                     self.grad_reducer(flat)  # data parallel: the ranks' gradients averaged, as DDP does
+                if self.gradient_observer is not None:
+                    self.gradient_observer(unit, flat)
                 if value is not None:
                     flat.clamp_(-value, value)
                 try:
@@ -259,6 +265,8 @@ class UnitStepper:
             held = grad if grad is not None else self._staging.stage(TensorKind.GRADIENTS, unit, read=True)
             try:
                 flat = held.view(torch.float32, self.state.units[unit].numel)
+                if self.gradient_observer is not None:
+                    self.gradient_observer(unit, flat)
                 for v in values:
                     flat.clamp_(-v, v)
                 if coef is not None:

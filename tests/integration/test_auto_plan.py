@@ -44,10 +44,13 @@ def test_reconfiguring_alpha_and_lag_mid_run_keeps_the_optimizer_state():
     """The mechanism auto=True uses, forced: re-split every unit's optimizer after step 1."""
 
     class Switch(L.Callback):
+        fired = False
+
         def on_train_batch_end(self, trainer, module, *args):
             manager = trainer.strategy.tensor_manager
             if trainer.global_step == 1 and manager.alpha == 0.5:
                 manager.reconfigure(alpha=0.0, lag=2, buffer_budget_bytes=manager.pool.budget_bytes)
+                Switch.fired = True
 
     ref = _fit(GreedySnakeStrategy(alpha=0.5, lag=0))
     L.seed_everything(0, verbose=False)
@@ -55,6 +58,7 @@ def test_reconfiguring_alpha_and_lag_mid_run_keeps_the_optimizer_state():
     strategy = GreedySnakeStrategy(alpha=0.5, lag=0)
     make_trainer(strategy, 3, max_epochs=2, callbacks=[Switch()]).fit(module, token_loader(12))
     got = {n: p.detach().clone() for n, p in module.named_parameters()}
+    assert Switch.fired and strategy.config.alpha == 0.5  # (the manager's, not the config's, changed)
     assert max_abs_diff(got, ref) == 0
 
 
@@ -63,9 +67,12 @@ def test_auto_can_switch_to_kept_graphs_mid_run_exactly():
     (as auto=True may decide after step 1) lands where recomputing all along lands."""
 
     class Switch(L.Callback):
+        fired = False
+
         def on_train_batch_end(self, trainer, module, *args):
             strategy = trainer.strategy
             if trainer.global_step == 1 and strategy.config.recompute:
+                Switch.fired = True
                 assert set(strategy.engine.activation_bytes) >= {0, 1}  # measured at the first recompute
                 assert all(v > 0 for v in strategy.engine.activation_bytes.values())
                 strategy.config = dataclasses.replace(strategy.config, recompute=False)
@@ -77,4 +84,6 @@ def test_auto_can_switch_to_kept_graphs_mid_run_exactly():
         make_trainer(GreedySnakeStrategy(), 3, max_epochs=2, callbacks=callbacks).fit(module, token_loader(12))
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
-    assert max_abs_diff(fit([Switch()]), fit([])) <= 1e-6
+    switched = fit([Switch()])
+    assert Switch.fired
+    assert max_abs_diff(switched, fit([])) <= 1e-6

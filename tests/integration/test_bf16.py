@@ -20,9 +20,14 @@ NUM_BATCHES = 9
 EPOCHS = 2
 
 
+POLICY_GRADS: list[dict[str, torch.Tensor]] = []
+"""The policy reference's accumulated fp32 gradient of every window (filled by :func:`policy_reference`)."""
+
+
 def policy_reference() -> dict[str, torch.Tensor]:
     """bf16 copies of the fp32 master weights compute each window under autocast; each micro-batch's
     bf16 gradient is accumulated in fp32; the user's AdamW steps the fp32 master weights."""
+    POLICY_GRADS.clear()
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(n_layer=3, lr=LR)
     config = module.configure_optimizers()
@@ -34,7 +39,7 @@ def policy_reference() -> dict[str, torch.Tensor]:
         for start in range(0, len(batches), K):
             window = batches[start : start + K]
             with torch.no_grad():
-                for c, m in zip(compute.parameters(), master):
+                for c, m in zip(compute.parameters(), master, strict=True):
                     c.copy_(m)
             acc = [torch.zeros_like(m) for m in master]
             for x, y in window:
@@ -42,11 +47,12 @@ def policy_reference() -> dict[str, torch.Tensor]:
                     logits = compute(x)
                     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
                 (loss / K).backward()
-                for a, c in zip(acc, compute.parameters()):
+                for a, c in zip(acc, compute.parameters(), strict=True):
                     a += c.grad
                     c.grad = None
-            for m, a in zip(master, acc):
+            for m, a in zip(master, acc, strict=True):
                 m.grad = a
+            POLICY_GRADS.append({n: p.grad.clone() for n, p in module.named_parameters()})
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
@@ -54,6 +60,27 @@ def policy_reference() -> dict[str, torch.Tensor]:
 
 
 class ComputeDtype(L.Callback):
+    """The manager's compute dtype and SSD bytes, and every window's gradient as the stepper saw it."""
+
+    def __init__(self) -> None:
+        self.grads: dict[int, list[dict[str, torch.Tensor]]] = {}
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        manager = trainer.strategy.tensor_manager
+        if manager is None:
+            return
+
+        def observe(unit: int, flat: torch.Tensor) -> None:  # on the optimizer lane
+            self.grads.setdefault(unit, []).append({
+                s.name: flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
+                for s in manager.layouts[unit].params})
+
+        manager.stepper.gradient_observer = observe
+
+    def window_grads(self) -> list[dict[str, torch.Tensor]]:
+        steps = len(self.grads[0])
+        return [{n: g for per in self.grads.values() for n, g in per[s].items()} for s in range(steps)]
+
     def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
         manager = trainer.strategy.tensor_manager
         if manager is not None:
@@ -86,6 +113,10 @@ def test_bf16_mixed_matches_the_same_policy_in_plain_pytorch(reference, schedule
     assert probe.compute_dtype is torch.bfloat16
     assert all(p.dtype is torch.float32 for p in got.values())  # the master weights come back
     assert max_abs_diff(got, reference) <= 1e-5
+    windows = probe.window_grads()  # and every window's fp32-accumulated gradient
+    assert len(windows) == len(POLICY_GRADS)
+    for step, (g, r) in enumerate(zip(windows, POLICY_GRADS, strict=True)):
+        assert max_abs_diff(g, r) <= (1e-6 if step == 0 else 1e-5), step
     if placement == "ssd":
         # 16-bit compute weights on SSD next to the fp32 master copy
         assert probe.ssd_bytes["weights"] < 0.6 * probe.ssd_bytes["master_weights"]

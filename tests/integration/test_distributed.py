@@ -44,8 +44,27 @@ CHILD = textwrap.dedent("""
     module = TinyGPTModule(lr=3e-3, dropout=0.0)
 
     class Record(L.Callback):
+        resident_grads, unit_grads = [], {}
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+            if grads:
+                self.resident_grads.append(grads)
+
+        def window_grads(self):  # every window's gradient as the optimizer steps it (averaged)
+            if not self.unit_grads:
+                return self.resident_grads
+            steps = len(self.unit_grads[0])
+            return [{n: g for per in self.unit_grads.values() for n, g in per[s].items()} for s in range(steps)]
+
         def on_train_start(self, trainer, module):
             manager = getattr(trainer.strategy, "tensor_manager", None)
+            if manager is not None:
+                def observe(unit, flat):
+                    self.unit_grads.setdefault(unit, []).append({
+                        s.name: flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
+                        for s in manager.layouts[unit].params})
+                manager.stepper.gradient_observer = observe
             where = manager.offload_dir.name if manager is not None and manager.offload_dir else None
             self.disk = {}
             if manager is not None and manager.offload_dir:  # bytes really allocated per file
@@ -75,6 +94,7 @@ CHILD = textwrap.dedent("""
     trainer.fit(module, token_loader(12), ckpt_path=args.ckpt)
     if trainer.global_rank == 0:
         torch.save({n: p.detach().clone() for n, p in module.named_parameters()}, args.out)
+        torch.save(record.window_grads(), args.out + ".grads")
         with open(args.out + ".json", "w") as f:
             json.dump({"world": record.world, "ranks": record.ranks, "step": trainer.global_step,
                        "dirs": record.dirs, "sum": record.sum, "from_zero": record.from_zero,
@@ -106,7 +126,8 @@ def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
     info = json.loads(Path(str(out) + ".json").read_text())
-    return {"params": torch.load(out, weights_only=True), **info}
+    grads = torch.load(str(out) + ".grads", weights_only=True)
+    return {"params": torch.load(out, weights_only=True), "grads": grads, **info}
 
 
 @pytest.mark.parametrize("settings, clip", [
@@ -129,6 +150,11 @@ def test_two_processes_equal_ddp(tmp_path, settings, clip):
         assert allocated <= 0.6 * size, (allocated, size)
     assert got["step"] == ddp["step"]
     assert max_abs_diff(got["params"], ddp["params"]) <= 1e-5
+    # and every window's averaged gradient (Adam, and norm clipping, hide a gradient summed over the
+    # ranks instead of averaged: the weights alone would not show it)
+    assert len(got["grads"]) == len(ddp["grads"]) == ddp["step"]
+    for step, (g, r) in enumerate(zip(got["grads"], ddp["grads"], strict=True)):
+        assert g.keys() == r.keys() and max_abs_diff(g, r) <= 1e-5, step
     if "path" in settings.get("offload", {}):
         assert got["dirs"] == ["offload_0", "offload_1"]
 

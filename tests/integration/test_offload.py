@@ -193,7 +193,7 @@ def test_trained_weights_are_back_in_the_module_after_fit():
     for p in module.parameters():
         assert p.is_contiguous() and torch.isfinite(p).all()
     ref_trainer, ref = _fit(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")), 2)
-    for (n, a), (_, b) in zip(module.named_parameters(), ref.named_parameters()):
+    for (n, a), (_, b) in zip(module.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(a, b), n
 
 
@@ -264,7 +264,7 @@ def test_the_smallest_budget_still_trains_exactly():
     _fit(GreedySnakeStrategy(), 2, callbacks=[Budget()])
     ref_trainer, ref = _fit(GreedySnakeStrategy(), 2)
     tight_trainer, tight = _fit(GreedySnakeStrategy(offload={"buffer_budget_bytes": probe["min"]}), 2)
-    for (n, a), (_, b) in zip(ref.named_parameters(), tight.named_parameters()):
+    for (n, a), (_, b) in zip(ref.named_parameters(), tight.named_parameters(), strict=True):
         assert torch.equal(a, b), n
 
 
@@ -321,7 +321,7 @@ def test_ssd_checkpoints_are_read_ahead_and_stay_exact():
     _, got = _fit(GreedySnakeStrategy(offload={"checkpoints": "ssd"}), 4, callbacks=[Count()])
     _, ref = _fit(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")), 4)
     assert prefetches["n"] > 0
-    for (n, a), (_, b) in zip(got.named_parameters(), ref.named_parameters()):
+    for (n, a), (_, b) in zip(got.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(a, b), n
 
 
@@ -350,7 +350,7 @@ def test_spare_budget_reads_the_windows_last_step_ahead_and_keeps_its_weights_ex
     assert roomy_snap.manager.steps_read_ahead == (steps if precision == "bf16-mixed" else steps - 1)
     w0 = roomy_snap.region_bytes["weights"][0]
     assert tight_snap.stats.bytes_read("weights") - roomy_snap.stats.bytes_read("weights") == (steps - 1) * w0
-    for (n, a), (_, b), (_, c) in zip(tight.named_parameters(), roomy.named_parameters(), plain.named_parameters()):
+    for (n, a), (_, b), (_, c) in zip(tight.named_parameters(), roomy.named_parameters(), plain.named_parameters(), strict=True):
         assert torch.equal(a, b), n
         assert (a.float() - c.float()).abs().max() <= (1e-5 if precision == "32-true" else 2e-2), n
 

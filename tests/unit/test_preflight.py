@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -79,8 +80,9 @@ def test_lock_refuses_a_second_run_and_is_released(tmp_path):
             except ValueError as e:
                 print("refused:", e)
         """)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
-        assert "refused" in out
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert child.returncode == 0, child.stderr
+        assert "refused" in child.stdout
     finally:
         first.release()
     second = OffloadDirLock(tmp_path)
@@ -97,7 +99,8 @@ def test_lock_dies_with_its_process(tmp_path):
         OffloadDirLock(Path({str(tmp_path)!r})).acquire()
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    subprocess.run([sys.executable, "-c", code], timeout=60)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr  # it held the lock when it died
     lock = OffloadDirLock(tmp_path)
     lock.acquire()  # no stale lock after a crash
     lock.release()

@@ -21,6 +21,8 @@ class GatedEngine(ThreadedIOEngine):
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
+        self.read_gate = threading.Event()
+        self.read_gate.set()
         self.started: list[tuple[str, int]] = []
 
     def submit_read(self, file, offset, buffer, buffer_offset, nbytes):  # type: ignore[no-untyped-def]
@@ -35,6 +37,10 @@ class GatedEngine(ThreadedIOEngine):
         assert self.gate.wait(30), "test gate never opened"
         return super()._write_piece(*args)
 
+    def _read_piece(self, *args):  # type: ignore[no-untyped-def]
+        assert self.read_gate.wait(30), "test read gate never opened"
+        return super()._read_piece(*args)
+
 
 @pytest.fixture
 def regions(tmp_path):
@@ -42,6 +48,7 @@ def regions(tmp_path):
     r = SSDRegions("optimizer_states", [4 * KB4], engine, tmp_path / "states.bin", IOStats())
     yield r, engine
     engine.gate.set()
+    engine.read_gate.set()
     r.close()
     engine.close()
 
@@ -91,3 +98,24 @@ def test_a_failed_write_fails_the_reads_that_depend_on_it_and_every_wait(regions
         read.result(timeout=30)
     with pytest.raises(OSError):
         r.wait_all()
+
+
+def test_a_write_waits_for_an_earlier_read_of_the_same_bytes(regions):
+    """Write after read: a read still filling its buffer from bytes a later write replaces must see the
+    old bytes (the optimizer reads a unit's state ahead while the previous step's write-behind is queued)."""
+    r, engine = regions
+    engine.gate.set()
+    old, new, dst = AlignedBuffer(4 * KB4), AlignedBuffer(4 * KB4), AlignedBuffer(4 * KB4)
+    old.view(torch.uint8, 4 * KB4).fill_(1)
+    new.view(torch.uint8, 4 * KB4).fill_(2)
+    r.submit_write(0, old).result(timeout=30)
+    engine.read_gate.clear()
+    engine.started.clear()
+    read = r.submit_read(0, dst, byte_range=(0, 2 * KB4))  # held at the read gate
+    write = r.submit_write(0, new, byte_range=(KB4, 3 * KB4))  # overlaps the read's second page
+    other = r.submit_write(0, new, byte_range=(3 * KB4, 4 * KB4))  # does not: goes ahead
+    other.result(timeout=30)
+    assert not write.done() and ("write", KB4) not in engine.started  # not even issued
+    engine.read_gate.set()
+    read.result(timeout=30), write.result(timeout=30)
+    assert bool((dst.view(torch.uint8, 4 * KB4)[: 2 * KB4] == 1).all())  # the read saw the old bytes
