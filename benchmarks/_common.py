@@ -46,12 +46,17 @@ def token_loader(vocab: int, seq: int, num_samples: int, batch_size: int = 1) ->
     return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size)
 
 
-def run_child(script: str, name: str, args: Any, flags: list[str], extra: list[str]) -> dict[str, Any]:
-    """Run ``script --child name`` in a fresh process with ``args``' ``flags``; return its RESULT line."""
+def run_child(script: str, name: str, args: Any, flags: list[str], extra: list[str],
+              package_root: str | None = None) -> dict[str, Any]:
+    """Run ``script --child name`` in a fresh process with ``args``' ``flags``; return its RESULT line.
+    ``package_root``: import ``lightning_greedysnake`` from that source tree instead (a baseline)."""
     cmd = [sys.executable, script, "--child", name, *extra]
     for flag in flags:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if package_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not line:
         print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
@@ -115,3 +120,22 @@ def write_result(out: str, args: Any, settings: list[str], rows: list[dict[str, 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
+
+
+def baseline_tree(ref: str, directory: str) -> str:
+    """A checkout of git ``ref`` of this repository under ``directory`` (a detached worktree, removed
+    with the directory), for running a baseline version side by side with the working tree."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    tree = Path(directory) / f"baseline-{ref.replace('/', '_')}"
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), ref], check=True,
+                   capture_output=True)
+    return str(tree)
+
+
+def remove_baseline_tree(tree: str) -> None:
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", tree], check=False, capture_output=True)

@@ -10,6 +10,8 @@ DeepSpeed is optional and kept out of CI. To include it on a CPU machine:
 
     python benchmarks/compare.py --seq 128 --ks 8                     # the reference configuration
     python benchmarks/compare.py --seq 32 --ks 1 2 4 8 16             # the I/O-bound regime, K sweep
+    python benchmarks/compare.py --seq 128 --ks 8 --systems gs_vertical --baseline a952f99 --rounds 3
+                                     # this tree against an earlier commit, runs alternating, ratio of medians
 
 Writes a table, ``benchmarks/results/compare.json`` and a plot of tokens/s against K per system with
 greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench]``).
@@ -37,8 +39,8 @@ plans from its own first step."""
 
 def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, Any]:
     import lightning as L
-
     from _common import gpt_module, token_loader
+
     from lightning_greedysnake import GreedySnakeStrategy
     from lightning_greedysnake.planner import Machine, predict
     from lightning_greedysnake.planner.measure import unit_costs, unit_times
@@ -112,8 +114,8 @@ def run_deepspeed(args: argparse.Namespace, k: int) -> dict[str, Any]:
     import deepspeed
     import torch
     import torch.nn.functional as F
-
     from _common import token_loader
+
     from lightning_greedysnake import GPT, GPTConfig
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -149,12 +151,14 @@ def run_deepspeed(args: argparse.Namespace, k: int) -> dict[str, Any]:
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning_greedysnake
+
     system, k = args.child.split(":")
     k = int(k)
     result = run_deepspeed(args, k) if system == "deepspeed" else run_lightning(args, system, k)
     steady = result["step_times"][1:] or result["step_times"]
     step_s = statistics.median(steady)
-    return {"system": system, "k": k, "step_s": round(step_s, 3),
+    return {"system": system, "k": k, "step_s": round(step_s, 3), "package": lightning_greedysnake.__file__,
             "tokens_per_s": round(k * args.seq / step_s, 1), **{k_: v for k_, v in result.items() if k_ != "step_times"}}
 
 
@@ -173,6 +177,18 @@ def _plan_for(rows: list[dict[str, Any]], args: argparse.Namespace, k: int) -> d
     return dataclasses.asdict(choice)
 
 
+def _medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per system and K with the median step time over the rounds (``round``: "median")."""
+    out = []
+    for key in dict.fromkeys((r["system"], r["k"]) for r in rows):
+        runs = [r for r in rows if (r["system"], r["k"]) == key]
+        step_s = statistics.median(r["step_s"] for r in runs)
+        out.append({"system": key[0], "k": key[1], "round": "median", "step_s": round(step_s, 3),
+                    "tokens_per_s": round(key[1] * runs[0]["seq"] / step_s, 1), "seq": runs[0]["seq"],
+                    "runs": len(runs)})
+    return out
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     try:
         import matplotlib
@@ -181,6 +197,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if any(r.get("round") == "median" for r in rows):
+        rows = [r for r in rows if r.get("round") == "median" or r.get("roofline_s")]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for system in SYSTEMS:
         pts = sorted((r["k"], r["tokens_per_s"]) for r in rows if r["system"] == system)
@@ -216,12 +234,23 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compare.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", default=None,
+                        help="a git ref: also run each greedysnake system from that version, alternating with this one")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every system at every K (alternating)")
     add_machine_args(parser)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args)))
         return
-    from _common import MODEL_FLAGS, measure_machine, print_table, run_child, write_result
+    from _common import (
+        MODEL_FLAGS,
+        baseline_tree,
+        measure_machine,
+        print_table,
+        remove_baseline_tree,
+        run_child,
+        write_result,
+    )
 
     systems = list(args.systems)
     if "deepspeed" in systems and importlib.util.find_spec("deepspeed") is None:
@@ -230,26 +259,45 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         measure_machine(args, tmp)
+        baseline = baseline_tree(args.baseline, tmp) if args.baseline else None
         flags = [*MODEL_FLAGS, "steps", "precision", "read_bps", "write_bps", "opt_rate", "budget_gb"]
-        for k in args.ks:
-            for system in systems:
-                extra_flags = ["--offload-dir", tmp]
-                if system == "gs_planned":
-                    extra_flags += ["--plan", json.dumps(_plan_for(rows, args, k))]
-                row = run_child(__file__, f"{system}:{k}", args, flags, extra_flags)
-                row["seq"] = args.seq
-                rows.append(row)
-                print(f"  done {system} K={k}: {row['tokens_per_s']} tokens/s", file=sys.stderr)
+        try:
+            for k in args.ks:
+                for round_ in range(args.rounds):
+                    for system in systems:
+                        variants = [(system, None)]
+                        if baseline is not None and system.startswith("gs_"):
+                            variants.append((f"{system}@{args.baseline}", baseline))
+                        if round_ % 2:
+                            variants.reverse()  # neither version always runs first
+                        for label, root in variants:
+                            extra_flags = ["--offload-dir", tmp]
+                            if system == "gs_planned":
+                                extra_flags += ["--plan", json.dumps(_plan_for(rows, args, k))]
+                            row = run_child(__file__, f"{system}:{k}", args, flags, extra_flags, package_root=root)
+                            row.update(system=label, seq=args.seq, round=round_)
+                            rows.append(row)
+                            print(f"  done {label} K={k} round {round_}: {row['tokens_per_s']} tokens/s",
+                                  file=sys.stderr)
+        finally:
+            if baseline is not None:
+                remove_baseline_tree(baseline)
+    if args.rounds > 1 or baseline is not None:
+        rows = _medians(rows) + rows
     for row in rows:
-        same_k = {r["system"]: r for r in rows if r["k"] == row["k"]}
+        same_k = {r["system"]: r for r in rows if r["k"] == row["k"] and r.get("round") == row.get("round")}
         if "deepspeed" in same_k:
             row["vs_deepspeed"] = round(row["tokens_per_s"] / same_k["deepspeed"]["tokens_per_s"], 2)
+        base = same_k.get(f"{row['system']}@{args.baseline}") if args.baseline else None
+        if base is not None:
+            row["vs_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
         if row.get("roofline_s"):
             row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
-    print_table(rows, ["system", "k", "step_s", "tokens_per_s", "vs_deepspeed", "fraction_of_roofline"])
+    print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_baseline",
+                       "fraction_of_roofline"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
-    write_result(str(out), args, [*MODEL_FLAGS, "ks", "steps", "precision", "budget_gb"], rows,
+    write_result(str(out), args, [*MODEL_FLAGS, "ks", "steps", "precision", "budget_gb", "baseline", "rounds"], rows,
                  {"read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9})
     if plotted:
         print(f"and {out.with_suffix('.png')}")

@@ -6,11 +6,14 @@ Every function here is collective: all ranks call it with the same arguments, in
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+
+from lightning_greedysnake.layout import ParamSlot, UnitLayout
 
 
 def gather_chunks(flat: Tensor, bounds: list[tuple[int, int]], rank: int, group: Any = None) -> int:
@@ -32,18 +35,62 @@ def gather_chunks(flat: Tensor, bounds: list[tuple[int, int]], rank: int, group:
     return chunk * flat.element_size()
 
 
+class ShardedStore(Protocol):
+    """The tensor manager of one rank with partitioned state, as the gathers read it."""
+
+    @property
+    def num_units(self) -> int: ...
+
+    @property
+    def layouts(self) -> Sequence[UnitLayout]: ...
+
+    @property
+    def params(self) -> list[list[nn.Parameter]]: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    @property
+    def slots(self) -> tuple[str, ...]: ...
+
+    def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]: ...
+
+    def drain(self) -> None: ...
+
+    def unit_master_weights(self, u: int) -> list[Tensor]: ...
+
+    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]: ...
+
+
 class ShardedStateView:
     """The tensor manager as a checkpoint save sees it, with each unit's master weights and optimizer
-    state assembled from every rank's chunk (masked to the chunk, then summed over the ranks)."""
+    state assembled from every rank's chunk (masked to the chunk, then summed over the ranks). Every
+    method that reads state is collective."""
 
-    def __init__(self, manager: Any, rank: int, world: int) -> None:
+    def __init__(self, manager: ShardedStore, rank: int, world: int) -> None:
         self.manager = manager
         self.rank, self.world = rank, world
 
-    def __getattr__(self, name: str) -> Any:  # num_units, layouts, params, optimizer, drain
-        return getattr(self.manager, name)
+    @property
+    def num_units(self) -> int:
+        return self.manager.num_units
 
-    def _masked(self, u: int, slot: Any, value: Tensor) -> Tensor:
+    @property
+    def layouts(self) -> Sequence[UnitLayout]:
+        return self.manager.layouts
+
+    @property
+    def params(self) -> list[list[nn.Parameter]]:
+        return self.manager.params
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.manager.optimizer
+
+    def drain(self) -> None:
+        self.manager.drain()
+
+    def _masked(self, u: int, slot: ParamSlot, value: Tensor) -> Tensor:
         lo, hi = self.manager.bounds(u)
         start = slot.offset_numel
         a, b = max(0, lo - start), max(0, min(slot.numel, hi - start))
@@ -55,7 +102,7 @@ class ShardedStateView:
     def unit_master_weights(self, u: int) -> list[Tensor]:
         values = self.manager.unit_master_weights(u)
         out = []
-        for slot, value in zip(self.manager.layouts[u].params, values):
+        for slot, value in zip(self.manager.layouts[u].params, values, strict=True):
             full = self._masked(u, slot, value) if slot.group is not None else value.clone()
             if slot.group is not None:
                 dist.all_reduce(full)  # frozen parameters are the same everywhere: kept as they are

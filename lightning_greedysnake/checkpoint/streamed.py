@@ -12,15 +12,65 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_greedysnake.checkpoint.format import TRAINER_STATE, CheckpointError, CheckpointReader, CheckpointWriter
+from lightning_greedysnake.checkpoint.format import (
+    TRAINER_STATE,
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+)
+from lightning_greedysnake.layout import UnitLayout
+
+UnitEntries = dict[int, dict[str, Any]]
+"""A unit's optimizer state per parameter, keyed by the parameter's index in the unit's layout."""
+
+
+class StateSource(Protocol):
+    """What a save streams from: the tensor manager, or a view of it that gathers partitioned state."""
+
+    @property
+    def num_units(self) -> int: ...
+
+    @property
+    def layouts(self) -> Sequence[UnitLayout]: ...
+
+    @property
+    def params(self) -> list[list[nn.Parameter]]: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    def drain(self) -> None:
+        """Complete every pending update first."""
+
+    def unit_master_weights(self, u: int) -> list[Tensor]: ...
+
+    def unit_optimizer_state(self, u: int) -> UnitEntries: ...
+
+
+class StateSink(Protocol):
+    """What a load streams into: the tensor manager."""
+
+    @property
+    def num_units(self) -> int: ...
+
+    @property
+    def layouts(self) -> Sequence[UnitLayout]: ...
+
+    def load_unit_weights(self, u: int, values: list[Tensor]) -> None: ...
+
+    def load_unit_optimizer_state(self, u: int, entries: UnitEntries) -> None: ...
+
+    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None: ...
+
+    def flush(self) -> None: ...
 
 STATE_DICT = "state_dict"
 OPTIMIZER_STATES = "optimizer_states"
@@ -95,7 +145,7 @@ def _reusable(previous: SavedState | None, version: Any) -> CheckpointReader | N
     return reader if str(reader.payload) == previous.payload else None
 
 
-def save_streamed(manager: Any, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+def save_streamed(manager: StateSource, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                   layered_prefix: str, precision: str, version: Any = None,
                   previous: SavedState | None = None) -> SavedState:
     """Write Lightning's ``checkpoint`` dict to ``path`` in the checkpoint format, streaming every unit's
@@ -141,13 +191,14 @@ def save_streamed(manager: Any, checkpoint: dict[str, Any], path: str | os.PathL
     return SavedState(str(path), str(writer.payload), version, dict(writer.files))
 
 
-def _optimizer_param_names(manager: Any) -> list[str | None]:
+def _optimizer_param_names(manager: StateSource) -> list[str | None]:
+    assert manager.optimizer is not None
     names = {id(p): slot.name for u in range(manager.num_units)
-             for p, slot in zip(manager.params[u], manager.layouts[u].params)}
+             for p, slot in zip(manager.params[u], manager.layouts[u].params, strict=True)}
     return [names.get(id(p)) for g in manager.optimizer.param_groups for p in g["params"]]
 
 
-def _save_unit(manager: Any, writer: CheckpointWriter, u: int, names: list[str], with_optimizer: bool
+def _save_unit(manager: StateSource, writer: CheckpointWriter, u: int, names: list[str], with_optimizer: bool
                ) -> dict[str, dict[str, Any]]:
     """Write unit ``u``'s files; its tensors are dropped on return (one unit in memory at a time)."""
     values = manager.unit_master_weights(u)
@@ -232,7 +283,7 @@ def _names_check(path: Any, expected: list[str], found: set[str], strict: bool) 
         )
 
 
-def load_model_into(manager: Any, module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
     """Put a checkpoint's weights into the tensor manager unit by unit (and the rest, buffers and any
     parameter outside the units, into the module)."""
     unit_names = [slot.name for u in range(manager.num_units) for slot in manager.layouts[u].params]
@@ -273,7 +324,7 @@ def load_model_into(manager: Any, module: torch.nn.Module, state_dict: Mapping[s
         raise CheckpointError(f"checkpoint has entries the model does not: {unexpected[:8]}.")
 
 
-def load_optimizer_into(manager: Any, optimizer: torch.optim.Optimizer, opt_state: Mapping[str, Any]) -> None:
+def load_optimizer_into(manager: StateSink, optimizer: torch.optim.Optimizer, opt_state: Mapping[str, Any]) -> None:
     """Hyperparameters to the user's optimizer, per-parameter state into the units."""
     # hyperparameters (and LR-scheduler bookkeeping such as initial_lr) go to the user's optimizer
     optimizer.load_state_dict({"state": {}, "param_groups": opt_state["param_groups"]})

@@ -15,7 +15,14 @@ from safetensors.torch import load_file
 
 from lightning_greedysnake import GPT, GreedySnakeStrategy
 from lightning_greedysnake.export import export_checkpoint
-from tests.helpers import SequentialModule, TinyGPTModule, make_trainer, max_abs_diff, regression_loader, token_loader
+from tests.helpers import (
+    SequentialModule,
+    TinyGPTModule,
+    make_trainer,
+    max_abs_diff,
+    regression_loader,
+    token_loader,
+)
 
 
 def _train(tmp_path: Path, module: L.LightningModule, loader, precision: str = "32-true") -> Path:

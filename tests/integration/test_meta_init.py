@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from lightning_greedysnake import GPT, GreedySnakeStrategy, OffloadConfig
-from tests.helpers import SequentialModule, TinyGPTModule, make_trainer, max_abs_diff, regression_loader, token_loader
+from tests.helpers import (
+    SequentialModule,
+    TinyGPTModule,
+    make_trainer,
+    max_abs_diff,
+    regression_loader,
+    token_loader,
+)
 
 
 class InitialWeights(L.Callback):

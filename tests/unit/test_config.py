@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_greedysnake import GreedySnakeConfig, GreedySnakeStrategy, GPTConfig, ScheduleKind
+from lightning_greedysnake import GPTConfig, GreedySnakeConfig, GreedySnakeStrategy, ScheduleKind
 
 
 def test_defaults():

@@ -68,8 +68,8 @@ def test_the_planners_memory_model_is_the_tensor_managers():
 
     from lightning_greedysnake import GPT, GPTConfig, OffloadConfig
     from lightning_greedysnake.models import find_layered_model, make_units
-    from lightning_greedysnake.tensor_manager import TieredTensorStore
     from lightning_greedysnake.planner.measure import unit_costs
+    from lightning_greedysnake.tensor_manager import TieredTensorStore
 
     model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=64, block_size=8))
     _, _, chain = find_layered_model(model)
