@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,9 +95,9 @@ class OffloadConfig:
             if not hasattr(self.path, "__fspath__"):
                 raise ValueError(
                     f"offload.path={self.path!r} must be a directory path (or None for the default under "
-                    "the Trainer's default_root_dir)."
+                    "the Trainer's default_root_dir). Fix: e.g. offload.path='/mnt/nvme/greedysnake'."
                 )
-            self.path = str(self.path)
+            self.path = os.fspath(self.path)
         if self.optimizer_states is Tier.DEVICE and self.uses_tensor_manager:
             raise ValueError(
                 "offload.optimizer_states='device' needs every other kind on 'device' too (then Lightning "
@@ -294,7 +295,19 @@ class GreedySnakeConfig:
             offload.update(dict(new_offload))
         if "offload_dir" in overrides:
             offload_dir = overrides.pop("offload_dir")
-            offload["path"] = None if offload_dir is None else str(offload_dir)
+            if isinstance(new_offload, OffloadConfig) and new_offload.path is not None or (
+                    isinstance(new_offload, Mapping) and new_offload.get("path") is not None):
+                given = new_offload.path if isinstance(new_offload, OffloadConfig) else new_offload["path"]
+                raise ValueError(
+                    f"offload_dir={offload_dir!r} and offload.path={given!r} both set the offload directory. "
+                    "Fix: give one of them (offload_dir is shorthand for offload.path)."
+                )
+            if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
+                raise ValueError(
+                    f"offload_dir={offload_dir!r} is a {type(offload_dir).__name__}, not a directory path. "
+                    "Fix: pass a string or pathlib.Path, e.g. offload_dir='/mnt/nvme/greedysnake'."
+                )
+            offload["path"] = None if offload_dir is None else os.fspath(offload_dir)
         values.update(overrides)
         values["offload"] = OffloadConfig.from_value(offload)
         return cls(**values)

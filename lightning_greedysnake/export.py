@@ -156,10 +156,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lightning", action="store_true",
                         help="write a plain Lightning checkpoint file (weights, optimizer, loops) instead")
     args = parser.parse_args(argv)
-    if args.lightning:
-        target = export_lightning(args.checkpoint, args.out)
-    else:
-        target = export_checkpoint(args.checkpoint, args.out, args.dtype, args.keep_prefix)
+    if not Path(args.checkpoint).exists():
+        parser.exit(2, f"error: checkpoint {args.checkpoint} does not exist. Fix: pass a checkpoint directory "
+                       "(NAME.ckpt/ as ModelCheckpoint writes it) or a Lightning checkpoint file.\n")
+    try:
+        if args.lightning:
+            target = export_lightning(args.checkpoint, args.out)
+        else:
+            target = export_checkpoint(args.checkpoint, args.out, args.dtype, args.keep_prefix)
+    except (CheckpointError, OSError, ValueError) as e:
+        parser.exit(1, f"error: {e}\n")
     print(f"wrote {target} ({target.stat().st_size:,} bytes)")
 
 

@@ -5,6 +5,7 @@ step to the tensor manager when it owns the gradients."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Protocol
 
@@ -26,6 +27,39 @@ def unsupported_precision_error(value: Any) -> ValueError:
         f"Trainer(precision={value!r}) is not supported by strategy='greedysnake'.{hint} Supported: "
         f"{', '.join(repr(p) for p in SUPPORTED_PRECISION)}. Fix: Trainer(precision='bf16-mixed') or "
         "precision='32-true'."
+    )
+
+
+def cpu_bf16_slowdown(n: int = 512, repeats: int = 3) -> float:
+    """How many times longer an ``n``-cubed bf16 matmul takes than fp32 on this CPU (best of
+    ``repeats``): about 0.5 with native bf16 (AVX-512 BF16, AMX), about 100 without (AVX2-only CPUs
+    emulate it). A few milliseconds."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        a @ b  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        best[dtype] = min(times)
+    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
+
+
+SLOW_BF16_FACTOR = 4.0
+"""A bf16 matmul this many times slower than fp32 means the CPU has no native bf16."""
+
+
+def slow_bf16_warning(factor: float) -> str | None:
+    """The warning for ``bf16-mixed`` on a CPU whose bf16 matmuls run ``factor`` times slower than fp32."""
+    if factor < SLOW_BF16_FACTOR:
+        return None
+    return (
+        f"precision='bf16-mixed' on this CPU: a bf16 matmul runs {factor:.0f}x slower than fp32 here (no native "
+        "bf16: AVX-512 BF16 or AMX), so training would run about that much slower. Fix: Trainer(precision="
+        "'32-true') on this machine."
     )
 
 

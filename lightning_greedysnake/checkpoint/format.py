@@ -2,7 +2,7 @@
 
 Layout of ``NAME.ckpt/`` (what ``ModelCheckpoint`` and ``trainer.save_checkpoint`` name):
 
-    CURRENT                  the name of the complete payload below (one line)
+    CURRENT                  the name of the complete payload below, and the SHA-256 of its manifest
     v-<id>/manifest.json     format, version, every file's size and SHA-256, the parameters' index
     v-<id>/trainer_state.pt  Lightning's checkpoint dict without tensors of the model or optimizer
                              (loops, epoch, step, LR schedulers, callbacks, param groups): torch.save,
@@ -46,11 +46,26 @@ FORMAT = "lightning-greedysnake-checkpoint"
 VERSION = 1
 CURRENT = "CURRENT"
 MANIFEST = "manifest.json"
+MANIFEST_SHA256 = "manifest-sha256"
 TRAINER_STATE = "trainer_state.pt"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded as it is (missing, incomplete, truncated or corrupted)."""
+
+
+def save_error(checkpoint: Path, target: Path, error: OSError) -> OSError:
+    """An OSError of a save, naming the checkpoint, the file and the fix (the errno is kept)."""
+    if getattr(error, "greedysnake_save", False):
+        return error
+    reason = os.strerror(error.errno) if error.errno else str(error)
+    fix = ("Fix: free space on that filesystem or save checkpoints to another one (ModelCheckpoint(dirpath=...))"
+           if error.errno in (errno.ENOSPC, errno.EDQUOT) else
+           "Fix: check that the checkpoint directory is writable and its disk healthy")
+    out = OSError(error.errno, f"saving checkpoint {checkpoint} failed writing {target}: {reason}. {fix}; the "
+                               "previous checkpoint of that name, if any, is untouched.")
+    out.greedysnake_save = True  # type: ignore[attr-defined]
+    return out
 
 
 def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
@@ -165,21 +180,30 @@ class CheckpointWriter:
                     "checkpoint. Fix: choose another file name or directory for the checkpoint."
                 )
         self.root = self.path.parent / f".{self.path.name}.gs-tmp" if self._replace_link else self.path
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._created_root = not self.root.exists()
+        """This save created the checkpoint's directory: a failed save removes it again."""
         self.payload_name = f"v-{uuid.uuid4().hex[:12]}"
         self.payload = self.root / self.payload_name
-        self.payload.mkdir()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.payload.mkdir()
+        except OSError as e:
+            self.abort()
+            raise save_error(self.path, self.payload, e) from e
         self.files: dict[str, dict[str, Any]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[tuple[str, Future[Any]]] = []
 
     def write_bytes(self, rel: str, data: bytes | memoryview) -> None:
         target = self.payload / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise save_error(self.path, target, e) from e
         self.files[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def link_from(self, payload: Path, rel: str, info: dict[str, Any]) -> bool:
@@ -209,7 +233,10 @@ class CheckpointWriter:
 
     def _collect(self, pending: tuple[str, Future[str]]) -> None:
         rel, future = pending
-        digest, nbytes = future.result()
+        try:
+            digest, nbytes = future.result()
+        except OSError as e:
+            raise save_error(self.path, self.payload / rel, e) from e
         self.files[rel] = {"bytes": nbytes, "sha256": digest}
 
     def _drain(self) -> None:
@@ -231,13 +258,15 @@ class CheckpointWriter:
         """Write the manifest, then switch ``CURRENT`` to this payload and remove older payloads."""
         self._drain()
         manifest = {"format": FORMAT, "version": VERSION, "files": self.files, **index}
-        self.write_bytes(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        self.write_bytes(MANIFEST, manifest_bytes)
         for sub in {Path(rel).parent for rel in self.files} - {Path(".")}:
             _fsync_dir(self.payload / sub)
         _fsync_dir(self.payload)
         tmp = self.root / f"{CURRENT}.tmp"
         with open(tmp, "w") as f:
-            f.write(self.payload_name + "\n")
+            # the manifest's own checksum: it protects every other file's
+            f.write(f"{self.payload_name}\n{MANIFEST_SHA256} {hashlib.sha256(manifest_bytes).hexdigest()}\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.root / CURRENT)  # the commit point
@@ -259,7 +288,7 @@ class CheckpointWriter:
         except BaseException:  # noqa: BLE001 - the save already failed; its files go anyway
             pass
         shutil.rmtree(self.payload, ignore_errors=True)
-        if self._replace_link:
+        if self._replace_link or self._created_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -269,21 +298,35 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if not self.path.exists():
-            raise CheckpointError(f"checkpoint {self.path} does not exist.")
+            raise CheckpointError(f"checkpoint {self.path} does not exist. Fix: check the path given as ckpt_path.")
         current = self.path / CURRENT
         if not current.is_file():
             raise CheckpointError(
                 f"{self.path} is not a complete greedysnake checkpoint: {CURRENT} is missing (a save that "
                 "never finished, or not a checkpoint of this format). Fix: load the previous checkpoint."
             )
-        self.payload = self.path / current.read_text().strip()
+        damaged = "Fix: load the previous checkpoint (this one is damaged)."
+        try:
+            lines = current.read_text().split()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"checkpoint {self.path}: {current} is corrupted. {damaged}") from None
+        if not lines or not lines[0].startswith("v-") or "/" in lines[0]:
+            raise CheckpointError(f"checkpoint {self.path}: {current} names no payload. {damaged}")
+        self.payload = self.path / lines[0]
         manifest_path = self.payload / MANIFEST
         if not manifest_path.is_file():
-            raise CheckpointError(f"checkpoint {self.path}: {manifest_path} is missing.")
+            raise CheckpointError(f"checkpoint {self.path}: {manifest_path} is missing. {damaged}")
+        raw = manifest_path.read_bytes()
+        expected = dict(zip(lines[1::2], lines[2::2], strict=False)).get(MANIFEST_SHA256)
+        if expected is not None and hashlib.sha256(raw).hexdigest() != expected:
+            raise CheckpointError(
+                f"checkpoint {self.path}: {manifest_path} does not match its checksum in {current} "
+                f"(corrupted or edited). {damaged}"
+            )
         try:
-            self.manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"checkpoint {self.path}: {manifest_path} is corrupted ({e}).") from None
+            self.manifest = json.loads(raw.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"checkpoint {self.path}: {manifest_path} is corrupted ({e}). {damaged}") from None
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
             raise CheckpointError(
                 f"checkpoint {self.path}: format {self.manifest.get('format')!r} version "
@@ -293,7 +336,7 @@ class CheckpointReader:
         for rel, info in self.files.items():
             f = self.payload / rel
             if not f.is_file():
-                raise CheckpointError(f"checkpoint {self.path}: file {f} is missing.")
+                raise CheckpointError(f"checkpoint {self.path}: file {f} is missing. {damaged}")
             size = f.stat().st_size
             if size != info["bytes"]:
                 raise CheckpointError(

@@ -25,6 +25,7 @@ from lightning_greedysnake.checkpoint.format import (
     CheckpointError,
     CheckpointReader,
     CheckpointWriter,
+    save_error,
 )
 from lightning_greedysnake.layout import UnitLayout
 
@@ -185,6 +186,12 @@ def save_streamed(manager: StateSource, checkpoint: dict[str, Any], path: str | 
             # to rebuild a plain torch.optim state dict (export --lightning)
             "optimizer_params": _optimizer_param_names(manager) if with_optimizer else [],
         })
+    except OSError as e:
+        writer.abort()
+        wrapped = save_error(writer.path, writer.payload, e)
+        if wrapped is e:
+            raise
+        raise wrapped from e
     except BaseException:
         writer.abort()
         raise
@@ -300,7 +307,13 @@ def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Map
                     continue  # non-strict: the unit keeps its current values
                 values = []
                 for slot in slots:
-                    tensors, _ = files.open(_model_file(index[slot.name]["unit"]))
+                    rel = _model_file(index[slot.name]["unit"])
+                    tensors, _ = files.open(rel)
+                    if slot.name not in tensors:
+                        raise CheckpointError(
+                            f"checkpoint {reader.path}: the manifest places {slot.name} in {reader.payload / rel}, "
+                            "which does not hold it (a damaged manifest). Fix: load the previous checkpoint."
+                        )
                     values.append(tensors[slot.name])
                 manager.load_unit_weights(u, values)
                 del values

@@ -11,6 +11,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.precision import cpu_bf16_slowdown, slow_bf16_warning
 
 Warn = Callable[[str, str], None]
 """``warn(key, message)``: warn once per key."""
@@ -75,3 +76,12 @@ def clip_policy(trainer: Any, module: LightningModule, warn: Warn) -> ClipPolicy
     if algorithm == "value":
         return ClipPolicy(value=float(value))
     return ClipPolicy(defer=True)
+
+
+def check_cpu_precision(plugin: Any, device: torch.device, warn: Warn) -> None:
+    """``bf16-mixed`` on a CPU without native bf16 runs about 100x slower than fp32: measure it (a few
+    milliseconds) and say so, with the fix."""
+    if getattr(plugin, "precision", None) == "bf16-mixed" and device.type == "cpu":
+        message = slow_bf16_warning(cpu_bf16_slowdown())
+        if message is not None:
+            warn("slow_bf16", message)

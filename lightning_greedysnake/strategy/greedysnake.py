@@ -186,6 +186,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         super().setup(trainer)  # model to device, optimizers, precision plugin
         if fitting:
             checks.check_optimizers(self.optimizers)
+            checks.check_cpu_precision(self.precision_plugin, self.root_device, self._warn_once)
         self._layered, self._layered_path = layered, path
         self._inputs = WindowInputs(layered, path)
         if self.config.offload.uses_tensor_manager:

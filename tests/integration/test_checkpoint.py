@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import weakref
 from pathlib import Path
@@ -14,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.checkpoint import CheckpointError, CheckpointReader
-from tests.helpers import ResumableLoader, TinyGPTModule, make_trainer, max_abs_diff, token_loader
+from tests.helpers import ResumableLoader, mounted, TinyGPTModule, make_trainer, max_abs_diff, token_loader
 
 BATCHES = 10
 
@@ -171,16 +172,42 @@ def _damage(how: str, ckpt: Path) -> Path:
     elif how == "no_current":
         target = ckpt / "CURRENT"
         target.unlink()
+    elif how == "manifest_flipped":
+        target = reader.payload / "manifest.json"
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # not even valid UTF-8 any more
+        target.write_bytes(bytes(data))
+    elif how == "manifest_swapped_unit":
+        # still valid JSON, sizes and checksums of every other file intact: only the manifest's own
+        # checksum (in CURRENT) tells
+        target = reader.payload / "manifest.json"
+        manifest = json.loads(target.read_text())
+        first, second = sorted(manifest["params"])[:2]
+        p = manifest["params"]
+        p[first]["unit"], p[second]["unit"] = p[second]["unit"] + 1, p[first]["unit"] + 1
+        target.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return target
 
 
-@pytest.mark.parametrize("how", ["missing", "truncated", "corrupted", "no_current"])
+@pytest.mark.parametrize("how", ["missing", "truncated", "corrupted", "no_current", "manifest_flipped",
+                                 "manifest_swapped_unit"])
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, how):
     _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1)
     target = _damage(how, tmp_path / "last.ckpt")
     with pytest.raises(CheckpointError, match=str(target.name)) as info:
         _fit(GreedySnakeStrategy(), tmp_path / "resume", ckpt_path=str(tmp_path / "last.ckpt"))
-    assert "Fix" in str(info.value) or how == "missing"
+    assert "Fix" in str(info.value)
+
+
+def test_a_save_onto_a_full_disk_names_the_file_and_the_fix_and_leaves_nothing(tmp_path):
+    """The checkpoint directory is on a tiny filesystem that fills up during the save: the error names
+    the checkpoint, the file and the fix, and no empty checkpoint directory is left behind."""
+    with mounted(tmp_path / "tiny", size="64K") as mount:
+        every = ModelCheckpoint(dirpath=mount, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        with pytest.raises(OSError, match=r"saving checkpoint .*step=2\.ckpt failed writing .*: No space left"
+                                          r".*Fix: free space.*previous checkpoint.*untouched"):
+            _fit(GreedySnakeStrategy(offload_dir=tmp_path / "off"), tmp_path, max_epochs=1, callbacks=[every])
+        assert list(mount.iterdir()) == []
 
 
 class Opaque:

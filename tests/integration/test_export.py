@@ -97,3 +97,16 @@ def test_bad_dtype_and_missing_checkpoint(tmp_path):
         export_checkpoint(tmp_path, tmp_path / "o.safetensors", dtype="int4")
     with pytest.raises(Exception, match=r"neither a greedysnake checkpoint directory nor a checkpoint file"):
         export_checkpoint(tmp_path / "nope.ckpt", tmp_path / "o.safetensors")
+
+
+def test_the_cli_refuses_a_missing_or_damaged_checkpoint_in_one_line(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "lightning_greedysnake.export", "/nonexistent", "out"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().count("\n") == 0 and "/nonexistent does not exist. Fix:" in missing.stderr
+    ckpt = _train(tmp_path, SequentialModule(), regression_loader(6))
+    (ckpt / "CURRENT").unlink()
+    damaged = subprocess.run([sys.executable, "-m", "lightning_greedysnake.export", str(ckpt), "out"],
+                             capture_output=True, text=True)
+    assert damaged.returncode == 1 and "Traceback" not in damaged.stderr
+    assert "CURRENT is missing" in damaged.stderr and "Fix" in damaged.stderr

@@ -114,3 +114,35 @@ def test_hydra_presets_compose_into_the_strategy(preset):
     expected = Tier.HOST if preset == "greedysnake_cpu" else Tier.SSD
     assert strategy.config.offload.weights is expected
     assert strategy.config.schedule.value == ("horizontal" if preset.endswith("horizontal") else "vertical")
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_named_with_the_measured_factor_and_the_fix():
+    from lightning_greedysnake.precision import cpu_bf16_slowdown, slow_bf16_warning
+
+    assert cpu_bf16_slowdown(64, repeats=1) > 0
+    assert slow_bf16_warning(0.5) is None  # native bf16 (AVX-512 BF16 / AMX)
+    message = slow_bf16_warning(96.0)
+    assert message is not None and "96x slower than fp32" in message and "precision='32-true'" in message
+
+
+def test_bf16_warning_reaches_the_user_at_setup(monkeypatch):
+    import lightning as L
+
+    from lightning_greedysnake.strategy import checks
+    from tests.helpers import TinyGPTModule, make_trainer, token_loader
+
+    monkeypatch.setattr(checks, "cpu_bf16_slowdown", lambda: 100.0)  # as measured on an AVX2-only EPYC
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(GreedySnakeStrategy(), 1, max_steps=1, precision="bf16-mixed")
+    with pytest.warns(UserWarning, match=r"100x slower than fp32.*Fix: Trainer\(precision='32-true'\)"):
+        trainer.fit(TinyGPTModule(), token_loader(2))
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"offload_dir": "/a", "offload": {"path": "/b"}}, r"offload_dir='/a' and offload.path='/b' both.*Fix"),
+    ({"offload_dir": 3.5}, r"offload_dir=3.5 is a float, not a directory path.*Fix"),
+    ({"offload": {"path": 3.5}}, r"offload.path=3.5 must be a directory path.*Fix"),
+])
+def test_conflicting_or_mistyped_offload_directories_are_refused(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        GreedySnakeStrategy(**kwargs)
