@@ -84,9 +84,11 @@ class OffloadConfig:
     """Leave the offload files in place at the end of the run (or after a crash), for inspection."""
 
     return_weights: bool = True
-    """At the end of fit/validate/test, copy the final weights back into the module's parameters, so
-    the LightningModule is usable afterwards as with any strategy. Turn off for models larger than host
-    RAM (use a checkpoint or the export instead)."""
+    """At the end of fit/validate/test (or after an error the caller catches), copy the final weights
+    back into the module's parameters and the optimizer's state into the user's optimizer, so the
+    LightningModule is usable and ``trainer.save_checkpoint`` after ``fit`` is complete, as with any
+    strategy. Turn off for models larger than host RAM (use a checkpoint or the export instead): the
+    module then refuses to run or be saved, naming the fix, until weights are loaded into it."""
 
     def __post_init__(self) -> None:
         for kind in TensorKind:
@@ -218,6 +220,12 @@ class GreedySnakeConfig:
     auto_host_budget_bytes: int | None = None
     """Host memory the planner may use for staging and checkpoints; ``None``: a quarter of RAM."""
 
+    on_nonfinite: str = "warn"
+    """A micro-batch's loss or a unit's gradient that is not finite (NaN or inf): ``"warn"`` names the
+    first one (step, micro-batch or unit) in a warning and trains on, as Lightning would; ``"raise"``
+    stops the run with that error; ``"skip"`` drops a window whose loss is not finite (no unit is
+    stepped; Lightning still counts the step and steps its LR schedulers) and warns."""
+
     trace_steps: int = 0
     """Write a Chrome trace (open it in Perfetto) of the compute, SSD and optimizer lanes of the first
     ``trace_steps`` optimizer steps. 0: no trace."""
@@ -253,6 +261,10 @@ class GreedySnakeConfig:
             raise ValueError(
                 f"lag={self.lag!r} must be a non-negative integer (units the background optimizer may trail "
                 "backward by). Fix: e.g. lag=2, or lag=0 for synchronous steps."
+            )
+        if self.on_nonfinite not in ("warn", "raise", "skip"):
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} is not valid. Fix: use one of 'warn', 'raise', 'skip'."
             )
         if not isinstance(self.auto, bool):
             raise ValueError(f"auto={self.auto!r} must be true or false.")

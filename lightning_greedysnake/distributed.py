@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_greedysnake.checkpoint.streamed import StateSource
 from lightning_greedysnake.layout import ParamSlot, UnitLayout
 
 
@@ -35,31 +36,13 @@ def gather_chunks(flat: Tensor, bounds: list[tuple[int, int]], rank: int, group:
     return chunk * flat.element_size()
 
 
-class ShardedStore(Protocol):
+class ShardedStore(StateSource, Protocol):
     """The tensor manager of one rank with partitioned state, as the gathers read it."""
-
-    @property
-    def num_units(self) -> int: ...
-
-    @property
-    def layouts(self) -> Sequence[UnitLayout]: ...
-
-    @property
-    def params(self) -> list[list[nn.Parameter]]: ...
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None: ...
 
     @property
     def slots(self) -> tuple[str, ...]: ...
 
     def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]: ...
-
-    def drain(self) -> None: ...
-
-    def unit_master_weights(self, u: int) -> list[Tensor]: ...
-
-    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]: ...
 
 
 class ShardedStateView:

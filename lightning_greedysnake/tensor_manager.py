@@ -329,6 +329,9 @@ class TieredTensorStore:
         self.flush()
 
     # -- the TensorStore protocol (training thread) ----------------------------------------------------------
+    def begin_window(self, num_microbatches: int) -> None:
+        self.activations.begin_window(num_microbatches * (self.num_units - 1))
+
     def acquire_unit(self, unit: int) -> None:
         self.weights.acquire(unit)
 

@@ -239,6 +239,7 @@ class WindowEngine:
         assert self._window is None, "begin_window while another window is active"
         plan = build_plan(self.config.schedule, self.num_units, num_microbatches)
         self._window = _Window(plan, [None] * num_microbatches)
+        self.store.begin_window(num_microbatches)
         return plan
 
     def abort_window(self) -> None:

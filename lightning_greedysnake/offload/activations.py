@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
-from lightning_greedysnake.io import IOEngine, OffloadFile
+from lightning_greedysnake.io import IOEngine, OffloadFile, align_up
 from lightning_greedysnake.offload.staging import FILE_NAMES, Staged, StagingArena
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import SSDScratch
@@ -56,6 +56,9 @@ class ActivationStore:
         self.prefetches = 0
         """SSD checkpoint reads started ahead of need, since construction."""
         self.files: list[Path] = []
+        self._window_count = 0
+        """Checkpoints a window saves (K micro-batches x the units after the first), once known."""
+        self._reserved = False
 
     def open(self, offload_dir: Path | None, engine: IOEngine | None) -> None:
         if self._config.checkpoints is Tier.SSD:
@@ -71,6 +74,12 @@ class ActivationStore:
     def num_checkpoints(self) -> int:
         return len(self._host) + len(self._ssd)
 
+    def begin_window(self, num_checkpoints: int) -> None:
+        """A window that will save ``num_checkpoints`` begins: at its first save, when their size is known,
+        the scratch file gets room for all of them at once (a disk too small fails there, with the fix)."""
+        self._window_count = num_checkpoints
+        self._reserved = False
+
     def save(self, unit: int, microbatch: int, hidden: Tensor) -> None:
         key = (unit, microbatch)
         nbytes = hidden.numel() * hidden.element_size()
@@ -80,6 +89,9 @@ class ActivationStore:
             self._host[key] = hidden
             return
         self._arena.reserve_checkpoints(nbytes)
+        if not self._reserved:
+            self._scratch.reserve(self._window_count * align_up(nbytes))
+            self._reserved = True
         held = self._arena.acquire(nbytes, f"checkpoint of unit {unit}")
         try:
             held.view(hidden.dtype, hidden.numel()).copy_(hidden.reshape(-1))

@@ -176,3 +176,56 @@ def preflight(
             "disk, or keep more state in host memory."
         )
     return report
+
+
+LEFTOVER_FILES = ("weights.bin", "master_weights.bin", "optimizer_states.bin", "gradients.bin", "checkpoints.bin")
+"""The files a run keeps in its offload directory (``offload.staging.FILE_NAMES``)."""
+
+
+@dataclass
+class Leftover:
+    """Offload files of a run that ended without cleaning up (killed): its lock file is still there,
+    held by nobody."""
+
+    directory: Path
+    pid: str
+    nbytes: int
+
+    def text(self) -> str:
+        return (f"removed {_human(self.nbytes)} of offload files left in {self.directory} by a greedysnake run "
+                f"that did not clean up (pid {self.pid}, no longer running; killed?)")
+
+
+def clear_leftovers(directories: list[Path]) -> list[Leftover]:
+    """In each of ``directories`` that holds a greedysnake lock file nobody holds and offload files, remove
+    those files and the lock (and the directory itself when that leaves it empty): a killed run's state
+    is useless without its process (what it checkpointed is in its checkpoints). A directory whose run
+    is alive, or that a run left on purpose (``keep_files``: no lock file), is not touched."""
+    found = []
+    for directory in directories:
+        lock = directory / LOCK_NAME
+        files = [directory / name for name in LEFTOVER_FILES if (directory / name).is_file()]
+        if not lock.is_file() or not files:
+            continue
+        try:
+            fd = os.open(lock, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live run holds it
+            pid = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            nbytes = sum(f.stat().st_blocks * 512 for f in files)
+            for f in files:
+                f.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
+            found.append(Leftover(directory, pid, nbytes))
+        finally:
+            os.close(fd)
+        try:
+            directory.rmdir()  # only when empty
+        except OSError:
+            pass
+    return found

@@ -12,6 +12,10 @@ from torch import Tensor
 
 @runtime_checkable
 class TensorStore(Protocol):
+    def begin_window(self, num_microbatches: int) -> None:
+        """A window of ``num_microbatches`` begins (its checkpoints: the input of every unit but the
+        first, per micro-batch)."""
+
     def acquire_unit(self, unit: int) -> None:
         """Make ``unit``'s compute weights usable on the compute device until ``release_unit``."""
 
@@ -65,6 +69,9 @@ class InMemoryTensorStore:
         """Times each unit's weights were acquired, since construction."""
         self.gradient_ready_order: list[int] = []
         """Units in the order their gradients completed, since construction."""
+
+    def begin_window(self, num_microbatches: int) -> None:
+        pass
 
     def acquire_unit(self, unit: int) -> None:
         self.weight_loads[unit] += 1

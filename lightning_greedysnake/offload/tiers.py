@@ -212,19 +212,26 @@ class SSDScratch:
         offset = self._next
         self._next += nbytes
         if self._next > self.file.size_bytes:
-            new_size = max(self._next, 2 * self.file.size_bytes)
-            assert self.file.fd is not None
-            try:
-                os.posix_fallocate(self.file.fd, 0, new_size)
-            except OSError as e:
-                raise OSError(
-                    e.errno,
-                    f"growing {self.path} to {new_size} bytes for activation checkpoints failed: "
-                    f"{os.strerror(e.errno or 0)}. Fix: free space on the offload disk or keep checkpoints "
-                    "in host memory (offload.checkpoints=host).",
-                ) from e
-            self.file.size_bytes = new_size
+            self.reserve(max(self._next, 2 * self.file.size_bytes))
         return offset
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the file at least ``nbytes`` long, its blocks allocated now (a full disk fails here, with
+        the fix, rather than in the middle of a window)."""
+        new_size = align_up(nbytes)
+        if new_size <= self.file.size_bytes:
+            return
+        assert self.file.fd is not None
+        try:
+            os.posix_fallocate(self.file.fd, 0, new_size)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"growing {self.path} to {new_size} bytes for activation checkpoints failed: "
+                f"{os.strerror(e.errno or 0)}. Fix: free space on the offload disk or keep checkpoints "
+                "in host memory (offload.checkpoints=host).",
+            ) from e
+        self.file.size_bytes = new_size
 
     def reset(self) -> None:
         self._next = 0

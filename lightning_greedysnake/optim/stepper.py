@@ -16,6 +16,8 @@ submission order, and own the handles they captured.
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +73,15 @@ class UnitStepper:
         """Told ``(unit, flat fp32 gradient)`` once per window for every stepped unit: the complete
         gradient (averaged over the ranks, before clipping), on the thread running the step, valid only
         during the call. With offloading ``param.grad`` is never populated: this is how to see it."""
+        self.check_finite = True
+        """Look for a non-finite value in every unit's complete gradient (one sum on the lane)."""
+        self.nonfinite: list[int] = []
+        """Units whose gradient had a non-finite value since the training thread last took the list
+        (appended on the lane; :meth:`take_nonfinite` on the training thread)."""
+        self._nonfinite_lock = threading.Lock()
+        self.steps_completed = [0] * state.num_units
+        """Per unit, optimizer steps completed (all parts), since construction: written by the thread that
+        runs a step's last part, read on the training thread after :meth:`drain`."""
         self._alpha_pending: list[tuple[int, list[dict[str, Any]], list[bool]]] = []
         """Forward parts to submit after this window's backward: (unit, hyperparameters, has_grad)."""
         self._waiting: list[int] = []
@@ -170,8 +181,7 @@ class UnitStepper:
                 flat = grad.view(torch.float32, numel)
                 if self.grad_reducer is not None:
                     self.grad_reducer(flat)  # data parallel: the ranks' gradients averaged, as DDP does
-                if self.gradient_observer is not None:
-                    self.gradient_observer(unit, flat)
+                self._observe(unit, flat)
                 if value is not None:
                     flat.clamp_(-value, value)
                 try:
@@ -197,7 +207,7 @@ class UnitStepper:
                     weights.release()
             if not deferred:
                 self._gather_weights(unit)
-                self._gate.publish(unit)
+                self._publish(unit)
 
         self.lane.submit(backward_part, heavy=True)
 
@@ -220,7 +230,7 @@ class UnitStepper:
                     finally:
                         held.release()
                 self._gather_weights(unit)
-                self._gate.publish(unit)
+                self._publish(unit)
 
             self.lane.submit(forward_part, heavy=False)
 
@@ -265,8 +275,7 @@ class UnitStepper:
             held = grad if grad is not None else self._staging.stage(TensorKind.GRADIENTS, unit, read=True)
             try:
                 flat = held.view(torch.float32, self.state.units[unit].numel)
-                if self.gradient_observer is not None:
-                    self.gradient_observer(unit, flat)
+                self._observe(unit, flat)
                 for v in values:
                     flat.clamp_(-v, v)
                 if coef is not None:
@@ -276,9 +285,27 @@ class UnitStepper:
             finally:
                 held.release()
             self._gather_weights(unit)
-            self._gate.publish(unit)
+            self._publish(unit)
 
         self.lane.submit(whole_step, heavy=False)
+
+    def _observe(self, unit: int, flat: Tensor) -> None:
+        """``unit``'s complete gradient, before clipping (on the thread running its step)."""
+        if self.check_finite and not math.isfinite(float(flat.sum())):  # inf - inf is NaN: one pass
+            with self._nonfinite_lock:
+                self.nonfinite.append(unit)
+        if self.gradient_observer is not None:
+            self.gradient_observer(unit, flat)
+
+    def take_nonfinite(self) -> list[int]:
+        with self._nonfinite_lock:
+            units, self.nonfinite = self.nonfinite, []
+        return units
+
+    def _publish(self, unit: int) -> None:
+        """``unit``'s step is complete and its new weights on their tier (on the thread that ran it)."""
+        self.steps_completed[unit] += 1
+        self._gate.publish(unit)
 
     def _gather_weights(self, unit: int) -> None:
         """Partitioned state: after this rank's chunk of ``unit`` is stepped, bring every other chunk's new

@@ -55,6 +55,14 @@ class StreamedCheckpoints:
         return state
 
     @staticmethod
+    def master_source(manager: TieredTensorStore, rank: int, world: int) -> MasterSource:
+        """Full-precision weights of a unit: the manager's, or gathered from every rank's chunk with
+        partitioned state (collective: every rank calls it)."""
+        if manager.shard is None:
+            return manager.unit_master_weights
+        return ShardedStateView(manager, rank, world).unit_master_weights
+
+    @staticmethod
     def optimizer_placeholder(optimizer: Any) -> dict[str, Any]:
         state = optimizer.state_dict()
         state["state"] = STREAMED_STATE  # streamed unit by unit by save

@@ -202,6 +202,13 @@ class DataParallelStrategy(ParallelStrategy):
             return
         super().teardown()
 
+    def connect_collectives(self, stepper: Any) -> None:
+        """Data parallel: the stepper averages each unit's gradient over the ranks before its step, and
+        gathers every rank's chunk of a partitioned unit's new weights after it (on the lane)."""
+        if self.is_distributed:
+            stepper.grad_reducer = lambda grad: self._dp.average_gradient(grad, self.world_size)
+            stepper.weights_gatherer = lambda flat, b: self._dp.gather_weights(flat, b, self.global_rank)
+
     def broadcast_parameters(self, params: list[nn.Parameter]) -> None:
         """Data parallel: every rank starts from rank 0's weights (as DDP does at setup)."""
         if self.is_distributed:

@@ -43,7 +43,7 @@ from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.models import check_parameter_ownership, find_layered_model, make_units
 from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
 from lightning_greedysnake.precision import GreedySnakePrecision
-from lightning_greedysnake.strategy import checks, progress
+from lightning_greedysnake.strategy import after_fit, checks, progress
 from lightning_greedysnake.strategy.auto_plan import auto_plan
 from lightning_greedysnake.strategy.checkpoints import StreamedCheckpoints
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
@@ -53,6 +53,7 @@ from lightning_greedysnake.strategy.manager_setup import (
     open_tensor_manager,
     stand_in_for_meta_parameters,
 )
+from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectory
 from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
 from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore
@@ -96,6 +97,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """The epoch-local index of the batch in progress (from ``on_train_batch_start``)."""
         self._warned: set[str] = set()
         self._failed = False
+        self._unusable: after_fit.UnusableUntilLoaded | None = None
+        """After a teardown that could not give the module its state back: its fail-on-use hooks."""
         self.plan_choice: Any = None
         """The planner's choice when ``auto=True`` (after the first optimizer step)."""
 
@@ -175,6 +178,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         assert module is not None
+        if self._unusable is not None:  # this run gives the module its state (from the model or a checkpoint)
+            self._unusable.remove()
+            self._unusable = None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             checks.check_module_for_training(module, self._warn_once)
@@ -189,6 +195,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             checks.check_cpu_precision(self.precision_plugin, self.root_device, self._warn_once)
         self._layered, self._layered_path = layered, path
         self._inputs = WindowInputs(layered, path)
+        self._guard = NonFiniteGuard(self.config.on_nonfinite, self._warn_once)
         if self.config.offload.uses_tensor_manager:
             manager = self._open_tensor_manager(trainer, module, units, fitting, layered if on_meta else None)
             self._store = manager
@@ -229,9 +236,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             clip=checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy(),
             shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None,
         )
-        if self.is_distributed:
-            manager.stepper.grad_reducer = lambda grad: self._dp.average_gradient(grad, self.world_size)
-            manager.stepper.weights_gatherer = lambda flat, b: self._dp.gather_weights(flat, b, self.global_rank)
+        self.connect_collectives(manager.stepper)
         self._dir = OffloadDirectory(self.config.offload)
         open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),
                             (self.global_rank, self.local_rank, self.is_distributed), units,
@@ -251,9 +256,13 @@ class GreedySnakeStrategy(DataParallelStrategy):
         try:
             if self._engine is not None:
                 self._engine.close()
-            if manager is not None and self.config.offload.return_weights and not manager.closed and not failed:
+            if manager is not None and not manager.closed and self._layered is not None:
                 # the LightningModule should be usable after fit, as with any other strategy
-                manager.restore_parameters(self._master_source(manager))
+                view = ShardedStateView(manager, self.global_rank, self.world_size) if manager.shard else manager
+                self._unusable = after_fit.hand_back(
+                    manager, self._layered, manager.optimizer, failed=failed, distributed=self.is_distributed,
+                    weights=view.unit_master_weights, unit_state=view.unit_optimizer_state,
+                    global_step=self.lightning_module.trainer.global_step, warn=rank_zero_warn)
         finally:
             try:
                 if self._store is not None:
@@ -328,13 +337,14 @@ class GreedySnakeStrategy(DataParallelStrategy):
         t0 = time.perf_counter()
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._observe(f"L{engine.units[-1].index}.{microbatch} backward", t0)
-        engine.fused_backward_done(microbatch)
+        self._guard.after_backward(engine, module, closure_loss, microbatch)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
     def _finish_window(self) -> None:
-        self.engine.finish_window()
+        if not self._guard.end_window(self.lightning_module.trainer.global_step):
+            self.engine.finish_window()
         if self.is_distributed and self.tensor_manager is None:
             self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
 
@@ -348,6 +358,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         assert self._telemetry is not None
         entry = self._telemetry.record()
         manager = self.tensor_manager
+        if manager is not None:
+            self._guard.check_gradients(manager.stepper.take_nonfinite(), self.lightning_module.trainer.global_step)
         if self.config.auto and self.plan_choice is None and manager is not None:
             trainer = self.lightning_module.trainer
             self.plan_choice, self.config, report = auto_plan(
@@ -379,13 +391,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         manager = self.tensor_manager
         if manager is None:
             return state
-        return StreamedCheckpoints.filled(state, manager, self._master_source(manager) or manager.unit_master_weights)
-
-    def _master_source(self, manager: TieredTensorStore) -> Any:
-        """Partitioned state: full-precision weights gathered from every rank's chunk; None: the manager's."""
-        if manager.shard is None:
-            return None
-        return ShardedStateView(manager, self.global_rank, self.world_size).unit_master_weights
+        return StreamedCheckpoints.filled(state, manager, StreamedCheckpoints.master_source(manager, self.global_rank, self.world_size))
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:

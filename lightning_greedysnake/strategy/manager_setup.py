@@ -91,7 +91,8 @@ def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectory,
     rank, local rank, whether there are several processes). On a failure everything taken is given back."""
     try:
         if manager.config.uses_ssd:
-            report(directory.prepare(default_root, manager.ssd_bytes(), *ranks).text())
+            text = directory.prepare(default_root, manager.ssd_bytes(), *ranks).text()
+            report("\n".join([*(f"greedysnake: {left.text()}" for left in directory.leftovers), text]))
         manager.open(directory.path)
         if meta_model is not None:
             materialize(manager, meta_model, units, broadcast)

@@ -8,7 +8,13 @@ import contextlib
 from pathlib import Path
 
 from lightning_greedysnake.config import OffloadConfig
-from lightning_greedysnake.offload import OffloadDirLock, PreflightReport, preflight
+from lightning_greedysnake.offload.preflight import (
+    Leftover,
+    OffloadDirLock,
+    PreflightReport,
+    clear_leftovers,
+    preflight,
+)
 
 
 class OffloadDirectory:
@@ -20,6 +26,8 @@ class OffloadDirectory:
         """The directory, when this run created it (removed at cleanup, when empty)."""
         self._created_rank_parent: Path | None = None
         """The default parent of the per-rank directories: whichever rank leaves last removes it."""
+        self.leftovers: list[Leftover] = []
+        """What killed runs had left beside this run's directory, removed at :meth:`prepare`."""
 
     def _choose(self, default_root: Path, rank: int, local_rank: int, distributed: bool) -> Path:
         offload = self.config
@@ -43,20 +51,45 @@ class OffloadDirectory:
 
     def prepare(self, default_root: Path, ssd_bytes: dict[str, int], rank: int = 0, local_rank: int = 0,
                 distributed: bool = False) -> PreflightReport:
-        """Choose, check and lock the directory for a run that keeps ``ssd_bytes`` there."""
+        """Choose, check and lock the directory for a run that keeps ``ssd_bytes`` there (after removing
+        what killed runs left beside it, reported in :attr:`leftovers`). A refusal leaves nothing."""
         path = self._choose(default_root, rank, local_rank, distributed)
+        self.leftovers = clear_leftovers(self._neighbours(path, default_root))
         existed = path.exists()
+        made: list[Path] = []
         if self.config.path is None and not existed:
             # our own default under default_root_dir (which Lightning creates lazily): make the parents;
             # a user-given path with a missing parent is refused by preflight instead (a typo?)
+            made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
             path.parent.mkdir(parents=True, exist_ok=True)
-        report = preflight(path, ssd_bytes)
+        try:
+            report = preflight(path, ssd_bytes)
+            self._lock = OffloadDirLock(report.offload_dir)
+            self._lock.acquire()
+        except BaseException:
+            for directory in [path] * (not existed) + made:  # what this call created, innermost first
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            raise
         if not existed:
             self._created = report.offload_dir
-        self._lock = OffloadDirLock(report.offload_dir)
-        self._lock.acquire()
         self.path = report.offload_dir
         return report
+
+    def _neighbours(self, path: Path, default_root: Path) -> list[Path]:
+        """Where a killed run may have left offload files this run should hear about: the directory
+        itself, its siblings, and with the default location the other runs' under the same parent
+        (Hydra's per-run output folders)."""
+        out = [path]
+        for parent in {path.parent, *([default_root.parent] if self.config.path is None else [])}:
+            if not parent.is_dir():
+                continue
+            for child in parent.iterdir():
+                for candidate in (child, child / "greedysnake_offload"):
+                    if candidate.is_dir() and candidate not in out:
+                        out.append(candidate)
+                        out += [c for c in candidate.glob("rank_*") if c.is_dir()]
+        return out
 
     def cleanup(self, files: list[Path]) -> None:
         """Remove the run's ``files`` (unless ``keep_files``), release the lock, remove the directories

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.checkpoint import CheckpointError, CheckpointReader
-from tests.helpers import ResumableLoader, mounted, TinyGPTModule, make_trainer, max_abs_diff, token_loader
+from tests.helpers import ResumableLoader, TinyGPTModule, make_trainer, max_abs_diff, mounted, token_loader
 
 BATCHES = 10
 

@@ -247,6 +247,47 @@ def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
         with pytest.raises(ValueError, match=r"has .* free but this model and placement need"):
             make_trainer(GreedySnakeStrategy(offload_dir=mount), 2, max_epochs=1).fit(Big(), token_loader(4))
         assert list(mount.iterdir()) == []
+        # a directory preflight created for the run is gone again after the refusal
+        with pytest.raises(ValueError, match=r"has .* free but this model and placement need"):
+            make_trainer(GreedySnakeStrategy(offload_dir=mount / "run"), 2, max_epochs=1).fit(Big(), token_loader(4))
+        assert list(mount.iterdir()) == []
+
+
+def _killed_run(directory: Path, pid: int = 999_999_999) -> None:
+    """What a run killed with SIGKILL leaves: its offload files and its lock file, held by nobody."""
+    directory.mkdir(parents=True)
+    (directory / ".greedysnake.lock").write_text(f"{pid}\n")
+    for name in ("weights.bin", "optimizer_states.bin"):
+        (directory / name).write_bytes(b"\0" * 8192)
+
+
+def test_leftovers_of_killed_runs_beside_the_offload_directory_are_removed_and_reported(tmp_path, caplog):
+    """Under Hydra each run has its own output folder: a killed run's files would stay forever. The next
+    run removes (and says so) what runs that no longer exist left under the same parent; a live run's
+    directory and files a run kept on purpose (keep_files: no lock file) stay."""
+    import logging
+
+    root = tmp_path / "outputs"
+    _killed_run(root / "run-killed" / "greedysnake_offload")
+    _killed_run(root / "run-now" / "greedysnake_offload")  # even in this run's own directory
+    live = root / "run-live" / "greedysnake_offload"
+    live.mkdir(parents=True)
+    (live / "weights.bin").write_bytes(b"\0" * 8192)
+    held = OffloadDirLock(live)
+    held.acquire()
+    kept = root / "run-kept" / "greedysnake_offload"
+    kept.mkdir(parents=True)
+    (kept / "weights.bin").write_bytes(b"\0" * 8192)
+    try:
+        with caplog.at_level(logging.INFO):
+            _fit(GreedySnakeStrategy(), 2, steps=1, default_root_dir=root / "run-now")
+    finally:
+        held.release()
+    assert not (root / "run-killed" / "greedysnake_offload").exists()
+    assert not (root / "run-now" / "greedysnake_offload").exists()  # (and this run cleaned up its own)
+    assert (live / "weights.bin").exists() and (kept / "weights.bin").exists()
+    log = "\n".join(r.getMessage() for r in caplog.records)
+    assert log.count("did not clean up (pid 999999999") == 2, log
 
 
 def test_the_smallest_budget_still_trains_exactly():
@@ -282,8 +323,10 @@ def test_disk_full_during_training_names_the_file_and_cleans_up(tmp_path):
         offload = dict(OffloadConfig.everywhere("host").__dict__, checkpoints="ssd", path=str(mount))
         L.seed_everything(0, verbose=False)
         trainer = make_trainer(GreedySnakeStrategy(offload=offload), 4, max_epochs=1)
-        with pytest.raises(OSError, match=r"checkpoints\.bin.*(No space|ENOSPC|space).*Fix"):
+        # at the window's first checkpoint, room for all of its checkpoints: K=4 x 2 units x 1 MiB
+        with pytest.raises(OSError, match=rf"checkpoints\.bin to {8 << 20} bytes.*(No space|ENOSPC|space).*Fix"):
             trainer.fit(Wide(), token_loader(8, batch_size=64, seq=64))
+        assert trainer.global_step == 0
         assert list(mount.iterdir()) == []
         assert _io_threads() == []
 

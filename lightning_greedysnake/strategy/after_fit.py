@@ -1,0 +1,113 @@
+"""What the LightningModule holds once the strategy is torn down, as with any other strategy.
+
+- Training ended normally (``offload.return_weights=True``): the trained weights go back into the
+  parameters and the optimizer's state into the user's optimizer, so ``trainer.save_checkpoint`` after
+  ``fit`` writes what ``strategy="auto"`` writes (weights and Adam moments).
+- ``fit`` failed: the weights of the last complete update go back where they can be read (every pending
+  step is completed first), with a warning that says which optimizer step each unit holds.
+- Where the state cannot come back (``return_weights=False``, a failed optimizer lane or disk, data
+  parallel after a failure): the module fails on first use (forward, ``state_dict``) with an error that
+  says where the state went and the fix, instead of computing with NaN placeholders. Loading weights
+  into it (``load_state_dict``) lifts that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_greedysnake.checkpoint import optimizer_state as opt_state
+from lightning_greedysnake.tensor_manager import TieredTensorStore
+
+UnitState = Callable[[int], dict[int, dict[str, Any]]]
+
+
+class StateNotReturned(RuntimeError):
+    """The module's parameters are placeholders: its trained state stayed in greedysnake's tiers."""
+
+
+class UnusableUntilLoaded:
+    """Hooks on a module whose parameters are placeholders: its forward and ``state_dict`` raise
+    :class:`StateNotReturned` with ``message``; ``load_state_dict`` first gives the parameters real
+    memory (in their own dtypes, ``params``) and then lifts the hooks."""
+
+    def __init__(self, module: nn.Module, message: str, params: list[tuple[nn.Parameter, torch.dtype]]) -> None:
+        self.message = message
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise StateNotReturned(self.message)
+
+        def materialize(*args: Any, **kwargs: Any) -> None:
+            for p, dtype in params:
+                p.data = torch.empty(p.shape, dtype=dtype)
+
+        def loaded(*args: Any) -> None:
+            self.remove()
+
+        self._handles = [
+            module.register_forward_pre_hook(refuse),
+            module.register_state_dict_pre_hook(refuse),
+            module.register_load_state_dict_pre_hook(materialize),
+            module.register_load_state_dict_post_hook(loaded),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def return_optimizer_state(manager: TieredTensorStore, optimizer: Any, unit_state: UnitState) -> None:
+    """The per-parameter state of every unit (``unit_state(u)``: the manager's own, or gathered over
+    the ranks) into the user's optimizer, as ``torch.optim`` keeps it."""
+    state = opt_state.optimizer_state(optimizer, manager.grads.where, manager.num_units, unit_state)
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def steps_held(manager: TieredTensorStore, global_step: int) -> str:
+    """Which optimizer step the units' weights hold, in words (after a drain)."""
+    done = manager.stepper.steps_completed
+    if not done or min(done) == max(done):
+        return f"the last complete optimizer step (global step {global_step})"
+    low = min(done)
+    ahead = [u for u, n in enumerate(done) if n > low]
+    return (f"a mix: units {ahead} were already updated by the step in progress when fit failed, the "
+            f"other {len(done) - len(ahead)} units hold global step {global_step}")
+
+
+def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, *, failed: bool, distributed: bool,
+              weights: Callable[[int], list[Tensor]], unit_state: UnitState, global_step: int,
+              warn: Callable[[str], None]) -> UnusableUntilLoaded | None:
+    """Give the module (and the user's optimizer) the state in ``manager``'s tiers, before they close:
+    ``weights(u)`` and ``unit_state(u)`` read unit ``u``'s (gathered over the ranks with partitioned
+    state). Returns the hooks that make the module fail on first use where the state cannot come back."""
+    kept = f"in {manager.offload_dir}, kept (offload.keep_files=True)" if manager.config.keep_files else \
+        "in the offload files, which are removed at the end of the run"
+    params = [(p, dtype) for ps, ds in zip(manager.params, manager.weights.dtypes, strict=True)
+              for p, dtype in zip(ps, ds, strict=True)]
+    load = ("Fix: load a checkpoint saved during fit (ModelCheckpoint; trainer.fit(..., ckpt_path=...), "
+            "LightningModule.load_from_checkpoint or load_state_dict)")
+    if not manager.config.return_weights:
+        return UnusableUntilLoaded(layered, (
+            f"greedysnake left this model's trained weights {kept} (offload.return_weights=False): its "
+            f"parameters are placeholders. {load}, or set offload.return_weights=True."), params)
+    if failed and distributed:
+        return UnusableUntilLoaded(layered, (
+            f"fit failed with several processes, so greedysnake did not gather this model's weights (the "
+            f"other ranks may be gone); they were {kept}. {load}."), params)
+    try:
+        manager.drain()  # the pending steps complete: the last complete update
+        manager.restore_parameters(weights)
+        if optimizer is not None:
+            return_optimizer_state(manager, optimizer, unit_state)
+    except Exception as e:  # noqa: BLE001 - reported on first use, the original error is already raised
+        return UnusableUntilLoaded(layered, (
+            f"greedysnake could not read this model's weights back after fit failed ({type(e).__name__}: "
+            f"{e}); they were {kept}. {load}."), params)
+    if failed:
+        warn(f"greedysnake: fit failed; {type(layered).__name__} holds {steps_held(manager, global_step)}, "
+             "read back from the offload files, with the optimizer's state.")
+    return None

@@ -1,0 +1,86 @@
+"""Non-finite losses and gradients (``on_nonfinite``): named where they first appear instead of
+training on with NaN weights to ``max_steps`` and exit code 0.
+
+Every loss is checked as its micro-batch is back-propagated; every unit's complete gradient on the
+optimizer lane (the stepper's ``check_finite``). ``"skip"`` works on losses: every loss of a window is
+known before any unit of it is stepped (the vertical and the horizontal order step units only once the
+window's last micro-batch is back-propagated), so a window with a non-finite loss is dropped whole.
+Training thread only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from lightning_greedysnake.engine import WindowEngine
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient was not finite and ``on_nonfinite='raise'``."""
+
+
+class NonFiniteGuard:
+    def __init__(self, mode: str, warn: Callable[[str, str], None]) -> None:
+        self.mode = mode
+        self._warn = warn
+        self._window: str | None = None
+        """The first non-finite loss of the window in progress, described."""
+        self._skipping = False
+        """The window in progress was dropped (its remaining ops will not run)."""
+        self.skipped_steps: list[int] = []
+        """Optimizer steps dropped for a non-finite loss (``on_nonfinite='skip'``), since construction."""
+
+    def check_loss(self, loss: Tensor, step: int, microbatch: int) -> None:
+        if math.isfinite(float(loss.detach())):
+            return
+        what = f"the loss of micro-batch {microbatch} of optimizer step {step + 1} is {float(loss)}"
+        if self.mode == "raise":
+            raise NonFiniteError(f"greedysnake: {what}. on_nonfinite='raise' stops here. Fix: lower the learning "
+                                 "rate, clip gradients, or check the data of that batch.")
+        if self._window is None:
+            self._window = what
+
+    def after_backward(self, engine: WindowEngine, module: nn.Module, loss: Tensor, microbatch: int) -> None:
+        """Micro-batch ``microbatch`` was back-propagated: check its loss, then run the engine's ops that
+        follow it, or, after the window's last micro-batch, drop the window (``"skip"`` and a loss of it
+        not finite): no unit of it was stepped yet, its gradients go."""
+        step = int(getattr(getattr(module, "trainer", None), "global_step", 0))
+        self.check_loss(loss, step, microbatch)
+        plan = engine.plan
+        last = plan is not None and microbatch == plan.num_microbatches - 1
+        if last and self.mode == "skip" and self._window is not None:
+            engine.abort_window()
+            module.zero_grad(set_to_none=True)  # (everything resident: Lightning's own step finds none)
+            self._skipping = True
+        else:
+            engine.fused_backward_done(microbatch)
+
+    def end_window(self, step: int) -> bool:
+        """The window is over; True when it was dropped (the engine has nothing left to finish)."""
+        what, self._window = self._window, None
+        skipped, self._skipping = self._skipping, False
+        if skipped:
+            self.skipped_steps.append(step + 1)
+            self._warn(f"nonfinite_skip_{step}", f"greedysnake: {what}; on_nonfinite='skip' dropped that step's "
+                       "update (no unit was stepped).")
+        elif what is not None:
+            self._warn("nonfinite", f"greedysnake: {what}; training goes on (on_nonfinite='warn'), and the "
+                       "weights will be NaN from here. Fix: on_nonfinite='raise' to stop, 'skip' to drop such "
+                       "steps, or lower the learning rate / clip gradients. (Reported once.)")
+        return skipped
+
+    def check_gradients(self, units: list[int], step: int) -> None:
+        """Units whose gradient had a non-finite value, seen on the lane by the end of optimizer step
+        ``step`` (0-based, as ``global_step`` before it counts this one)."""
+        if not units:
+            return
+        what = (f"the gradient of unit{'s' if len(units) > 1 else ''} {sorted(set(units))} is not finite "
+                f"(found by optimizer step {step + 1}; the lane steps units in the background)")
+        if self.mode == "raise":
+            raise NonFiniteError(f"greedysnake: {what}. on_nonfinite='raise' stops here. Fix: lower the learning "
+                                 "rate or clip gradients.")
+        self._warn("nonfinite_grad", f"greedysnake: {what} (those units were stepped with it). Fix: "
+                   "on_nonfinite='raise' to stop there, or lower the learning rate / clip gradients. (Reported once.)")

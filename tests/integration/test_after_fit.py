@@ -1,0 +1,131 @@
+"""What the LightningModule holds after fit, as with ``strategy="auto"``: the trained weights and the
+optimizer's state (so a checkpoint saved after fit is complete), the last complete update after an
+exception the caller caught, and a clear error on first use where the state could not come back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.optim import OptimizerLaneError
+from lightning_greedysnake.strategy.after_fit import StateNotReturned
+from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
+
+K = 3
+
+
+def _params(module: L.LightningModule) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _fit(strategy: Any, root: Path, epochs: int = 1, ckpt_path: str | None = None, callbacks: list | None = None,
+         module: L.LightningModule | None = None) -> tuple[L.LightningModule, L.Trainer]:
+    if module is None:
+        L.seed_everything(0, verbose=False)
+        module = TinyGPTModule(lr=3e-3)
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(strategy, K, max_epochs=epochs, default_root_dir=root, callbacks=callbacks or [])
+    trainer.fit(module, token_loader(9), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def test_a_checkpoint_saved_after_fit_holds_the_optimizer_state_as_under_auto(tmp_path):
+    saved = {}
+    for name, strategy in (("auto", "auto"), ("gs", GreedySnakeStrategy())):
+        _, trainer = _fit(strategy, tmp_path / name)
+        trainer.save_checkpoint(tmp_path / f"{name}.ckpt")  # after fit returned
+        saved[name] = torch.load(tmp_path / f"{name}.ckpt", weights_only=False)
+    auto, gs = saved["auto"], saved["gs"]
+    assert max_abs_diff(dict(gs["state_dict"]), dict(auto["state_dict"])) <= 1e-5
+    auto_state, gs_state = auto["optimizer_states"][0]["state"], gs["optimizer_states"][0]["state"]
+    assert gs_state.keys() == auto_state.keys() and len(auto_state) > 0
+    for i in auto_state:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.allclose(gs_state[i][key].float(), auto_state[i][key].float(), atol=1e-5), (i, key)
+    # resumed from those files, each lands where the other does (Adam's moments did not restart)
+    resumed_auto, _ = _fit("auto", tmp_path / "ra", epochs=2, ckpt_path=str(tmp_path / "auto.ckpt"))
+    resumed_gs, _ = _fit(GreedySnakeStrategy(), tmp_path / "rg", epochs=2, ckpt_path=str(tmp_path / "gs.ckpt"))
+    assert max_abs_diff(_params(resumed_gs), _params(resumed_auto)) <= 1e-5
+
+
+def test_without_return_weights_saving_or_using_the_model_after_fit_says_where_the_state_went(tmp_path):
+    module, trainer = _fit(GreedySnakeStrategy(offload={"return_weights": False}), tmp_path)
+    with pytest.raises(StateNotReturned, match=r"offload.return_weights=False.*Fix: load a checkpoint"):
+        trainer.save_checkpoint(tmp_path / "after.ckpt")
+    x = next(iter(token_loader(1)))[0]
+    with pytest.raises(StateNotReturned, match=r"return_weights=False"):
+        module.model(x)
+    assert not (tmp_path / "after.ckpt").exists()
+    module.load_state_dict(TinyGPTModule().state_dict())  # real weights: usable again
+    assert torch.isfinite(module.model(x)).all()
+
+
+class FailAt(L.Callback):
+    """Raises when Lightning hands over the batch at ``batch_idx`` (the caller catches it)."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch_idx:
+            raise RuntimeError("stop here")
+
+
+def test_an_exception_caught_by_the_caller_leaves_the_last_complete_update_as_under_auto(tmp_path):
+    """The failure comes as window 3 starts (after 2 optimizer steps, alpha parts still pending): the
+    module holds step 2's weights, as under strategy='auto', and the warning says so."""
+    got = {}
+    for name, strategy in (("auto", "auto"), ("gs", GreedySnakeStrategy())):
+        L.seed_everything(0, verbose=False)
+        module = TinyGPTModule(lr=3e-3)
+        with pytest.raises(RuntimeError, match="stop here"), pytest.warns(UserWarning) as caught:
+            _fit(strategy, tmp_path / name, callbacks=[FailAt(6)], module=module)
+        got[name] = _params(module)
+        if name == "gs":
+            assert any("last complete optimizer step (global step 2)" in str(w.message) for w in caught)
+    assert all(torch.isfinite(p).all() and p.stride() != (0,) * p.dim() for p in got["gs"].values())
+    assert max_abs_diff(got["gs"], got["auto"]) <= 1e-5
+
+
+def test_a_failure_in_the_middle_of_a_windows_backward_says_which_units_are_ahead(tmp_path):
+    """Units are stepped as their gradients complete: a failure in unit 0's backward of window 2 comes
+    after units 1 and 2 were updated. The module gets what the tiers hold, and the warning says so."""
+    module = TinyGPTModule(lr=3e-3)
+    armed = {"on": False}
+
+    class Arm(L.Callback):
+        def on_train_batch_start(self, trainer: Any, m: Any, batch: Any, batch_idx: int) -> None:
+            armed["on"] = batch_idx == 2 * K - 1  # the last micro-batch of window 2
+
+    def fail_in_recompute(block: Any, args: Any) -> None:
+        if armed["on"] and torch.is_grad_enabled():  # unit 0's recomputing backward (its forward is no_grad)
+            raise RuntimeError("unit 0 failed")
+
+    module.model.blocks[0].register_forward_pre_hook(fail_in_recompute)
+    with pytest.raises(RuntimeError, match="unit 0 failed"), pytest.warns(UserWarning) as caught:
+        _fit(GreedySnakeStrategy(alpha=0.0), tmp_path, callbacks=[Arm()], module=module)
+    assert any("units [1, 2] were already updated" in str(w.message) and "global step 1" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_a_failed_optimizer_lane_leaves_a_model_that_fails_on_use_naming_the_fix(tmp_path):
+    class Break(L.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            def observe(unit: int, flat: torch.Tensor) -> None:  # on the lane, in the second window
+                if trainer.global_step == 1:
+                    raise OSError(5, "the disk went away")
+
+            trainer.strategy.tensor_manager.stepper.gradient_observer = observe
+
+    module = TinyGPTModule(lr=3e-3)
+    with pytest.raises(OptimizerLaneError, match="disk went away"):
+        _fit(GreedySnakeStrategy(), tmp_path, callbacks=[Break()], module=module)
+    x = next(iter(token_loader(1)))[0]
+    with pytest.raises(StateNotReturned, match=r"could not read this model's weights back.*Fix: load a checkpoint"):
+        module.model(x)

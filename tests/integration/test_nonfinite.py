@@ -1,0 +1,90 @@
+"""A loss or gradient that is not finite is named (step, micro-batch, unit), and ``on_nonfinite`` decides
+what happens: warn and train on (as Lightning does), raise, or drop the window's update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.strategy.nonfinite import NonFiniteError
+from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
+
+K = 3
+BAD_BATCH = 4  # micro-batch 1 of the second window (optimizer step 2)
+
+
+class NaNLossAt(TinyGPTModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        return loss * float("nan") if batch_idx == BAD_BATCH else loss
+
+
+class NaNGradientAt(TinyGPTModule):
+    """A finite loss whose gradient is NaN (through a hook on the logits)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        if batch_idx == BAD_BATCH:
+            logits.register_hook(lambda g: g * float("nan"))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+def _fit(strategy: Any, module_cls: type = NaNLossAt, callbacks: list | None = None) -> L.LightningModule:
+    L.seed_everything(0, verbose=False)
+    module = module_cls(lr=3e-3)
+    make_trainer(strategy, K, max_epochs=1, callbacks=callbacks or []).fit(module, token_loader(9))
+    return module
+
+
+def test_warn_names_the_first_nonfinite_loss_and_trains_on_like_lightning():
+    with pytest.warns(UserWarning, match=r"loss of micro-batch 1 of optimizer step 2 is nan.*on_nonfinite='warn'"):
+        module = _fit(GreedySnakeStrategy())
+    assert all(torch.isnan(p).any() for p in module.parameters())  # as under strategy="auto"
+
+
+def test_raise_stops_at_the_first_nonfinite_loss_and_keeps_the_last_good_weights():
+    L.seed_everything(0, verbose=False)
+    module = NaNLossAt(lr=3e-3)
+    trainer = make_trainer(GreedySnakeStrategy(on_nonfinite="raise"), K, max_epochs=1)
+    with pytest.raises(NonFiniteError, match=r"loss of micro-batch 1 of optimizer step 2 is nan.*Fix"), \
+            pytest.warns(UserWarning, match=r"global step 1"):
+        trainer.fit(module, token_loader(9))
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+class DropStep(L.Callback):
+    """The reference for 'skip' under strategy='auto': that window's gradients never reach the step."""
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        if trainer.global_step == 1:
+            module.zero_grad(set_to_none=True)
+
+
+def test_skip_drops_the_windows_update_and_equals_lightning_with_that_step_dropped():
+    with pytest.warns(UserWarning, match=r"optimizer step 2 is nan; on_nonfinite='skip' dropped"):
+        got = _fit(GreedySnakeStrategy(on_nonfinite="skip"))
+    ref = _fit("auto", callbacks=[DropStep()])
+    params = {n: p.detach() for n, p in got.named_parameters()}
+    assert all(torch.isfinite(p).all() for p in params.values())
+    assert max_abs_diff(params, {n: p.detach() for n, p in ref.named_parameters()}) <= 1e-5
+
+
+def test_a_nonfinite_gradient_under_a_finite_loss_is_named_by_unit():
+    """(lag=0: every unit is stepped before the step ends, so the report comes with that step.)"""
+    with pytest.warns(UserWarning, match=r"gradient of units \[0, 1, 2\] is not finite \(found by optimizer step 2"):
+        _fit(GreedySnakeStrategy(lag=0), NaNGradientAt)
+    with pytest.raises(NonFiniteError, match=r"gradient of units \[0, 1, 2\] is not finite.*Fix"):
+        _fit(GreedySnakeStrategy(lag=0, on_nonfinite="raise"), NaNGradientAt)
+
+
+def test_a_bad_setting_is_refused():
+    with pytest.raises(ValueError, match=r"on_nonfinite='ignore' is not valid.*Fix"):
+        GreedySnakeStrategy(on_nonfinite="ignore")

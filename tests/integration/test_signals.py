@@ -1,0 +1,67 @@
+"""SIGTERM and Ctrl-C (SIGINT) in the middle of training stop the run within one optimizer step and
+clean up (offload files, lock, threads). Exit codes are Lightning's: SIGTERM ends ``fit`` quietly
+(rc 0, no summary: Lightning's own behaviour), Ctrl-C after a graceful shutdown with rc 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    import lightning as L
+    from lightning_greedysnake import GreedySnakeStrategy
+    from tests.helpers import TinyGPTModule, make_trainer, token_loader
+
+    class Progress(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            time.sleep(0.05)  # a step of ~0.2 s, so the signal lands inside a window
+            if trainer.global_step != getattr(self, "last", None):
+                self.last = trainer.global_step
+                print(f"STEP {trainer.global_step}", flush=True)
+
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(GreedySnakeStrategy(offload_dir=sys.argv[1]), 4, max_epochs=1000,
+                           callbacks=[Progress()])
+    trainer.fit(TinyGPTModule(lr=3e-3), token_loader(16))
+    print("FIT RETURNED", flush=True)
+""")
+
+
+@pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, 0), (signal.SIGINT, 1)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_window_stops_within_one_step_and_cleans_up(tmp_path, sig, rc):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    offload = tmp_path / "offload"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, str(script), str(offload)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    assert child.stdout is not None
+    steps = []
+    for line in child.stdout:
+        if line.startswith("STEP "):
+            steps.append(int(line.split()[1]))
+            if steps[-1] == 3:
+                break
+    time.sleep(0.1)  # inside the next window
+    child.send_signal(sig)
+    t0 = time.perf_counter()
+    try:
+        out, err = child.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise AssertionError("the run did not stop within 60 s of the signal") from None
+    after = [int(line.split()[1]) for line in out.splitlines() if line.startswith("STEP ")]
+    assert not after or max(after) <= steps[-1] + 1, (steps, after)  # within one optimizer step
+    assert time.perf_counter() - t0 < 30
+    assert child.returncode == rc, err[-3000:]
+    assert not offload.exists() or list(offload.iterdir()) == []  # files and lock gone
