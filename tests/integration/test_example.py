@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
         ["strategy=lightning_auto"],
         ["strategy=greedysnake_cpu"],
         ["strategy.offload.checkpoints=ssd", "strategy.offload.path=${hydra:runtime.output_dir}/offload"],
+        ["trainer.precision=machine"],
     ],
-    ids=["defaults", "horizontal-overrides", "lightning-auto", "cpu-preset", "offload-overrides"],
+    ids=["defaults", "horizontal-overrides", "lightning-auto", "cpu-preset", "offload-overrides", "machine-precision"],
 )
 def test_train_gpt_example(tmp_path, overrides):
     command = [
@@ -38,6 +39,8 @@ def test_train_gpt_example(tmp_path, overrides):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "trained 6 optimizer steps" in result.stdout
+    if "trainer.precision=machine" in overrides:
+        assert "precision=machine: bf16-mixed on this CPU" in result.stdout or "32-true on this CPU" in result.stdout
     assert (tmp_path / "logs").is_dir()
     metrics = list((tmp_path / "logs").rglob("metrics.csv"))
     assert metrics and "train_loss" in metrics[0].read_text()
