@@ -60,7 +60,7 @@ def test_without_return_weights_saving_or_using_the_model_after_fit_says_where_t
     x = next(iter(token_loader(1)))[0]
     with pytest.raises(StateNotReturned, match=r"return_weights=False"):
         module.model(x)
-    assert not (tmp_path / "after.ckpt").exists()
+    assert not (tmp_path / "after.ckpt").exists() and not (tmp_path / "greedysnake_offload").exists()
     module.load_state_dict(TinyGPTModule().state_dict())  # real weights: usable again
     assert torch.isfinite(module.model(x)).all()
 
@@ -88,6 +88,7 @@ def test_an_exception_caught_by_the_caller_leaves_the_last_complete_update_as_un
         got[name] = _params(module)
         if name == "gs":
             assert any("last complete optimizer step (global step 2)" in str(w.message) for w in caught)
+            assert not (tmp_path / name / "greedysnake_offload").exists()  # nothing left behind
     assert all(torch.isfinite(p).all() and p.stride() != (0,) * p.dim() for p in got["gs"].values())
     assert max_abs_diff(got["gs"], got["auto"]) <= 1e-5
 
@@ -112,6 +113,7 @@ def test_a_failure_in_the_middle_of_a_windows_backward_says_which_units_are_ahea
     assert any("units [1, 2] were already updated" in str(w.message) and "global step 1" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
     assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert not (tmp_path / "greedysnake_offload").exists()
 
 
 def test_a_failed_optimizer_lane_leaves_a_model_that_fails_on_use_naming_the_fix(tmp_path):
@@ -129,3 +131,4 @@ def test_a_failed_optimizer_lane_leaves_a_model_that_fails_on_use_naming_the_fix
     x = next(iter(token_loader(1)))[0]
     with pytest.raises(StateNotReturned, match=r"could not read this model's weights back.*Fix: load a checkpoint"):
         module.model(x)
+    assert not (tmp_path / "greedysnake_offload").exists()

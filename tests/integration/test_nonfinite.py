@@ -3,6 +3,7 @@ what happens: warn and train on (as Lightning does), raise, or drop the window's
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -58,6 +59,7 @@ def test_raise_stops_at_the_first_nonfinite_loss_and_keeps_the_last_good_weights
             pytest.warns(UserWarning, match=r"global step 1"):
         trainer.fit(module, token_loader(9))
     assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert not (Path.cwd() / "greedysnake_offload").exists()  # nothing left behind
 
 
 class DropStep(L.Callback):
