@@ -94,6 +94,11 @@ class StepLane:
         while not done.wait(0.05):
             with self._cond:
                 self._raise_if_failed()
+                if not self._jobs and not self._running and not done.is_set():
+                    raise RuntimeError(
+                        "greedysnake: waiting for a unit's optimizer step that no job will complete (a step "
+                        "was never submitted); this is a bug in greedysnake, please report it."
+                    )
         self.wait_seconds += time.perf_counter() - t0
 
     def check(self) -> None:

@@ -209,7 +209,19 @@ class UnitStepper:
                 self._gather_weights(unit)
                 self._publish(unit)
 
-        self.lane.submit(backward_part, heavy=True)
+        try:
+            self.lane.submit(backward_part, heavy=True)  # (blocks while lag steps are queued)
+        except BaseException:
+            # not submitted (the lane failed, or Ctrl-C while waiting for a slot): nothing was stepped,
+            # the unit's weights on their tier are current, and its handles go back here
+            self._staging.staged(staging)
+            if deferred:
+                self._alpha_pending.pop()
+            grad.release()
+            if weights is not None:
+                weights.release()
+            self._gate.publish(unit)
+            raise
 
     def submit_forward_parts(self) -> None:
         """After a window's backward: the deferred (alpha) part of every stepped unit, in the order the
@@ -287,7 +299,13 @@ class UnitStepper:
             self._gather_weights(unit)
             self._publish(unit)
 
-        self.lane.submit(whole_step, heavy=False)
+        try:
+            self.lane.submit(whole_step, heavy=False)
+        except BaseException:
+            if grad is not None:
+                grad.release()
+            self._gate.publish(unit)  # never stepped: its weights are current
+            raise
 
     def _observe(self, unit: int, flat: Tensor) -> None:
         """``unit``'s complete gradient, before clipping (on the thread running its step)."""
@@ -334,7 +352,11 @@ class UnitStepper:
         self.lane.drain()
 
     def discard(self) -> None:
-        """An abandoned window: forget its pending forward parts, waiting steps and read-aheads."""
+        """An abandoned window: forget its waiting steps and read-aheads. A unit whose backward part was
+        stepped already (a failure in the middle of the window's backward) gets its forward part too, so
+        no unit is left half updated; where the lane failed, nothing more runs."""
+        if self._alpha_pending and not self.lane.failed:
+            self.submit_forward_parts()
         self._alpha_pending.clear()
         self._waiting.clear()
         self.parts.drop_all_read_aheads()

@@ -23,6 +23,8 @@ from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 UnitState = Callable[[int], dict[int, dict[str, Any]]]
+FAILED_WAIT_S = 10.0
+"""After a failure, the longest a pending step waits for staging memory before giving up."""
 
 
 class StateNotReturned(RuntimeError):
@@ -98,6 +100,10 @@ def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, *,
         return UnusableUntilLoaded(layered, (
             f"fit failed with several processes, so greedysnake did not gather this model's weights (the "
             f"other ranks may be gone); they were {kept}. {load}."), params)
+    if failed:
+        # a buffer an interrupted thread never gave back must not hold teardown for minutes: a step that
+        # cannot get memory fails soon, and the module is then marked unusable instead
+        manager.pool.wait_timeout_s = min(manager.pool.wait_timeout_s, FAILED_WAIT_S)
     try:
         manager.drain()  # the pending steps complete: the last complete update
         manager.restore_parameters(weights)

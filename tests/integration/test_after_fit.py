@@ -93,9 +93,11 @@ def test_an_exception_caught_by_the_caller_leaves_the_last_complete_update_as_un
     assert max_abs_diff(got["gs"], got["auto"]) <= 1e-5
 
 
-def test_a_failure_in_the_middle_of_a_windows_backward_says_which_units_are_ahead(tmp_path):
+@pytest.mark.parametrize("alpha", [0.0, 0.25])
+def test_a_failure_in_the_middle_of_a_windows_backward_says_which_units_are_ahead(tmp_path, alpha):
     """Units are stepped as their gradients complete: a failure in unit 0's backward of window 2 comes
-    after units 1 and 2 were updated. The module gets what the tiers hold, and the warning says so."""
+    after units 1 and 2 were updated (with alpha, their deferred parts are completed too: no unit is
+    left half updated). The module gets what the tiers hold, and the warning says so."""
     module = TinyGPTModule(lr=3e-3)
     armed = {"on": False}
 
@@ -109,7 +111,7 @@ def test_a_failure_in_the_middle_of_a_windows_backward_says_which_units_are_ahea
 
     module.model.blocks[0].register_forward_pre_hook(fail_in_recompute)
     with pytest.raises(RuntimeError, match="unit 0 failed"), pytest.warns(UserWarning) as caught:
-        _fit(GreedySnakeStrategy(alpha=0.0), tmp_path, callbacks=[Arm()], module=module)
+        _fit(GreedySnakeStrategy(alpha=alpha), tmp_path, callbacks=[Arm()], module=module)
     assert any("units [1, 2] were already updated" in str(w.message) and "global step 1" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
     assert all(torch.isfinite(p).all() for p in module.parameters())

@@ -17,7 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks if it hangs
     import lightning as L
     from lightning_greedysnake import GreedySnakeStrategy
     from tests.helpers import TinyGPTModule, make_trainer, token_loader
@@ -58,8 +59,11 @@ def test_a_signal_mid_window_stops_within_one_step_and_cleans_up(tmp_path, sig, 
     try:
         out, err = child.communicate(timeout=60)
     except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGUSR1)
+        time.sleep(2)
         child.kill()
-        raise AssertionError("the run did not stop within 60 s of the signal") from None
+        _, err = child.communicate()
+        raise AssertionError(f"the run did not stop within 60 s of the signal; its threads:\n{err[-12000:]}") from None
     after = [int(line.split()[1]) for line in out.splitlines() if line.startswith("STEP ")]
     assert not after or max(after) <= steps[-1] + 1, (steps, after)  # within one optimizer step
     assert time.perf_counter() - t0 < 30

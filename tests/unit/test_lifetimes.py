@@ -179,3 +179,46 @@ def test_new_16_bit_weights_are_cast_from_master_before_master_goes_back(tmp_pat
             assert torch.equal(c, m.to(torch.bfloat16))
     finally:
         store.close()
+
+
+def test_ctrl_c_while_waiting_for_a_lane_slot_gives_the_steps_handles_back(tmp_path):
+    """Ctrl-C lands while the training thread waits for a slot on the optimizer lane (lag steps queued):
+    the step was never submitted, so its gradient and weights go back, and the unit stays current (a
+    later acquisition does not wait forever for a step that will never come)."""
+    import signal
+
+    engine = ThreadedIOEngine()
+    model = _model()
+    units = make_units(sequential_chain(model), 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    store = TieredTensorStore(units, {id(p): n for n, p in model.named_parameters()}, optimizer,
+                              OffloadConfig(buffer_budget_bytes=64 << 20), lag=1, alpha=0.25)
+    store.open(tmp_path, io_engine=engine)
+    store.initialize_from_parameters()
+    release_lane = threading.Event()
+    store.stepper.gradient_observer = lambda unit, flat: release_lane.wait(30)  # the lane's first step waits
+    previous = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        baseline = store.pool.in_use_bytes
+        for unit in (2, 1):
+            store.acquire_unit(unit)
+            model[unit](torch.randn(4, 64)).square().sum().backward()
+            if unit == 1:
+                signal.setitimer(signal.ITIMER_REAL, 0.3)  # Ctrl-C while submit waits for the slot
+                with pytest.raises(KeyboardInterrupt):
+                    store.gradient_ready(unit)
+            else:
+                store.gradient_ready(unit)
+            store.release_unit(unit)
+        assert store.gate.is_current(1)  # never stepped: nobody has to wait for it
+        release_lane.set()
+        store.grads.discard()
+        store.drain()
+        assert store.pool.in_use_bytes == baseline, "the interrupted step's buffers leaked"
+        store.acquire_unit(1)  # returns at once
+        store.release_unit(1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release_lane.set()
+        store.close()
