@@ -19,6 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = textwrap.dedent("""
     import faulthandler, signal, sys, time
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks if it hangs
+    # a process started from a background shell job inherits SIGINT ignored (POSIX shells do that to
+    # asynchronous commands), and Python then installs no KeyboardInterrupt handler: put it back
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import lightning as L
     from lightning_greedysnake import GreedySnakeStrategy
     from tests.helpers import TinyGPTModule, make_trainer, token_loader
