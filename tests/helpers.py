@@ -139,6 +139,35 @@ def regression_loader(num_batches: int, batch_size: int = 4, seed: int = 0) -> D
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
+class UnitGradients(L.Callback):
+    """Every window's gradient as the tensor manager's stepper steps it (``param.grad`` is never populated
+    with offloading): the stepper's ``gradient_observer``, installed at the start of training, copies each
+    unit's complete gradient per parameter name. :meth:`windows` gives one dict per optimizer step."""
+
+    def __init__(self) -> None:
+        self.per_unit: dict[int, list[dict[str, torch.Tensor]]] = {}
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        manager = getattr(trainer.strategy, "tensor_manager", None)
+        if manager is None:
+            return
+
+        def observe(unit: int, flat: torch.Tensor) -> None:  # on the optimizer lane
+            self.per_unit.setdefault(unit, []).append({
+                slot.name: flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape).clone()
+                for slot in manager.layouts[unit].params if slot.group is not None
+            })
+
+        manager.stepper.gradient_observer = observe
+
+    def windows(self) -> list[dict[str, torch.Tensor]]:
+        if not self.per_unit:
+            return []
+        steps = len(next(iter(self.per_unit.values())))
+        assert all(len(calls) == steps for calls in self.per_unit.values()), "a unit missed a window"
+        return [{n: g for calls in self.per_unit.values() for n, g in calls[s].items()} for s in range(steps)]
+
+
 class ResumableLoader:
     """A DataLoader that resumes mid-epoch (Lightning's ``state_dict``/``load_state_dict`` protocol for
     stateful loaders): it remembers how many batches it handed out and skips them after a restore."""

@@ -1,7 +1,8 @@
 """Non-finite losses and gradients (``on_nonfinite``): named where they first appear instead of
 training on with NaN weights to ``max_steps`` and exit code 0.
 
-Every loss is checked as its micro-batch is back-propagated; every unit's complete gradient on the
+Every loss is kept as its micro-batch is back-propagated and the window's are checked together at its
+last micro-batch (one host sync per window, not one per micro-batch); every unit's complete gradient on the
 optimizer lane (the stepper's ``check_finite``). ``"skip"`` works on losses: every loss of a window is
 known before any unit of it is stepped (the vertical and the horizontal order step units only once the
 window's last micro-batch is back-propagated), so a window with a non-finite loss is dropped whole.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from lightning_greedysnake.engine import WindowEngine
@@ -30,12 +32,18 @@ class NonFiniteGuard:
         """The first non-finite loss of the window in progress, described."""
         self._skipping = False
         """The window in progress was dropped (its remaining ops will not run)."""
+        self._losses: list[tuple[int, Tensor]] = []
+        """(micro-batch, loss) of the window so far, checked at its last micro-batch."""
         self.skipped_steps: list[int] = []
         """Optimizer steps dropped for a non-finite loss (``on_nonfinite='skip'``), since construction."""
 
-    def check_loss(self, loss: Tensor, step: int, microbatch: int) -> None:
-        if math.isfinite(float(loss.detach())):
+    def _check_losses(self, step: int) -> None:
+        """The window's losses so far, checked with one host sync (every loss is kept until then as a
+        0-dim tensor: no sync per micro-batch)."""
+        losses, self._losses = self._losses, []
+        if not losses or bool(torch.isfinite(torch.stack([loss for _, loss in losses])).all()):
             return
+        microbatch, loss = next((m, t) for m, t in losses if not math.isfinite(float(t)))
         what = f"the loss of micro-batch {microbatch} of optimizer step {step + 1} is {float(loss)}"
         if self.mode == "raise":
             raise NonFiniteError(f"greedysnake: {what}. on_nonfinite='raise' stops here. Fix: lower the learning "
@@ -48,9 +56,13 @@ class NonFiniteGuard:
         follow it, or, after the window's last micro-batch, drop the window (``"skip"`` and a loss of it
         not finite): no unit of it was stepped yet, its gradients go."""
         step = int(getattr(getattr(module, "trainer", None), "global_step", 0))
-        self.check_loss(loss, step, microbatch)
+        if microbatch == 0:  # a new window (one Lightning cut short left its losses unchecked: forget them)
+            self._losses, self._window = [], None
+        self._losses.append((microbatch, loss.detach().float().reshape(())))
         plan = engine.plan
-        last = plan is not None and microbatch == plan.num_microbatches - 1
+        last = plan is None or microbatch == plan.num_microbatches - 1
+        if last:
+            self._check_losses(step)  # before the window's units are stepped (they are, from here on)
         if last and self.mode == "skip" and self._window is not None:
             engine.abort_window()
             module.zero_grad(set_to_none=True)  # (everything resident: Lightning's own step finds none)
@@ -60,6 +72,7 @@ class NonFiniteGuard:
 
     def end_window(self, step: int) -> bool:
         """The window is over; True when it was dropped (the engine has nothing left to finish)."""
+        self._check_losses(step)  # (a window cut short by the end of the data)
         what, self._window = self._window, None
         skipped, self._skipping = self._skipping, False
         if skipped:

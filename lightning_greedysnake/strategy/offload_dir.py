@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload.preflight import (
+    LOCK_NAME,
     Leftover,
     OffloadDirLock,
     PreflightReport,
@@ -85,10 +86,14 @@ class OffloadDirectory:
             if not parent.is_dir():
                 continue
             for child in parent.iterdir():
+                # one stat or two per entry: only directories that hold a lock file, or per-rank ones
                 for candidate in (child, child / "greedysnake_offload"):
-                    if candidate.is_dir() and candidate not in out:
+                    if candidate in out:
+                        continue
+                    if (candidate / LOCK_NAME).is_file():
                         out.append(candidate)
-                        out += [c for c in candidate.glob("rank_*") if c.is_dir()]
+                    elif candidate.name == "greedysnake_offload" and candidate.is_dir():
+                        out += [c for c in candidate.glob("rank_*") if (c / LOCK_NAME).is_file()]
         return out
 
     def cleanup(self, files: list[Path]) -> None:

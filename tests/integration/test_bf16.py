@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_greedysnake import GreedySnakeStrategy, OffloadConfig
-from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
+from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, max_abs_diff, token_loader
 
 LR = 3e-3
 K = 3
@@ -59,27 +59,8 @@ def policy_reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-class ComputeDtype(L.Callback):
+class ComputeDtype(UnitGradients):
     """The manager's compute dtype and SSD bytes, and every window's gradient as the stepper saw it."""
-
-    def __init__(self) -> None:
-        self.grads: dict[int, list[dict[str, torch.Tensor]]] = {}
-
-    def on_train_start(self, trainer: Any, module: Any) -> None:
-        manager = trainer.strategy.tensor_manager
-        if manager is None:
-            return
-
-        def observe(unit: int, flat: torch.Tensor) -> None:  # on the optimizer lane
-            self.grads.setdefault(unit, []).append({
-                s.name: flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
-                for s in manager.layouts[unit].params})
-
-        manager.stepper.gradient_observer = observe
-
-    def window_grads(self) -> list[dict[str, torch.Tensor]]:
-        steps = len(self.grads[0])
-        return [{n: g for per in self.grads.values() for n, g in per[s].items()} for s in range(steps)]
 
     def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
         manager = trainer.strategy.tensor_manager
@@ -113,7 +94,7 @@ def test_bf16_mixed_matches_the_same_policy_in_plain_pytorch(reference, schedule
     assert probe.compute_dtype is torch.bfloat16
     assert all(p.dtype is torch.float32 for p in got.values())  # the master weights come back
     assert max_abs_diff(got, reference) <= 1e-5
-    windows = probe.window_grads()  # and every window's fp32-accumulated gradient
+    windows = probe.windows()  # and every window's fp32-accumulated gradient
     assert len(windows) == len(POLICY_GRADS)
     for step, (g, r) in enumerate(zip(windows, POLICY_GRADS, strict=True)):
         assert max_abs_diff(g, r) <= (1e-6 if step == 0 else 1e-5), step

@@ -23,7 +23,7 @@ CHILD = textwrap.dedent("""
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_greedysnake import GreedySnakeStrategy
-    from tests.helpers import TinyGPTModule, make_trainer, token_loader
+    from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy")
@@ -43,8 +43,8 @@ CHILD = textwrap.dedent("""
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(lr=3e-3, dropout=0.0)
 
-    class Record(L.Callback):
-        resident_grads, unit_grads = [], {}
+    class Record(UnitGradients):
+        resident_grads = []
 
         def on_before_optimizer_step(self, trainer, module, optimizer):
             grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
@@ -52,19 +52,11 @@ CHILD = textwrap.dedent("""
                 self.resident_grads.append(grads)
 
         def window_grads(self):  # every window's gradient as the optimizer steps it (averaged)
-            if not self.unit_grads:
-                return self.resident_grads
-            steps = len(self.unit_grads[0])
-            return [{n: g for per in self.unit_grads.values() for n, g in per[s].items()} for s in range(steps)]
+            return self.windows() if self.per_unit else self.resident_grads
 
         def on_train_start(self, trainer, module):
+            super().on_train_start(trainer, module)
             manager = getattr(trainer.strategy, "tensor_manager", None)
-            if manager is not None:
-                def observe(unit, flat):
-                    self.unit_grads.setdefault(unit, []).append({
-                        s.name: flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
-                        for s in manager.layouts[unit].params})
-                manager.stepper.gradient_observer = observe
             where = manager.offload_dir.name if manager is not None and manager.offload_dir else None
             self.disk = {}
             if manager is not None and manager.offload_dir:  # bytes really allocated per file

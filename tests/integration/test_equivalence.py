@@ -21,6 +21,7 @@ from tests.helpers import (
     RecordingLogger,
     SequentialModule,
     TinyGPTModule,
+    UnitGradients,
     assert_series_close,
     make_trainer,
     max_abs_diff,
@@ -34,28 +35,14 @@ NUM_BATCHES = 10  # K=3 -> windows 3,3,3,1; K=4 -> 4,4,2: the epoch's last windo
 LR = 3e-3
 
 
-class GradRecorder(L.Callback):
+class GradRecorder(UnitGradients):
     """Gradients as the optimizer sees them (after the whole window's backward, before clipping): from
-    ``param.grad`` where Lightning steps resident parameters, else from the tensor manager's stepper,
-    which is told every unit's complete gradient of each window."""
+    ``param.grad`` where Lightning steps resident parameters, else from the tensor manager's stepper."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._resident: list[dict[str, torch.Tensor]] = []
-        self._per_unit: dict[int, list[dict[str, torch.Tensor]]] = {}
         self.lrs: list[float] = []
-
-    def on_train_start(self, trainer: Any, module: Any) -> None:
-        manager = getattr(trainer.strategy, "tensor_manager", None)
-        if manager is None:
-            return
-
-        def observe(unit: int, flat: torch.Tensor) -> None:  # on the optimizer lane
-            self._per_unit.setdefault(unit, []).append({
-                slot.name: flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape).clone()
-                for slot in manager.layouts[unit].params if slot.group is not None
-            })
-
-        manager.stepper.gradient_observer = observe
 
     def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
         self._resident.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
@@ -64,11 +51,7 @@ class GradRecorder(L.Callback):
     @property
     def grads(self) -> list[dict[str, torch.Tensor]]:
         """Per optimizer step, every parameter's gradient."""
-        if not self._per_unit:
-            return self._resident
-        steps = len(next(iter(self._per_unit.values())))
-        assert all(len(calls) == steps for calls in self._per_unit.values()), "a unit missed a window"
-        return [{n: g for calls in self._per_unit.values() for n, g in calls[s].items()} for s in range(steps)]
+        return self.windows() if self.per_unit else self._resident
 
 
 def _make(model: str, **overrides: Any) -> tuple[L.LightningModule, Any]:
