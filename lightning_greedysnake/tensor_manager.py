@@ -37,6 +37,7 @@ from lightning_greedysnake.layout import StateLayout, UnitLayout, build_unit_lay
 from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload import unit_values
 from lightning_greedysnake.offload.activations import ActivationStore
+from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.gradients import GradientAccumulator
 from lightning_greedysnake.offload.pool import BufferPool
 from lightning_greedysnake.offload.residency import UpdateGate, WeightsResidency
@@ -58,13 +59,16 @@ class TieredTensorStore:
 
     def __init__(self, units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
                  config: OffloadConfig, compute_dtype: torch.dtype = torch.float32, clip: ClipPolicy | None = None,
-                 alpha: float = 0.0, lag: int = 0, shard: tuple[int, int] | None = None) -> None:
+                 alpha: float = 0.0, lag: int = 0, shard: tuple[int, int] | None = None,
+                 copies: DeviceCopies | None = None) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
         ``lag``: how many units the background optimizer may trail backward by (0: synchronous);
         ``shard``: ``(rank, world)`` of data parallel with partitioned state: this process steps only its
-        chunk of every unit, and the stepper's ``weights_gatherer`` brings the other chunks' weights."""
+        chunk of every unit, and the stepper's ``weights_gatherer`` brings the other chunks' weights.
+        ``copies``: the device tier (a GPU's copy streams, or the simulated device), which this store
+        closes; None: the CPU computes on the host tier's memory."""
         self.config = config
         self.optimizer = optimizer
         self.compute_dtype = compute_dtype
@@ -87,15 +91,18 @@ class TieredTensorStore:
         self.state = StateLayout(tuple(layouts), _itemsize(compute_dtype), len(self.slots),
                                  separate_master=compute_dtype != torch.float32, shard=shard)
         self.arena = StagingArena(self.state, config, self.stats, lag)
+        self.copies = copies
+        if copies is not None:
+            self.arena.pool.pinner = (copies.pin, copies.unpin)
         self.gate = UpdateGate(len(units))
         self.stepper = UnitStepper(optimizer, self.state, self.slots, self.arena, self.gate, compute_dtype,
                                    self.clip, alpha, lag,
                                    on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
         self.weights = WeightsResidency(self.arena, self.state, self.params, compute_dtype, self.gate,
-                                        wait_for=lambda event: self.stepper.lane.wait_for(event))
+                                        wait_for=lambda event: self.stepper.lane.wait_for(event), copies=copies)
         self.stepper.keep_weights = self.weights.keep_as_prefetch
-        self.grads = GradientAccumulator(self.arena, self.state, self.params)
-        self.activations = ActivationStore(self.arena, config, self.stats)
+        self.grads = GradientAccumulator(self.arena, self.state, self.params, copies)
+        self.activations = ActivationStore(self.arena, config, self.stats, copies)
         self.pool.others_active = lambda: not self.stepper.lane.idle
 
     # -- views of the components (read-only) ------------------------------------------------------------
@@ -278,8 +285,12 @@ class TieredTensorStore:
             self.activations.close()
             self.arena.close()
         finally:
-            if self._engine is not None:
-                self._engine.close()
+            try:
+                if self._engine is not None:
+                    self._engine.close()
+            finally:
+                if self.copies is not None:
+                    self.copies.close()  # (after every handle that tracked a copy was given back)
 
     # -- weights in and out (training thread, between windows) ------------------------------------------------
     def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
@@ -396,7 +407,9 @@ class TieredTensorStore:
     def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter]) -> Tensor:
         """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step)."""
         total = self.grads.global_norm(order)
-        self.stepper.clip_by_norm(max_norm, total)
+        # the lane scales host gradients: on a device tier this reads the norm back (one wait per step,
+        # in this mode only)
+        self.stepper.clip_by_norm(max_norm, total.cpu())
         return total
 
     def clip_by_value(self, value: float) -> None:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +32,14 @@ class AlignedBuffer:
         self.nbytes = align_up(nbytes)
         self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._unpin: Callable[[int], None] | None = None
+
+    def pin(self, pin: Callable[[int, int], None], unpin: Callable[[int], None]) -> None:
+        """Page-lock the buffer for asynchronous device copies (``pin(ptr, nbytes)``); :meth:`close`
+        calls ``unpin(ptr)`` before unmapping it. Once."""
+        assert self.tensor is not None and self._unpin is None, "buffer is closed or pinned already"
+        pin(self.tensor.data_ptr(), self.nbytes)
+        self._unpin = unpin
 
     def memoryview(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         assert self._mmap is not None, "buffer is closed"
@@ -51,6 +60,9 @@ class AlignedBuffer:
     def close(self) -> None:
         if self._mmap is None:
             return
+        if self._unpin is not None and self.tensor is not None:
+            self._unpin(self.tensor.data_ptr())
+            self._unpin = None
         self.tensor = None
         try:
             self._mmap.close()

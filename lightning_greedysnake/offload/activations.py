@@ -8,7 +8,13 @@ backward). So memory holds one checkpoint being used and at most one being read 
 the number of units, plus those still being written (bounded by the budget: a save waits for writes to
 return buffers).
 
-Threads: the training thread only; reads and writes complete on I/O threads and are ordered here: a
+Device tier (``copies``): checkpoints are computed in device memory. On the ``device`` tier they stay
+there; on ``host`` each is copied (D2H stream) into page-locked host memory and back (H2D stream) at
+load; on ``ssd`` the D2H copy lands in a staging buffer whose write to the scratch file is submitted
+when the copy completes (chained, on the copy's completion thread), and a load copies the read-back
+bytes to device memory, which the compute stream waits for.
+
+Threads: the training thread; reads and writes complete on I/O threads and are ordered here: a
 checkpoint is read only after its write completed, and the scratch file closes only after every
 transfer on it.
 """
@@ -24,6 +30,7 @@ from torch import Tensor
 
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import IOEngine, OffloadFile, align_up
+from lightning_greedysnake.offload.device import Copy, DeviceCopies, then
 from lightning_greedysnake.offload.staging import FILE_NAMES, Staged, StagingArena
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import SSDScratch
@@ -38,11 +45,28 @@ class _OnSSD:
     write: Future[None]
     loaded: Staged | None = None
     """The checkpoint's bytes in memory (its reads perhaps still in flight when read ahead)."""
+    on_device: Tensor | None = None
+    """Device tier: the loaded bytes copied to device memory (until release or drop)."""
+
+
+@dataclass
+class _OnHost:
+    """Device tier, ``host`` checkpoints: the copy in page-locked host memory."""
+
+    host: Tensor
+    shape: torch.Size
+    landed: Copy
+    """The D2H copy that fills ``host``."""
+    on_device: Tensor | None = None
 
 
 class ActivationStore:
-    def __init__(self, arena: StagingArena, config: OffloadConfig, stats: IOStats) -> None:
+    def __init__(self, arena: StagingArena, config: OffloadConfig, stats: IOStats,
+                 copies: DeviceCopies | None = None) -> None:
         self._arena = arena
+        self._copies = copies
+        self._copied: dict[tuple[int, int], _OnHost] = {}
+        """Device tier, ``host`` checkpoints."""
         self._config = config
         self._stats = stats
         self._scratch: SSDScratch | None = None
@@ -72,7 +96,7 @@ class ActivationStore:
 
     @property
     def num_checkpoints(self) -> int:
-        return len(self._host) + len(self._ssd)
+        return len(self._host) + len(self._ssd) + len(self._copied)
 
     def begin_window(self, num_checkpoints: int) -> None:
         """A window that will save ``num_checkpoints`` begins: at its first save, when their size is known,
@@ -84,9 +108,13 @@ class ActivationStore:
         key = (unit, microbatch)
         nbytes = hidden.numel() * hidden.element_size()
         self.checkpoint_bytes = max(self.checkpoint_bytes, nbytes)
-        assert key not in self._host and key not in self._ssd, f"checkpoint {key} twice"
+        assert key not in self._host and key not in self._ssd and key not in self._copied, f"checkpoint {key} twice"
         if self._scratch is None:
-            self._host[key] = hidden
+            if self._copies is not None and self._config.checkpoints is Tier.HOST:
+                host = self._copies.empty_host(hidden.numel(), hidden.dtype)
+                self._copied[key] = _OnHost(host, hidden.shape, self._copies.to_host(hidden.reshape(-1), host))
+            else:
+                self._host[key] = hidden
             return
         self._arena.reserve_checkpoints(nbytes)
         if not self._reserved:
@@ -94,9 +122,15 @@ class ActivationStore:
             self._reserved = True
         held = self._arena.acquire(nbytes, f"checkpoint of unit {unit}")
         try:
-            held.view(hidden.dtype, hidden.numel()).copy_(hidden.reshape(-1))
             offset = self._scratch.allocate(nbytes)
-            write = self._scratch.submit("write", offset, held.buf, nbytes)
+            scratch, buf = self._scratch, held.buf
+            if self._copies is None:
+                held.view(hidden.dtype, hidden.numel()).copy_(hidden.reshape(-1))
+                write = scratch.submit("write", offset, buf, nbytes)
+            else:
+                landed = self._copies.to_host(hidden.reshape(-1), held.view(hidden.dtype, hidden.numel()))
+                # the write reads the buffer only once the D2H copy filled it
+                write = then(landed, lambda: scratch.submit("write", offset, buf, nbytes))
             held.track_write(write)
         finally:
             held.release()  # back once written
@@ -106,7 +140,13 @@ class ActivationStore:
         """The checkpoint, in memory until :meth:`release` or :meth:`drop`."""
         key = (unit, microbatch)
         if self._scratch is None:
-            return self._host[key]
+            copied = self._copied.get(key)
+            if copied is None:
+                return self._host[key]
+            if copied.on_device is None:
+                copied.landed.result()  # the H2D below reads what the D2H copy wrote
+                copied.on_device, _ = self._device_copy(copied.host, copied.shape)
+            return copied.on_device
         ck = self._ssd[key]
         if ck.loaded is None:
             ck.write.result()  # the read must see the completed write
@@ -122,7 +162,21 @@ class ActivationStore:
                 ck.loaded = None  # await_reads gave it back
                 self._loaded -= 1
                 raise
-        return held.view(ck.dtype, ck.shape.numel()).view(ck.shape)
+        host = held.view(ck.dtype, ck.shape.numel())
+        if self._copies is None:
+            return host.view(ck.shape)
+        if ck.on_device is None:
+            ck.on_device, copy = self._device_copy(host, ck.shape)
+            held.track_write(copy)  # the staging buffer goes back only after the copy read it
+        return ck.on_device
+
+    def _device_copy(self, host: Tensor, shape: torch.Size) -> tuple[Tensor, Copy]:
+        """``host`` copied to new device memory, which the compute stream waits for."""
+        assert self._copies is not None
+        flat = self._copies.empty(host.numel(), host.dtype)
+        copy = self._copies.to_device(host, flat)
+        self._copies.wait(copy)  # hand-over: the H2D stream -> the compute stream (the op that loads it)
+        return flat.view(shape), copy
 
     def prefetch(self, unit: int, microbatch: int) -> None:
         """Start reading a checkpoint the engine will need next (from the budget's slack, and only once
@@ -152,16 +206,21 @@ class ActivationStore:
         ck = self._ssd.get((unit, microbatch))
         if ck is not None and ck.loaded is not None:
             self._unload(ck)
+        copied = self._copied.get((unit, microbatch))
+        if copied is not None:
+            copied.on_device = None  # device memory back to the compute stream's allocator
 
     def drop(self, unit: int, microbatch: int) -> None:
         """The checkpoint will not be read again in this window."""
         self._host.pop((unit, microbatch), None)
+        self._copied.pop((unit, microbatch), None)
         ck = self._ssd.pop((unit, microbatch), None)
         if ck is not None and ck.loaded is not None:
             self._unload(ck)  # a read-ahead may still be filling it: the handle waits for that
 
     def _unload(self, ck: _OnSSD) -> None:
         held, ck.loaded = ck.loaded, None
+        ck.on_device = None
         assert held is not None
         self._loaded -= 1
         held.release()
@@ -173,14 +232,18 @@ class ActivationStore:
             self.drop(*key)
             ck.write.result()
         self._host.clear()
+        self._copied.clear()
         if self._scratch is not None:
             self._scratch.reset()
 
     def close(self) -> None:
         """Give back every loaded checkpoint and close the scratch file once nothing is in flight on it."""
         for key in list(self._ssd):
+            ck = self._ssd[key]
             self.drop(*key)
+            ck.write.exception()  # a write chained after a device copy may not be submitted yet
         self._host.clear()
+        self._copied.clear()
         if self._scratch is not None:
             self._scratch.close()
             self._scratch = None

@@ -5,8 +5,15 @@ unit's flat fp32 accumulator and clears ``param.grad``. A unit's accumulator liv
 gradient to its optimizer step; if the unit is released before its gradient is complete (the horizontal
 order), or the step waits for the global norm, the accumulator waits on the ``gradients`` tier.
 
-Threads: the training thread only (autograd runs the hooks of CPU tensors on the thread that calls
-backward). A handle taken with :meth:`take` belongs to the caller (a step job) from then on.
+Device tier (``copies``): the accumulator lives in device memory instead, on the compute stream, and
+leaves it once per window (vertical order): :meth:`take` copies it into a host staging handle on the
+D2H stream; the handle tracks the copy, and whoever reads it (the step job, a write to the tier) waits
+for it first (``wait_reads``). A spilled accumulator comes back with an H2D copy the compute stream
+waits for.
+
+Threads: the training thread, and on CUDA autograd's device thread, which runs the hooks while the
+training thread waits in ``backward()`` (that call is the hand-over). A handle taken with :meth:`take`
+belongs to the caller (a step job) from then on.
 """
 
 from __future__ import annotations
@@ -19,13 +26,18 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.residency import slot_view
 from lightning_greedysnake.offload.staging import Staged, StagingArena
 
 
 class GradientAccumulator:
-    def __init__(self, arena: StagingArena, state: StateLayout, params: list[list[nn.Parameter]]) -> None:
+    def __init__(self, arena: StagingArena, state: StateLayout, params: list[list[nn.Parameter]],
+                 copies: DeviceCopies | None = None) -> None:
         self._arena = arena
+        self._copies = copies
+        self._on_device: dict[int, Tensor] = {}
+        """Device tier: accumulators in device memory (instead of ``_grads``)."""
         self._state = state
         self.params = params
         self.where: dict[int, tuple[int, int]] = {
@@ -77,7 +89,8 @@ class GradientAccumulator:
             # large one is fresh memory to fault in: ~15x slower than a copy into a kept buffer and an
             # fp32 add (the same sum, bit for bit)
             if self._scratch is None or self._scratch.numel() < grad.numel():
-                self._scratch = torch.empty(max(grad.numel(), self._largest_param), dtype=view.dtype)
+                self._scratch = torch.empty(max(grad.numel(), self._largest_param), dtype=view.dtype,
+                                            device=view.device)
             scratch = self._scratch[: grad.numel()].view(grad.shape)
             scratch.copy_(grad)
             view.add_(scratch)
@@ -87,6 +100,8 @@ class GradientAccumulator:
     # -- accumulators -------------------------------------------------------------------------------------
     def flat(self, u: int) -> Tensor:
         """Unit ``u``'s accumulator in memory: started (zero) on its first gradient, read back if spilled."""
+        if self._copies is not None:
+            return self._device_flat(u)
         held = self._grads.get(u)
         if held is None:
             if u in self._spilled:
@@ -99,27 +114,63 @@ class GradientAccumulator:
             self._grads[u] = held
         return held.view(torch.float32, self._state.units[u].numel)
 
+    def _device_flat(self, u: int) -> Tensor:
+        assert self._copies is not None
+        flat = self._on_device.get(u)
+        if flat is not None:
+            return flat
+        numel = self._state.units[u].numel
+        flat = self._copies.empty(numel, torch.float32)
+        if u in self._spilled:
+            self._spilled.discard(u)
+            held = self._arena.stage(TensorKind.GRADIENTS, u, read=True)
+            try:
+                copy = self._copies.to_device(held.view(torch.float32, numel), flat)
+                held.track_write(copy)  # the host bytes stay until the copy is done
+                self._copies.wait(copy)  # hand-over: the H2D stream -> the compute stream's next add
+            finally:
+                held.release()
+        else:
+            flat.zero_()
+            self._has_grad[u] = [False] * len(self._state.units[u].params)
+        self._on_device[u] = flat
+        return flat
+
     def has(self, u: int) -> bool:
         """A gradient reached unit ``u`` in this window."""
-        return u in self._grads or u in self._spilled
+        return u in self._grads or u in self._on_device or u in self._spilled
 
     def in_memory(self, u: int) -> bool:
-        return u in self._grads
+        return u in self._grads or u in self._on_device
 
     def spill(self, u: int) -> None:
         """Send unit ``u``'s accumulator to its tier (the buffer comes back once written)."""
-        held = self._grads.pop(u)
-        self._arena.put_back(TensorKind.GRADIENTS, u, held)
+        held = self.take(u)
+        self._arena.put_back(TensorKind.GRADIENTS, u, held)  # (waits for a D2H copy still filling it)
         self._spilled.add(u)
 
     def take(self, u: int) -> Staged:
-        """Unit ``u``'s complete accumulator, in memory; the caller owns the handle from now on."""
+        """Unit ``u``'s complete accumulator, in host memory (on a device tier: being copied there, which
+        the handle tracks); the caller owns the handle from now on."""
         self.flat(u)
-        return self._grads.pop(u)
+        if self._copies is None:
+            return self._grads.pop(u)
+        flat = self._on_device.pop(u)
+        held = self._arena.stage(TensorKind.GRADIENTS, u, read=False)
+        try:
+            # ordered after the compute stream's last add into ``flat``; the device memory goes back to
+            # the compute stream's allocator here, the copy's stream recorded on it
+            held.track_read(self._copies.to_host(flat, held.view(torch.float32, flat.numel())))
+        except BaseException:
+            held.release()
+            raise
+        return held
 
     def take_waiting(self, u: int) -> Staged | None:
         """Like :meth:`take`, but a spilled accumulator stays on its tier (None: the step reads it back)."""
         self._spilled.discard(u)
+        if u in self._on_device:
+            return self.take(u)
         return self._grads.pop(u, None)
 
     def pop_has_grad(self, u: int) -> list[bool]:
@@ -162,6 +213,7 @@ class GradientAccumulator:
         """Drop every gradient of the window (abandoned before its step, as Lightning's zero_grad)."""
         for u in list(self._grads):
             self._grads.pop(u).release()
+        self._on_device.clear()
         self._spilled.clear()
         self._has_grad.clear()
         self._norms.clear()

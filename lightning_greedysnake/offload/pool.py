@@ -59,6 +59,9 @@ class BufferPool:
         self._closed = False
         self._returning = 0
         """Buffers whose owners released them but that wait for I/O to finish before coming back."""
+        self.pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None
+        """``(pin, unpin)`` of the device tier: every new buffer is page-locked for asynchronous copies
+        (set before the first acquisition)."""
         self.others_active: Callable[[], bool] | None = None
         """Whether another thread (the optimizer lane) holds buffers it will give back: then waiting for
         memory makes sense even when no I/O is in flight."""
@@ -91,6 +94,8 @@ class BufferPool:
                 if self.in_use_bytes + nbytes <= self.budget_bytes:
                     self._evict(self.in_use_bytes + self._free_bytes + nbytes - self.budget_bytes)
                     buf = AlignedBuffer(nbytes)
+                    if self.pinner is not None:
+                        buf.pin(*self.pinner)
                     if self.debug:
                         self._poison(buf)  # fresh memory is zero: as plausible as stale numbers
                     break

@@ -10,6 +10,14 @@ in one place only: after unit 0's step it may keep the unit's new weights as the
 acquisition (:meth:`keep_as_prefetch`), before publishing the unit in the :class:`UpdateGate`; the
 training thread reads the prefetch table for a unit only once the gate shows the unit current, and
 ``_lock`` guards the table itself.
+
+Device tier (``copies``: a GPU, or the simulated device). The staged host weights stay the unit's host
+handle exactly as above (the step job still takes it over); the compute weights the parameters are
+bound to are a device copy of them, made on the H2D stream (:meth:`acquire`) or ahead of need
+(:meth:`prefetch`, once the host bytes are in). The host handle tracks that copy, so it is changed or
+given back only once the copy is done; the compute stream waits for the copy's event before the
+unit's first op. Device memory is the compute stream's (see :class:`~lightning_greedysnake.offload.
+device.CudaCopies`); ``_on_device`` and ``_device_prefetch`` belong to the training thread.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import ParamSlot, StateLayout
+from lightning_greedysnake.offload.device import Copy, DeviceCopies
 from lightning_greedysnake.offload.staging import Staged, StagingArena
 
 
@@ -62,9 +71,15 @@ class UpdateGate:
 class WeightsResidency:
     def __init__(self, arena: StagingArena, state: StateLayout, params: list[list[nn.Parameter]],
                  compute_dtype: torch.dtype, gate: UpdateGate,
-                 wait_for: Callable[[threading.Event], None]) -> None:
+                 wait_for: Callable[[threading.Event], None], copies: DeviceCopies | None = None) -> None:
         """``wait_for(event)`` blocks until a unit's step completed (the lane's wait: it raises the lane's
-        error instead of hanging when a step failed)."""
+        error instead of hanging when a step failed). ``copies``: the device tier, if any."""
+        self._copies = copies
+        self._on_device: dict[int, Tensor] = {}
+        """Held units' compute weights in device memory (training thread only)."""
+        self._device_prefetch: dict[int, tuple[Tensor, Copy]] = {}
+        """Device copies started ahead of acquisition, each from the host handle in ``_prefetched`` (which
+        tracks the copy) (training thread only)."""
         self._arena = arena
         self._state = state
         self.params = params
@@ -95,17 +110,37 @@ class WeightsResidency:
         self.weight_loads[unit] += 1
         with self._lock:
             held = self._prefetched.pop(unit, None)
+        on_device = self._device_prefetch.pop(unit, None)
         if held is not None:
             held.take_over()
-            self._arena.await_reads(held, label=TensorKind.WEIGHTS.value)  # gives it back if the read failed
+            if held.reads_pending:  # (a host-tier region prefetched for its device copy has none)
+                self._arena.await_reads(held, label=TensorKind.WEIGHTS.value)  # gives it back if the read failed
         else:
             held = self._arena.stage(TensorKind.WEIGHTS, unit, read=True)
         self._held[unit] = held
-        self.bind(unit, held.view(self.compute_dtype, self._state.units[unit].numel))
+        if self._copies is None:
+            self.bind(unit, held.view(self.compute_dtype, self._state.units[unit].numel))
+            return
+        flat, copy = on_device if on_device is not None else self._to_device(unit, held)
+        self._copies.wait(copy)  # hand-over: the H2D stream -> the compute stream (the unit's first op)
+        self._on_device[unit] = flat
+        self.bind(unit, flat)
+
+    def _to_device(self, unit: int, held: Staged) -> tuple[Tensor, Copy]:
+        """Start copying ``held`` (unit ``unit``'s host compute weights, read in) to new device memory;
+        ``held`` tracks the copy (its bytes must not change, nor it be given back, before it is done)."""
+        assert self._copies is not None
+        numel = self._state.units[unit].numel
+        flat = self._copies.empty(numel, self.compute_dtype)
+        copy = self._copies.to_device(held.view(self.compute_dtype, numel), flat)
+        held.track_write(copy)
+        return flat, copy
 
     def release(self, unit: int) -> None:
         held = self._held.pop(unit)
         self.unbind(unit)
+        # device memory goes back to the compute stream's allocator: later work on it is stream-ordered
+        self._on_device.pop(unit, None)
         if unit in self._donated:
             self._donated.discard(unit)  # the step job owns the handle now and gives it back
         else:
@@ -129,31 +164,46 @@ class WeightsResidency:
         return held
 
     def prefetch(self, unit: int) -> None:
-        """Start reading ``unit``'s weights now if they live on SSD and the budget's slack allows."""
-        if not self._arena.on_ssd(TensorKind.WEIGHTS) or unit in self._held:
+        """Start reading ``unit``'s weights now if they live on SSD and the budget's slack allows; on a
+        device tier, start their device copy once the host bytes are in (called again before every op,
+        so the copy starts at the first op after the read landed)."""
+        if unit in self._held:
             return
         if not self.gate.is_current(unit):
-            return  # its step is still running: the weights on SSD are about to change
+            return  # its step is still running: the weights on their tier are about to change
         with self._lock:
-            if unit in self._prefetched:
-                return
-        held = self._arena.acquire_optional(self._state.region_bytes(TensorKind.WEIGHTS, unit),
-                                            f"unit {unit} weights prefetch")
+            held = self._prefetched.get(unit)
         if held is None:
+            held = self._start_host_prefetch(unit)
+        if held is None or self._copies is None or unit in self._device_prefetch or not held.reads_landed:
             return
-        try:
-            self._arena.read_into(TensorKind.WEIGHTS, unit, held)
-        except BaseException:
-            held.release()
-            raise
+        self._device_prefetch[unit] = self._to_device(unit, held)
+
+    def _start_host_prefetch(self, unit: int) -> Staged | None:
+        if not self._arena.on_ssd(TensorKind.WEIGHTS):
+            if self._copies is None:
+                return None  # host-tier weights are used in place
+            held = self._arena.stage(TensorKind.WEIGHTS, unit, read=False)  # the region itself
+        else:
+            held = self._arena.acquire_optional(self._state.region_bytes(TensorKind.WEIGHTS, unit),
+                                                f"unit {unit} weights prefetch")
+            if held is None:
+                return None
+            try:
+                self._arena.read_into(TensorKind.WEIGHTS, unit, held)
+            except BaseException:
+                held.release()
+                raise
         with self._lock:
             self._prefetched[unit] = held
+        return held
 
     def drop_prefetch(self, unit: int) -> None:
         """Forget ``unit``'s prefetch (its step is about to change the weights); the buffer comes back
         once the read is done."""
         with self._lock:
             held = self._prefetched.pop(unit, None)
+        self._device_prefetch.pop(unit, None)  # (its copy is tracked by ``held``)
         if held is not None:
             held.release()
 
@@ -198,5 +248,6 @@ class WeightsResidency:
             self.release(unit)
         with self._lock:
             prefetched, self._prefetched = list(self._prefetched.values()), {}
+        self._device_prefetch.clear()
         for held in prefetched:
             held.release()

@@ -90,6 +90,12 @@ class Staged:
     def reads_pending(self) -> bool:
         return bool(self._unawaited)
 
+    @property
+    def reads_landed(self) -> bool:
+        """Every read into the buffer completed (without waiting; a failed one counts: the owner's
+        wait raises it)."""
+        return all(f.done() for f in self._unawaited)
+
     def wait_reads(self) -> None:
         """Block until every read into the buffer landed; raises the first failure (the handle still
         owns the buffer then: release it)."""
@@ -115,10 +121,14 @@ class Staged:
         self._released = True
         self.take_over()
         pool = self._pool
-        if pool is None:
-            return
         pending = [f for f in self._io if not f.done()]
         self._io, self._unawaited = [], []
+        if pool is None:
+            # a host-tier region stays its tier's; a device copy still reading or filling it must land
+            # before anyone else (the lane's step of the unit) changes or reads it
+            for f in pending:
+                f.exception()
+            return
         if not pending:
             pool.release(self.buf)
             return
@@ -203,7 +213,7 @@ class StagingArena:
                     self._regions[kind] = SSDRegions(kind.value, sizes, engine, path, self.stats,
                                                      sparse=self.state.sharded(kind))
                 else:
-                    self._regions[kind] = HostRegions(kind.value, sizes)
+                    self._regions[kind] = HostRegions(kind.value, sizes, self.pool.pinner)
         except BaseException:
             self.close()
             raise
@@ -324,6 +334,9 @@ class StagingArena:
         with ``release``, give it back (the buffer returns once written). Host-tier regions were changed
         in place: nothing to write."""
         if held.pooled:
+            # a device copy still filling the buffer (a gradient coming back) must land before the
+            # write reads it
+            held.wait_reads()
             regions = self._regions[kind]
             assert isinstance(regions, SSDRegions)
             for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +33,22 @@ def _done_future() -> Future[None]:
 class HostRegions:
     tier = "host"
 
-    def __init__(self, kind: str, region_bytes: list[int]) -> None:
+    def __init__(self, kind: str, region_bytes: list[int],
+                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None) -> None:
+        """``pinner``: ``(pin, unpin)`` of the device tier, which copies straight out of these regions."""
         self.kind = kind
         self.layout: FileLayout = build_file_layout(region_bytes)
         # anonymous mmap: pages are materialized on first touch, so unused regions cost nothing
+        # (page-locking touches them all: on a device tier host regions are resident)
         self._buffers: list[AlignedBuffer | None] = [AlignedBuffer(size) if size else None for size in region_bytes]
+        if pinner is not None:
+            try:
+                for buf in self._buffers:
+                    if buf is not None:
+                        buf.pin(*pinner)
+            except BaseException:
+                self.close()
+                raise
 
     def region_bytes(self, unit: int) -> int:
         return self.layout.sizes[unit]

@@ -24,6 +24,9 @@ class StagedBuffer(Protocol):
     def take_over(self) -> None:
         """A buffer read ahead of need is now owned by the work it was read for."""
 
+    def wait_reads(self) -> None:
+        """Block until every transfer filling the buffer landed (a gradient's device-to-host copy)."""
+
     def wait_io(self) -> None:
         """Block until every transfer on the buffer completed (before changing its bytes)."""
 

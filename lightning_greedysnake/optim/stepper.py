@@ -178,6 +178,7 @@ class UnitStepper:
         def backward_part() -> None:  # on the lane
             stepped = grad_given_back = False
             try:
+                grad.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
                 flat = grad.view(torch.float32, numel)
                 if self.grad_reducer is not None:
                     self.grad_reducer(flat)  # data parallel: the ranks' gradients averaged, as DDP does
@@ -286,6 +287,7 @@ class UnitStepper:
         def whole_step() -> None:  # on the lane
             held = grad if grad is not None else self._staging.stage(TensorKind.GRADIENTS, unit, read=True)
             try:
+                held.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
                 flat = held.view(torch.float32, self.state.units[unit].numel)
                 self._observe(unit, flat)
                 for v in values:

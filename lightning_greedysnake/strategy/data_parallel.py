@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_greedysnake.distributed import gather_chunks
 from lightning_greedysnake.strategy.lightning_api import init_process_group, subprocess_launcher, sync_reduce
+from lightning_greedysnake.strategy.manager_setup import move_all_but_units
 
 
 def _destroy_process_groups() -> None:
@@ -116,6 +117,9 @@ class DataParallelStrategy(ParallelStrategy):
         super().__init__(checkpoint_io=checkpoint_io)
         self._num_nodes = 1
         self._dp = DataParallel(default_pg_timeout)
+        self.units_stay_on_host: list[Any] | None = None
+        """The units whose parameters the tensor manager keeps in its tiers: ``model_to_device`` leaves
+        them where they are."""
 
     @property
     @override
@@ -187,7 +191,10 @@ class DataParallelStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if self.units_stay_on_host is not None:
+            move_all_but_units(self.model, self.units_stay_on_host, self.root_device)
+        else:
+            self.model.to(self.root_device)
 
     @override
     def teardown(self) -> None:

@@ -50,6 +50,7 @@ from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import WindowInputs, forward_replaced, loss_of, tokens_in
 from lightning_greedysnake.strategy.manager_setup import (
     check_device,
+    new_tensor_manager,
     open_tensor_manager,
     stand_in_for_meta_parameters,
 )
@@ -189,6 +190,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
         if fitting:
             check_parameter_ownership(module, path, units)
         on_meta = stand_in_for_meta_parameters(module, units, self.config.offload.uses_tensor_manager)
+        if self.config.offload.uses_tensor_manager:
+            check_device(self.config, self.root_device, self.is_distributed)
+            self.units_stay_on_host = units  # the tensor manager brings them to the device unit by unit
         super().setup(trainer)  # model to device, optimizers, precision plugin
         if fitting:
             checks.check_optimizers(self.optimizers)
@@ -228,14 +232,11 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     def _open_tensor_manager(self, trainer: Any, module: Any, units: list, fitting: bool,
                              meta_model: nn.Module | None) -> TieredTensorStore:
-        check_device(self.config, self.root_device)
-        manager = TieredTensorStore(
-            units, {id(p): n for n, p in module.named_parameters()},
-            self.optimizers[0] if (fitting and self.optimizers) else None, self.config.offload,
-            compute_dtype=self.precision_plugin.compute_dtype, alpha=self.config.alpha, lag=self.config.lag,
+        manager = new_tensor_manager(
+            units, module, self.optimizers[0] if (fitting and self.optimizers) else None, self.config,
+            self.precision_plugin.compute_dtype, self.root_device,
             clip=checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy(),
-            shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None,
-        )
+            shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None)
         self.connect_collectives(manager.stepper)
         self._dir = OffloadDirectory(self.config.offload)
         open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -39,3 +40,9 @@ def before_batch_transfer(module: LightningModule, batch: Any) -> Any:
     module's), as Lightning's training loop runs it before ``batch_to_device``. Which of the two applies
     is decided by the Trainer's private data-hook selector, hence the private call."""
     return module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
+def record_module_device(module: torch.nn.Module, device: torch.device) -> None:
+    """Set what ``LightningModule.device`` answers (for this module and its Lightning submodules), as
+    ``module.to(device)`` would, for a move that leaves some parameters where they are."""
+    _update_properties(module, device=device)

@@ -14,8 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import GreedySnakeConfig, TensorKind
+from lightning_greedysnake.config import GreedySnakeConfig, Tier
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
+from lightning_greedysnake.offload.device import device_copies_for, simulate_device_enabled
+from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectory
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
@@ -73,14 +76,53 @@ def materialize(manager: TieredTensorStore, layered: nn.Module, units: list[Unit
     manager.initialize_unit_by_unit(init)
 
 
-def check_device(config: GreedySnakeConfig, device: torch.device) -> None:
-    if device.type != "cpu":
-        placement = ", ".join(f"{kind.value}={config.offload.tier(kind).value}" for kind in TensorKind)
+def check_device(config: GreedySnakeConfig, device: torch.device, distributed: bool) -> None:
+    """Refuse, before any work, what the device tier does not do yet."""
+    if device.type not in ("cpu", "cuda"):
         raise ValueError(
-            f"offload placement {placement} on a {device.type} device: the tensor manager's accelerator path "
-            "(pinned buffers, copy streams) is not built yet. Fix: Trainer(accelerator='cpu'), or keep "
-            "everything on the device with offload=OffloadConfig.everywhere('device')."
+            f"greedysnake's tensor manager runs on 'cpu' or 'cuda' devices, not {device.type!r}. Fix: "
+            "Trainer(accelerator='gpu') or Trainer(accelerator='cpu')."
         )
+    on_device_tier = device.type == "cuda" or simulate_device_enabled()
+    if not on_device_tier:
+        return
+    if config.offload.weights is Tier.DEVICE:
+        raise ValueError(
+            "offload.weights='device' with the other kinds offloaded: compute weights kept resident on the "
+            f"{device.type} device beside a host optimizer are not built yet. Fix: offload.weights='host' "
+            "(RAM, copied to the device for each use) or 'ssd'."
+        )
+    if device.type == "cuda" and distributed:
+        raise ValueError(
+            "data parallel with the tensor manager on CUDA needs the per-unit reduce-scatter and all-gather "
+            "on NCCL, which are not built yet. Fix: one GPU per run (Trainer(devices=1)), or everything on "
+            "the device with offload=OffloadConfig.everywhere('device')."
+        )
+
+
+def new_tensor_manager(units: list[Unit], module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                       config: GreedySnakeConfig, compute_dtype: torch.dtype, device: torch.device,
+                       clip: ClipPolicy, shard: tuple[int, int] | None) -> TieredTensorStore:
+    """The tensor manager for ``units``, with the device tier ``device`` needs (CUDA copy streams, the
+    simulated device, or none: the CPU computes in host memory), which it owns from then on."""
+    copies = device_copies_for(device)
+    try:
+        return TieredTensorStore(
+            units, {id(p): n for n, p in module.named_parameters()}, optimizer, config.offload,
+            compute_dtype=compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
+            copies=copies)
+    except BaseException:
+        if copies is not None:
+            copies.close()
+        raise
+
+
+def move_all_but_units(module: nn.Module, units: list[Unit], device: torch.device) -> None:
+    """``module.to(device)`` except the units' parameters: those live in the tensor manager's tiers and
+    come to the device one unit at a time (moving them would need the whole model in device memory)."""
+    keep = {id(p) for unit in units for p in unit.parameters()}
+    module._apply(lambda t: t if id(t) in keep else t.to(device))  # (torch's own traversal of .to())
+    record_module_device(module, device)
 
 
 def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectory, default_root: Path,

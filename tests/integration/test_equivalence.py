@@ -60,11 +60,12 @@ def _make(model: str, **overrides: Any) -> tuple[L.LightningModule, Any]:
     return SequentialModule(lr=LR, **overrides), regression_loader(NUM_BATCHES)
 
 
-def run(strategy: Any, model: str, k: int, trainer_kwargs: dict | None = None, **overrides: Any) -> dict[str, Any]:
+def run(strategy: Any, model: str, k: int, trainer_kwargs: dict | None = None, callbacks: tuple = (),
+        **overrides: Any) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module, loader = _make(model, **overrides)
     logger, grads = RecordingLogger(), GradRecorder()
-    trainer = make_trainer(strategy, k, logger=logger, callbacks=[grads], **(trainer_kwargs or {}))
+    trainer = make_trainer(strategy, k, logger=logger, callbacks=[grads, *callbacks], **(trainer_kwargs or {}))
     trainer.fit(module, loader)
     return {
         "params": {n: p.detach().clone() for n, p in module.named_parameters()},

@@ -1,0 +1,203 @@
+"""greedysnake on a real CUDA device (marked ``gpu``, skipped without one; a few minutes on one GPU):
+the device tier (pinned staging, copy streams, events) against ``strategy="auto"`` on the same GPU.
+
+Comparisons: the first window's gradients, relative to their norm (1e-6 in fp32, 1e-5 in bf16-mixed),
+before any optimizer step can amplify rounding; the logged losses; fp32 weights after training (not
+bf16's: Adam turns last-bit gradient noise, an attention key bias's say, into lr-sized steps). Then
+GPU memory back at its starting level after ``fit``, and no ``torch.cuda.synchronize`` in the steady
+state (counted by patching it).
+
+Run: ``python -m pytest -q -m gpu tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy
+from lightning_greedysnake.config import OffloadConfig
+from lightning_greedysnake.offload.device import CudaCopies
+from tests.helpers import RecordingLogger, UnitGradients, token_loader
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+K = 4
+STEPS = 3
+LR = 3e-3
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
+        self.log("train_loss", loss, on_step=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+
+class Grads(UnitGradients):
+    """The first window's gradients: ``param.grad`` under ``auto``, the stepper's under greedysnake."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resident: dict[str, torch.Tensor] | None = None
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        if self.resident is None:
+            self.resident = {n: p.grad.detach().float().cpu() for n, p in module.named_parameters()
+                             if p.grad is not None}
+
+    def first(self) -> dict[str, torch.Tensor]:
+        windows = self.windows()
+        if windows:
+            return {n: g.float().cpu() for n, g in windows[0].items()}
+        assert self.resident is not None
+        return self.resident
+
+
+class DeviceTierSeen(L.Callback):
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        manager = trainer.strategy.tensor_manager
+        assert manager is not None and isinstance(manager.copies, CudaCopies)
+
+
+def fit(strategy: Any, precision: str = "32-true", callbacks: tuple = (), **trainer_kwargs: Any) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    module = Module()
+    logger, grads = RecordingLogger(), Grads()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="gpu", devices=1, precision=precision, max_epochs=1,
+        accumulate_grad_batches=K, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[grads, *callbacks], **trainer_kwargs,
+    )
+    trainer.fit(module, token_loader(K * STEPS, batch_size=4, seq=64, vocab=256))
+    return {
+        "grads": grads.first(),
+        "losses": [v for _, v in logger.series("train_loss_step")] or [v for _, v in logger.series("train_loss")],
+        "params": {n: p.detach().float().cpu() for n, p in module.named_parameters()},
+        "steps": trainer.global_step,
+    }
+
+
+_references: dict[tuple, dict[str, Any]] = {}
+
+
+def reference(precision: str, **trainer_kwargs: Any) -> dict[str, Any]:
+    key = (precision, tuple(sorted(trainer_kwargs.items())))
+    if key not in _references:
+        _references[key] = fit("auto", precision, **trainer_kwargs)
+    return _references[key]
+
+
+def assert_matches(got: dict[str, Any], ref: dict[str, Any], precision: str) -> None:
+    rel = 1e-6 if precision == "32-true" else 1e-5
+    assert got["steps"] == ref["steps"] == STEPS
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in got["grads"].items():
+        r = ref["grads"][name]
+        assert (g - r).norm() <= rel * r.norm() + 1e-12, (name, float((g - r).norm() / r.norm()))
+    assert len(got["losses"]) == len(ref["losses"]) > 0
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
+        assert abs(a - b) <= (1e-5 if precision == "32-true" else 2e-2) * max(1.0, abs(b)), (a, b)
+    if precision == "32-true":
+        for name, p in got["params"].items():
+            assert torch.allclose(p, ref["params"][name], rtol=0, atol=1e-4), name
+
+
+PLACEMENTS = {
+    "ssd": None,
+    "ssd-everything": OffloadConfig.everywhere("ssd"),
+    "host": OffloadConfig.everywhere("host", checkpoints="device"),
+    "host-weights-ssd-state": {"weights": "host", "checkpoints": "host"},
+}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_matches_auto_on_cuda(placement, precision):
+    got = fit(GreedySnakeStrategy(offload=PLACEMENTS[placement]), precision, callbacks=(DeviceTierSeen(),))
+    assert_matches(got, reference(precision), precision)
+
+
+@pytest.mark.parametrize(("alpha", "lag", "schedule"), [(0.0, 0, "vertical"), (0.5, 2, "vertical"),
+                                                        (0.25, 1, "horizontal")])
+def test_alpha_lag_and_schedules_match_auto_on_cuda(alpha, lag, schedule):
+    got = fit(GreedySnakeStrategy(alpha=alpha, lag=lag, schedule=schedule), "32-true")
+    assert_matches(got, reference("32-true"), "32-true")
+
+
+def test_norm_clipping_matches_auto_on_cuda():
+    got = fit(GreedySnakeStrategy(), "32-true", gradient_clip_val=0.05)
+    assert_matches(got, reference("32-true", gradient_clip_val=0.05), "32-true")
+
+
+def test_gpu_memory_returns_to_its_starting_level_after_fit():
+    gc.collect()
+    torch.cuda.synchronize()  # (test code: settle before measuring)
+    before = torch.cuda.memory_allocated()
+    fit(GreedySnakeStrategy())
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+class CountSynchronize(L.Callback):
+    """Counts ``torch.cuda.synchronize`` calls from the second window on (the steady state)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.calls = 0
+        self.counting = False
+        original = torch.cuda.synchronize
+
+        def counted(*args: Any, **kwargs: Any) -> None:
+            if self.counting:
+                self.calls += 1
+            original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, "synchronize", counted)
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.counting = batch_idx >= K
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        self.counting = False
+
+
+def test_no_synchronize_in_the_steady_state(monkeypatch):
+    counter = CountSynchronize(monkeypatch)
+    fit(GreedySnakeStrategy(alpha=0.25, lag=1), "bf16-mixed", callbacks=(counter,))
+    assert counter.calls == 0
+
+
+def test_cuda_copies_are_ordered_by_events():
+    """A copy on the side stream of a tensor the compute stream is still writing sees its final value."""
+    copies = CudaCopies(torch.device("cuda"))
+    try:
+        x = torch.zeros(1 << 22, device="cuda")
+        for _ in range(20):
+            x.add_(1.0)  # queued on the compute stream
+        host = copies.empty_host(x.numel(), x.dtype)
+        copies.to_host(x, host).result()
+        assert bool((host == 20.0).all())
+        back = copies.empty(x.numel(), x.dtype)
+        copy = copies.to_device(host, back)
+        copies.wait(copy)
+        assert bool((back == 20.0).all())
+    finally:
+        copies.close()

@@ -1,0 +1,139 @@
+"""The device tier's transfers on the simulated device: copies are late, destinations are NaN until they
+land, and every hand-over (a compute wait, a handle that tracks a copy, a chained write) holds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from lightning_greedysnake.io import AlignedBuffer
+from lightning_greedysnake.offload.device import SimulatedCopies, device_copies_for, then
+from lightning_greedysnake.offload.pool import BufferPool
+from lightning_greedysnake.offload.staging import Staged
+from lightning_greedysnake.offload.tiers import HostRegions
+
+
+@pytest.fixture
+def copies():
+    c = SimulatedCopies(max_delay_s=0.02, seed=0)
+    yield c
+    c.close()
+
+
+def test_a_simulated_copy_is_late_and_its_destination_nan_until_it_lands(copies):
+    src = torch.arange(1000, dtype=torch.float32)
+    dst = copies.empty(1000, torch.float32)
+    assert dst.isnan().all()  # fresh device memory is NaN, not zeros that might pass
+    copy = copies.to_device(src, dst)
+    assert not copy.done() and dst.isnan().all()  # still in flight
+    copies.wait(copy)
+    assert torch.equal(dst, src)
+
+
+def test_a_copy_reads_its_source_when_it_runs_so_a_change_before_it_landed_shows():
+    copies = SimulatedCopies(max_delay_s=0.05, seed=1)
+    try:
+        src = torch.ones(10)
+        dst = copies.empty(10, torch.float32)
+        copy = copies.to_host(src, dst)
+        src.fill_(7.0)  # the owner changed the source before the copy was done: a missing wait
+        copy.result()
+        assert torch.equal(dst, torch.full((10,), 7.0))
+    finally:
+        copies.close()
+
+
+def test_copies_of_one_direction_land_in_order_and_close_waits_for_them():
+    copies = SimulatedCopies(max_delay_s=0.01, seed=2)
+    order: list[int] = []
+    dsts = [copies.empty(4, torch.float32) for _ in range(8)]
+    for i, dst in enumerate(dsts):
+        copies.to_device(torch.full((4,), float(i)), dst).add_done_callback(lambda _, i=i: order.append(i))
+    copies.close()  # waits for what is in flight
+    assert order == list(range(8))
+    assert all(torch.equal(d, torch.full((4,), float(i))) for i, d in enumerate(dsts))
+    copies.close()  # idempotent
+
+
+def test_then_submits_after_the_first_and_passes_failures_on():
+    first: Future = Future()
+    submitted = threading.Event()
+    second: Future = Future()
+
+    def submit() -> Future:
+        submitted.set()
+        return second
+
+    chained = then(first, submit)
+    assert not submitted.is_set()
+    first.set_result(None)
+    assert submitted.is_set() and not chained.done()
+    second.set_result(None)
+    assert chained.result(timeout=1) is None
+
+    failed: Future = Future()
+    never = then(failed, lambda: pytest.fail("submitted after a failed copy"))
+    failed.set_exception(OSError("copy failed"))
+    with pytest.raises(OSError, match="copy failed"):
+        never.result(timeout=1)
+
+
+def test_a_host_region_handle_waits_for_a_copy_reading_it_before_it_is_released(copies):
+    """A host-tier region is changed in place by the optimizer step once its handle is given back: the
+    device copy still reading it must land first."""
+    regions = HostRegions("weights", [4096], pinner=(copies.pin, copies.unpin))
+    try:
+        held = Staged(regions.host_buffer(0), None, "unit 0 weights")
+        held.view(torch.float32, 16).copy_(torch.arange(16.0))
+        dst = copies.empty(16, torch.float32)
+        copy = copies.to_device(held.view(torch.float32, 16), dst)
+        held.track_write(copy)
+        held.release()
+        assert copy.done()  # release returned only after the copy
+        regions.host_buffer(0).view(torch.float32, 16).zero_()  # the step may change it now
+        assert torch.equal(dst, torch.arange(16.0))
+    finally:
+        regions.close()
+
+
+def test_a_pooled_buffer_returns_to_the_pool_only_after_the_copy_out_of_it(copies):
+    pool = BufferPool(1 << 20, debug=True)  # poisons what comes back: an early return corrupts the copy
+    pool.pinner = (copies.pin, copies.unpin)
+    buf = pool.acquire(4096, what="weights")
+    assert buf is not None
+    held = Staged(buf, pool, "weights")
+    held.view(torch.float32, 16).copy_(torch.arange(16.0))
+    dst = copies.empty(16, torch.float32)
+    copy = copies.to_device(held.view(torch.float32, 16), dst)
+    held.track_write(copy)
+    held.release()
+    assert pool.in_use_bytes == 4096 or copy.done()
+    copy.result()
+    deadline = time.monotonic() + 5
+    while pool.in_use_bytes and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert pool.in_use_bytes == 0
+    assert torch.equal(dst, torch.arange(16.0))
+    pool.close()
+
+
+def test_pinning_goes_through_the_device_and_is_undone_at_close():
+    pinned: dict[int, int] = {}
+    buf = AlignedBuffer(8192)
+    buf.pin(lambda ptr, n: pinned.__setitem__(ptr, n), lambda ptr: pinned.pop(ptr))
+    assert list(pinned.values()) == [8192]
+    buf.close()
+    assert pinned == {}
+
+
+def test_the_device_tier_is_chosen_by_the_device_and_the_switch(monkeypatch):
+    monkeypatch.delenv("GREEDYSNAKE_SIMULATE_DEVICE", raising=False)
+    assert device_copies_for(torch.device("cpu")) is None
+    monkeypatch.setenv("GREEDYSNAKE_SIMULATE_DEVICE", "1")
+    sim = device_copies_for(torch.device("cpu"))
+    assert isinstance(sim, SimulatedCopies)
+    sim.close()
