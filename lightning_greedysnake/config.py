@@ -71,6 +71,12 @@ class OffloadConfig:
     master and state), plus room to prefetch the next unit's weights, plus 16 MiB. More lets the
     optimizer read one unit's state while the previous unit's writes drain."""
 
+    prefetch_units: int = 1
+    """How many units ahead the engine asks for weights while the current unit computes (read from SSD
+    into staging within the budget's slack and, on a GPU, copied to the device on the H2D stream). More
+    than 1 hides a slow unit behind faster ones; each costs one unit's weights of staging (raise
+    ``buffer_budget_bytes``) and of device memory."""
+
     io_threads: int = 4
     """Threads issuing O_DIRECT reads and writes."""
 
@@ -119,6 +125,11 @@ class OffloadConfig:
             raise ValueError(
                 f"offload.buffer_budget_bytes={self.buffer_budget_bytes!r} must be a positive number of bytes "
                 "or None (automatic). Fix: e.g. buffer_budget_bytes=2147483648 (2 GiB)."
+            )
+        if isinstance(self.prefetch_units, bool) or not isinstance(self.prefetch_units, int) or self.prefetch_units < 0:
+            raise ValueError(
+                f"offload.prefetch_units={self.prefetch_units!r} must be a non-negative integer (units whose "
+                "weights are brought in ahead of use; 0: none). Fix: e.g. prefetch_units=1."
             )
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"offload.io_threads={self.io_threads!r} must be >= 1. Fix: e.g. io_threads=4.")

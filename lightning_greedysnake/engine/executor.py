@@ -497,8 +497,7 @@ class WindowEngine:
         self._release_held()
         self.store.acquire_unit(u)
         self._held_unit = u
-        nxt = self._next_unit_after_cursor(u)
-        if nxt is not None:
+        for nxt in self._next_units_after_cursor(u):
             self.store.prefetch(nxt)
 
     def _hint_next_checkpoint(self) -> None:
@@ -515,22 +514,26 @@ class WindowEngine:
         """Ask again for the next unit's weights before every op: the prefetch at acquisition may have
         found no spare budget (a background step was staging), and memory frees up as steps finish."""
         if self._held_unit is not None:
-            nxt = self._next_unit_after_cursor(self._held_unit)
-            if nxt is not None:
+            for nxt in self._next_units_after_cursor(self._held_unit):
                 self.store.prefetch(nxt)
         w = self._window
         if w is not None and w.last_step is not None and w.cursor > w.last_step[0]:
             self.store.prefetch_step(w.last_step[1])
 
-    def _next_unit_after_cursor(self, u: int) -> int | None:
-        """The next different unit the plan will need (the prefetch target); None at the window's end."""
+    def _next_units_after_cursor(self, u: int) -> list[int]:
+        """The next ``offload.prefetch_units`` different units the plan will need, in order (the
+        prefetch targets; fewer at the window's end)."""
+        depth = self.config.offload.prefetch_units
         w = self._window
         if w is None:
-            return (u + 1) % self.num_units if self.num_units > 1 else None
+            return [(u + i) % self.num_units for i in range(1, min(depth, self.num_units - 1) + 1)]
+        found: list[int] = []
         for op in w.plan.ops[w.cursor :]:
-            if op.kind is not OpKind.OPTIMIZER and op.unit != u:
-                return op.unit
-        return None
+            if len(found) >= depth:
+                break
+            if op.kind is not OpKind.OPTIMIZER and op.unit != u and op.unit not in found:
+                found.append(op.unit)
+        return found
 
     def _release_held(self) -> None:
         if self._held_unit is not None:

@@ -124,7 +124,7 @@ PLACEMENTS = {
     "ssd": None,
     "ssd-everything": OffloadConfig.everywhere("ssd"),
     "host": OffloadConfig.everywhere("host", checkpoints="device"),
-    "host-weights-ssd-state": {"weights": "host", "checkpoints": "host"},
+    "host-weights-ssd-state": {"weights": "host", "checkpoints": "host", "prefetch_units": 2},
 }
 
 

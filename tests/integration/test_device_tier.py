@@ -52,7 +52,7 @@ PLACEMENTS = {
     "ssd": None,  # the default: weights, optimizer state and waiting gradients on SSD, checkpoints in RAM
     "host": OffloadConfig.everywhere("host", checkpoints="device"),
     "ssd-everything": OffloadConfig.everywhere("ssd"),
-    "host-weights-ssd-state": {"weights": "host", "checkpoints": "host"},
+    "host-weights-ssd-state": {"weights": "host", "checkpoints": "host", "prefetch_units": 2},
 }
 
 

@@ -86,6 +86,7 @@ def test_everything_on_the_device_needs_no_tensor_manager():
         ({"optimizer_states": "device"}, ["offload.optimizer_states='device'", "Fix"]),
         ({"buffer_budget_bytes": -1}, ["offload.buffer_budget_bytes=-1", "Fix"]),
         ({"io_threads": 0}, ["offload.io_threads=0", "Fix"]),
+        ({"prefetch_units": -1}, ["offload.prefetch_units=-1", "Fix"]),
         ({"io_chunk_bytes": 1000}, ["offload.io_chunk_bytes=1000", "4096"]),
         ({"keep_files": "no"}, ["offload.keep_files='no'"]),
         ({"path": ""}, ["offload.path=''"]),

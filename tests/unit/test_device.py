@@ -137,3 +137,23 @@ def test_the_device_tier_is_chosen_by_the_device_and_the_switch(monkeypatch):
     sim = device_copies_for(torch.device("cpu"))
     assert isinstance(sim, SimulatedCopies)
     sim.close()
+
+
+def test_what_the_device_tier_does_not_do_yet_is_refused_with_the_fix(monkeypatch):
+    from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig
+    from lightning_greedysnake.strategy.manager_setup import check_device
+
+    default = GreedySnakeConfig()
+    check_device(default, torch.device("cuda"), distributed=False)  # one GPU, state offloaded: served
+    with pytest.raises(ValueError, match=r"data parallel .* CUDA .*Fix: one GPU per run"):
+        check_device(default, torch.device("cuda"), distributed=True)
+    resident = GreedySnakeConfig(offload=OffloadConfig(weights="device"))
+    with pytest.raises(ValueError, match=r"offload.weights='device'.*Fix: offload.weights='host'"):
+        check_device(resident, torch.device("cuda"), distributed=False)
+    monkeypatch.delenv("GREEDYSNAKE_SIMULATE_DEVICE", raising=False)
+    check_device(resident, torch.device("cpu"), distributed=False)  # on the CPU 'device' is host memory
+    monkeypatch.setenv("GREEDYSNAKE_SIMULATE_DEVICE", "1")
+    with pytest.raises(ValueError, match=r"offload.weights='device'"):
+        check_device(resident, torch.device("cpu"), distributed=False)
+    with pytest.raises(ValueError, match=r"'cpu' or 'cuda' devices, not 'mps'.*Fix"):
+        check_device(default, torch.device("mps"), distributed=False)

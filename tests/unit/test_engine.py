@@ -66,3 +66,56 @@ def test_eval_forward_equals_the_model():
     x = _batches(1)[0][0]
     with torch.no_grad():
         torch.testing.assert_close(engine.eval_forward(x), model(x), rtol=0, atol=0)
+
+
+class _PrefetchLog(InMemoryTensorStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, int]] = []
+
+    def acquire_unit(self, unit: int) -> None:
+        super().acquire_unit(unit)
+        self.log.append(("acquire", unit))
+
+    def prefetch(self, unit: int) -> None:
+        self.log.append(("prefetch", unit))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_the_engine_asks_for_the_next_prefetch_units_units_in_plan_order(depth):
+    """``offload.prefetch_units``: while unit j computes, the next ``depth`` different units the plan needs
+    are asked for (forward: j+1, j+2; backward: j-1, j-2), never the unit in use."""
+    from lightning_greedysnake.config import OffloadConfig
+
+    batches = _batches(2)
+    model = _model()
+    chain = model.layer_chain()
+    store = _PrefetchLog()
+    config = GreedySnakeConfig(offload=OffloadConfig(prefetch_units=depth))
+    engine = WindowEngine(chain, make_units(chain, 1), config, store, torch.device("cpu"))
+    engine.begin_window(2)
+    for m, (x, y) in enumerate(batches):
+        for needed in engine.inputs_needed_until_fused(m):
+            if not engine.has_inputs(needed):
+                engine.set_inputs(needed, (batches[needed][0],), {})
+        engine.run_until_fused(m)
+        _loss(engine.fused_forward(m, (x,), {}), y, 2).backward()
+        engine.fused_backward_done(m)
+    engine.finish_window()
+    engine.close()
+    last = engine.num_units - 1
+    held = None
+    asked_while: dict[int, set[int]] = {}
+    for what, unit in store.log:
+        if what == "acquire":
+            held = unit
+        else:
+            assert unit != held
+            asked_while.setdefault(held, set()).add(unit)
+    if depth == 0:
+        assert asked_while == {}
+        return
+    # forward through unit 1 asks for units 2.. (then the backward's next ones)
+    assert {2, 3}.intersection(range(2, 2 + depth)) <= asked_while[1]
+    assert max(len(units) for units in asked_while.values()) >= min(depth, last)
+    assert all(len({u for u in units if u > h}) <= depth for h, units in asked_while.items())
