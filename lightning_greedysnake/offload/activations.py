@@ -112,7 +112,10 @@ class ActivationStore:
         if self._scratch is None:
             if self._copies is not None and self._config.checkpoints is Tier.HOST:
                 host = self._copies.empty_host(hidden.numel(), hidden.dtype)
-                self._copied[key] = _OnHost(host, hidden.shape, self._copies.to_host(hidden.reshape(-1), host))
+                # the device tensor stays for the next unit's forward (no wait for the copy there);
+                # released after it, read back for backward
+                self._copied[key] = _OnHost(host, hidden.shape, self._copies.to_host(hidden.reshape(-1), host),
+                                            on_device=hidden)
             else:
                 self._host[key] = hidden
             return
@@ -134,7 +137,9 @@ class ActivationStore:
             held.track_write(write)
         finally:
             held.release()  # back once written
-        self._ssd[key] = _OnSSD(offset, nbytes, hidden.shape, hidden.dtype, write)
+        # device tier: the device tensor stays for the next unit's forward, as on the host tier
+        self._ssd[key] = _OnSSD(offset, nbytes, hidden.shape, hidden.dtype, write,
+                                on_device=hidden if self._copies is not None else None)
 
     def load(self, unit: int, microbatch: int) -> Tensor:
         """The checkpoint, in memory until :meth:`release` or :meth:`drop`."""
@@ -148,6 +153,8 @@ class ActivationStore:
                 copied.on_device, _ = self._device_copy(copied.host, copied.shape)
             return copied.on_device
         ck = self._ssd[key]
+        if ck.on_device is not None:
+            return ck.on_device
         if ck.loaded is None:
             ck.write.result()  # the read must see the completed write
             held = self._arena.acquire(ck.nbytes, f"checkpoint of unit {unit}")
@@ -182,7 +189,9 @@ class ActivationStore:
         """Start reading a checkpoint the engine will need next (from the budget's slack, and only once
         its write is complete: a read never races the write)."""
         ck = self._ssd.get((unit, microbatch))
-        if ck is None or ck.loaded is not None or not ck.write.done() or self._scratch is None:
+        if ck is None or ck.loaded is not None or ck.on_device is not None or not ck.write.done():
+            return
+        if self._scratch is None:
             return
         held = self._arena.acquire_optional(ck.nbytes, f"checkpoint of unit {unit} read-ahead")
         if held is None:
@@ -204,8 +213,10 @@ class ActivationStore:
     def release(self, unit: int, microbatch: int) -> None:
         """The op is done with the checkpoint for now; it stays stored (on SSD: its buffer goes back)."""
         ck = self._ssd.get((unit, microbatch))
-        if ck is not None and ck.loaded is not None:
-            self._unload(ck)
+        if ck is not None:
+            ck.on_device = None  # device memory back to the compute stream's allocator
+            if ck.loaded is not None:
+                self._unload(ck)
         copied = self._copied.get((unit, microbatch))
         if copied is not None:
             copied.on_device = None  # device memory back to the compute stream's allocator

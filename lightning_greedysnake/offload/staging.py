@@ -213,7 +213,10 @@ class StagingArena:
                     self._regions[kind] = SSDRegions(kind.value, sizes, engine, path, self.stats,
                                                      sparse=self.state.sharded(kind))
                 else:
-                    self._regions[kind] = HostRegions(kind.value, sizes, self.pool.pinner)
+                    # only weights and gradients are copied to and from the device straight out of
+                    # their host regions: only they are page-locked (the optimizer's stay pageable)
+                    pinner = self.pool.pinner if kind in (TensorKind.WEIGHTS, TensorKind.GRADIENTS) else None
+                    self._regions[kind] = HostRegions(kind.value, sizes, pinner)
         except BaseException:
             self.close()
             raise
