@@ -41,8 +41,8 @@ def _model_flops(args: argparse.Namespace, params: int, tokens: int) -> float:
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch
-
     from _common import gpt_module, token_loader
+
     from lightning_greedysnake import GreedySnakeStrategy
     from lightning_greedysnake.config import OffloadConfig
     from lightning_greedysnake.planner import roofline
