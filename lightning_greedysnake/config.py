@@ -33,6 +33,49 @@ class Tier(str, enum.Enum):
     """Files under the offload directory, read and written with O_DIRECT."""
 
 
+@dataclass(frozen=True)
+class Split:
+    """A kind split between host memory and SSD, by whole units in unit order: the first units, up to
+    ``host`` of the kind's bytes (never more), stay in RAM; the rest live on SSD. Written in a config as
+    ``{host: 0.6, ssd: 0.4}``. The math does not depend on where a unit lives: results are the same."""
+
+    host: float
+    ssd: float
+
+    def __str__(self) -> str:
+        return f"{{host: {self.host:g}, ssd: {self.ssd:g}}}"
+
+
+SPLIT_KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
+"""The kinds that can be split between host and SSD (each unit's region lives on one tier)."""
+
+
+def _placement(setting: str, value: Any) -> Tier | Split:
+    """A kind's placement from a tier name or a ``{host: f, ssd: g}`` mapping (shares summing to 1)."""
+    if isinstance(value, Split):
+        return value
+    if not isinstance(value, Mapping):
+        return _enum_value(Tier, setting, value)
+    name = setting.split(".")[-1]
+    fix = f"Fix: e.g. {setting}={{host: 0.6, ssd: 0.4}} (shares of the kind's bytes, summing to 1)."
+    if name not in SPLIT_KINDS:
+        raise ValueError(f"{setting}={dict(value)!r}: only {', '.join(SPLIT_KINDS)} can be split. Fix: one tier.")
+    keys = {str(getattr(k, "value", k)) for k in value}
+    if not keys <= {"host", "ssd"}:
+        raise ValueError(f"{setting}={dict(value)!r} may only split between 'host' and 'ssd'. {fix}")
+    shares = {str(getattr(k, "value", k)): v for k, v in value.items()}
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in shares.values()):
+        raise ValueError(f"{setting}={dict(value)!r}: every share must be a number in [0, 1]. {fix}")
+    host, ssd = float(shares.get("host", 0.0)), float(shares.get("ssd", 0.0))
+    if abs(host + ssd - 1.0) > 1e-6:
+        raise ValueError(f"{setting}={dict(value)!r}: the shares sum to {host + ssd:g}, not 1. {fix}")
+    if host >= 1.0 - 1e-9:
+        return Tier.HOST
+    if ssd >= 1.0 - 1e-9:
+        return Tier.SSD
+    return Split(host, ssd)
+
+
 class TensorKind(str, enum.Enum):
     WEIGHTS = "weights"
     """Compute weights (16-bit under bf16-mixed; under 32-true they are also the master copy)."""
@@ -58,10 +101,13 @@ class OffloadConfig:
     ``{rank}`` (or ``{local_rank}``), the path with it filled in (``/mnt/nvme{local_rank}/gs``: one SSD
     per process)."""
 
-    weights: Tier = Tier.SSD
-    master_weights: Tier = Tier.SSD
-    optimizer_states: Tier = Tier.SSD
-    gradients: Tier = Tier.SSD
+    weights: Tier | Split = Tier.SSD
+    master_weights: Tier | Split = Tier.SSD
+    optimizer_states: Tier | Split = Tier.SSD
+    gradients: Tier | Split = Tier.SSD
+    """Each of these four may also be split between host memory and SSD by whole units,
+    ``{host: 0.6, ssd: 0.4}``: the first units up to that share of the kind's bytes in RAM (see
+    :class:`Split`)."""
     checkpoints: Tier = Tier.HOST
 
     buffer_budget_bytes: int | None = None
@@ -98,7 +144,7 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for kind in TensorKind:
-            setattr(self, kind.value, _enum_value(Tier, f"offload.{kind.value}", getattr(self, kind.value)))
+            setattr(self, kind.value, _placement(f"offload.{kind.value}", getattr(self, kind.value)))
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
             if not hasattr(self.path, "__fspath__"):
                 raise ValueError(
@@ -147,7 +193,7 @@ class OffloadConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"offload.{name}={getattr(self, name)!r} must be true or false.")
 
-    def tier(self, kind: TensorKind) -> Tier:
+    def tier(self, kind: TensorKind) -> Tier | Split:
         return getattr(self, kind.value)
 
     @property
@@ -157,7 +203,7 @@ class OffloadConfig:
 
     @property
     def uses_ssd(self) -> bool:
-        return any(self.tier(kind) is Tier.SSD for kind in TensorKind)
+        return any(self.tier(kind) is Tier.SSD or isinstance(self.tier(kind), Split) for kind in TensorKind)
 
     @classmethod
     def everywhere(cls, tier: Tier | str, **overrides: Any) -> OffloadConfig:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.config import Split, TensorKind, Tier
 from lightning_greedysnake.io import align_up
 
 PARAM_ALIGN_NUMEL = 64
@@ -166,6 +166,25 @@ class StateLayout:
 
     def kept_bytes(self, kind: TensorKind) -> int:
         """Bytes of ``kind`` this rank keeps in its file (partitioned state: its chunks only)."""
+        return sum(self.kept_unit_bytes(kind, u) for u in range(self.num_units))
+
+    def kept_unit_bytes(self, kind: TensorKind, u: int) -> int:
+        """Bytes of unit ``u``'s region of ``kind`` this rank keeps (partitioned state: its chunk only)."""
         if not self.sharded(kind):
-            return sum(self.all_region_bytes(kind))
-        return sum(b - a for u in range(self.num_units) for a, b in (self.chunk_ranges(kind, u) or []))
+            return self.region_bytes(kind, u)
+        return sum(b - a for a, b in (self.chunk_ranges(kind, u) or []))
+
+
+def unit_tiers(region_bytes: list[int], placement: Tier | Split) -> list[Tier]:
+    """Each unit's tier for one kind: its placement, or for a :class:`Split` the first units in RAM while
+    their bytes stay within the host share of the kind's total, the rest on SSD."""
+    if not isinstance(placement, Split):
+        return [placement] * len(region_bytes)
+    allowed = placement.host * sum(region_bytes)
+    tiers, used = [], 0
+    for size in region_bytes:
+        host = used + size <= allowed
+        used += size if host else 0
+        tiers.append(Tier.HOST if host else Tier.SSD)
+        allowed = allowed if host else -1  # a prefix: once one unit is on SSD, all later ones are too
+    return tiers

@@ -27,6 +27,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -191,7 +192,7 @@ class CudaCopies:
 class SimulatedCopies:
     """An asynchronous device simulated on the CPU (see the module's docstring)."""
 
-    def __init__(self, max_delay_s: float = 0.004, seed: int | None = None) -> None:
+    def __init__(self, max_delay_s: float = 0.002, seed: int | None = None) -> None:
         self.device = torch.device("cpu")
         self.max_delay_s = max_delay_s
         self._random = random.Random(seed)
@@ -202,6 +203,8 @@ class SimulatedCopies:
         """Copies issued, since construction."""
         self.bytes_to_device = 0
         self.bytes_to_host = 0
+        self._device_memory: weakref.WeakSet[Tensor] = weakref.WeakSet()
+        """Every tensor :meth:`empty` handed out that is still alive."""
         self._closed = False
 
     def _delay(self) -> float:
@@ -209,10 +212,16 @@ class SimulatedCopies:
             return self._random.uniform(0.0, self.max_delay_s)
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return _poisoned(numel, dtype)
+        t = _poisoned(numel, dtype)
+        self._device_memory.add(t)
+        return t
 
     def empty_host(self, numel: int, dtype: torch.dtype) -> Tensor:
         return _poisoned(numel, dtype)
+
+    def memory_allocated(self) -> int:
+        """Bytes of simulated device memory still referenced (``torch.cuda.memory_allocated``'s analogue)."""
+        return sum(t.numel() * t.element_size() for t in list(self._device_memory))
 
     def _copy(self, lane: _Completer, src: Tensor, dst: Tensor) -> Copy:
         assert src.numel() == dst.numel(), (src.shape, dst.shape)

@@ -180,7 +180,7 @@ class WeightsResidency:
         self._device_prefetch[unit] = self._to_device(unit, held)
 
     def _start_host_prefetch(self, unit: int) -> Staged | None:
-        if not self._arena.on_ssd(TensorKind.WEIGHTS):
+        if not self._arena.on_ssd(TensorKind.WEIGHTS, unit):
             if self._copies is None:
                 return None  # host-tier weights are used in place
             held = self._arena.stage(TensorKind.WEIGHTS, unit, read=False)  # the region itself

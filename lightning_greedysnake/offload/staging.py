@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up
-from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.layout import StateLayout, unit_tiers
 from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions
@@ -147,6 +147,11 @@ class Staged:
             f.add_done_callback(one_done)
 
 
+def placement_of(state: StateLayout, config: OffloadConfig) -> dict[TensorKind, list[Tier]]:
+    """Every region kind's tier per unit (a split kind's first units in RAM; see ``Split``)."""
+    return {kind: unit_tiers(state.all_region_bytes(kind), config.tier(kind)) for kind in REGION_KINDS}
+
+
 def min_budget_bytes(state: StateLayout, config: OffloadConfig, lag: int) -> int:
     """Staging bytes the must-run work needs at once. Synchronous: one unit's working set (weights,
     gradient, master, state on SSD). With a background optimizer (``lag`` > 0) the training thread holds
@@ -154,8 +159,9 @@ def min_budget_bytes(state: StateLayout, config: OffloadConfig, lag: int) -> int
     its master and state. (Activation checkpoints on SSD add two checkpoints once their size is known:
     :meth:`StagingArena.reserve_checkpoints`.)"""
     need = 0
+    tiers = placement_of(state, config)
     for u in range(state.num_units):
-        per = {kind: (state.region_bytes(kind, u) if config.tier(kind) is Tier.SSD else 0) for kind in REGION_KINDS}
+        per = {kind: (state.region_bytes(kind, u) if tiers[kind][u] is Tier.SSD else 0) for kind in REGION_KINDS}
         working = sum(per.values())
         held = per[TensorKind.WEIGHTS] + per[TensorKind.GRADIENTS]
         need = max(need, working if lag == 0 else (lag + 1) * held + working - held)
@@ -171,7 +177,10 @@ class StagingArena:
         self.state = state
         self.config = config
         self.stats = stats
-        self._regions: dict[TensorKind, HostRegions | SSDRegions] = {}
+        self.unit_tiers = placement_of(state, config)
+        """Per region kind, each unit's tier (whole kinds: the same for every unit)."""
+        self._host: dict[TensorKind, HostRegions] = {}
+        self._ssd: dict[TensorKind, SSDRegions] = {}
         self.files: list[Path] = []
         self._checkpoint_reserve = 0
         self._lock = threading.Lock()
@@ -195,61 +204,68 @@ class StagingArena:
         """The automatic budget: the minimum, room to prefetch the next unit's weights, and a little
         slack for checkpoint read-aheads."""
         weights = self.state.all_region_bytes(TensorKind.WEIGHTS)
-        prefetch = max(weights) if self.config.weights is Tier.SSD else 0
+        on_ssd = [w for w, t in zip(weights, self.unit_tiers[TensorKind.WEIGHTS], strict=True) if t is Tier.SSD]
+        prefetch = max(on_ssd, default=0)
         return self.min_budget_bytes + prefetch + AUTO_BUDGET_EXTRA_BYTES
 
     # -- lifetime (training thread) ----------------------------------------------------------------
     def open(self, offload_dir: Path | None, engine: IOEngine | None) -> None:
-        """Create the host regions and the preallocated offload files (after preflight)."""
+        """Create the host regions and the preallocated offload files (after preflight). A split kind has
+        both: its host units' regions in RAM, its SSD units' in its file."""
         try:
             for kind in REGION_KINDS:
-                sizes = self.state.all_region_bytes(kind)
-                if sum(sizes) == 0:
-                    continue
-                if self.config.tier(kind) is Tier.SSD:
+                sizes, tiers = self.state.all_region_bytes(kind), self.unit_tiers[kind]
+                on_ssd = [size if t is Tier.SSD else 0 for size, t in zip(sizes, tiers, strict=True)]
+                in_ram = [size if t is not Tier.SSD else 0 for size, t in zip(sizes, tiers, strict=True)]
+                if sum(on_ssd):
                     assert engine is not None and offload_dir is not None, "an SSD tier needs a directory"
                     path = offload_dir / FILE_NAMES[kind]
                     self.files.append(path)
-                    self._regions[kind] = SSDRegions(kind.value, sizes, engine, path, self.stats,
-                                                     sparse=self.state.sharded(kind))
-                else:
+                    self._ssd[kind] = SSDRegions(kind.value, on_ssd, engine, path, self.stats,
+                                                 sparse=self.state.sharded(kind))
+                if sum(in_ram):
                     # only weights and gradients are copied to and from the device straight out of
                     # their host regions: only they are page-locked (the optimizer's stay pageable)
                     pinner = self.pool.pinner if kind in (TensorKind.WEIGHTS, TensorKind.GRADIENTS) else None
-                    self._regions[kind] = HostRegions(kind.value, sizes, pinner)
+                    self._host[kind] = HostRegions(kind.value, in_ram, pinner)
         except BaseException:
             self.close()
             raise
 
     def flush(self) -> None:
         """Wait for every transfer in flight on the regions (raises the first I/O error)."""
-        for regions in self._regions.values():
-            if isinstance(regions, SSDRegions):
-                regions.wait_all()
+        for regions in self._ssd.values():
+            regions.wait_all()
 
     def close(self) -> None:
         """Close the regions (each waits for its transfers first) and the pool; buffers still held come
         back to a closed pool and are freed there."""
-        for regions in self._regions.values():
+        for regions in [*self._ssd.values(), *self._host.values()]:
             regions.close()
-        self._regions.clear()
+        self._ssd.clear()
+        self._host.clear()
         self.pool.close()
 
     # -- sizes ---------------------------------------------------------------------------------------
     def ssd_bytes(self) -> dict[str, int]:
         """Bytes each SSD-resident kind keeps in the offload directory (for preflight)."""
-        return {kind.value: self.state.kept_bytes(kind) for kind in REGION_KINDS
-                if self.config.tier(kind) is Tier.SSD and self.state.kept_bytes(kind)}
+        kept = {kind.value: sum(self.state.kept_unit_bytes(kind, u) for u, t in enumerate(self.unit_tiers[kind])
+                                if t is Tier.SSD) for kind in REGION_KINDS}
+        return {kind: n for kind, n in kept.items() if n}
 
     def open_files(self) -> list[OffloadFile]:
-        return [r.file for r in self._regions.values() if isinstance(r, SSDRegions)]
+        return [r.file for r in self._ssd.values()]
 
-    def on_ssd(self, kind: TensorKind) -> bool:
-        return isinstance(self._regions.get(kind), SSDRegions)
+    def on_ssd(self, kind: TensorKind, u: int) -> bool:
+        """Whether unit ``u``'s region of ``kind`` lives on SSD (staged through the pool)."""
+        return self.unit_tiers[kind][u] is Tier.SSD and kind in self._ssd
+
+    def _regions(self, kind: TensorKind, u: int) -> HostRegions | SSDRegions:
+        return self._ssd[kind] if self.on_ssd(kind, u) else self._host[kind]
 
     def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:
         """Pool bytes staging unit ``u``'s region of ``kind`` takes (0 where it is not on SSD)."""
-        return align_up(self.state.region_bytes(kind, u)) if self.on_ssd(kind) else 0
+        return align_up(self.state.region_bytes(kind, u)) if self.on_ssd(kind, u) else 0
 
     def set_budget(self, budget_bytes: int, lag: int) -> None:
         """Between steps (the planner's choice): a new lag changes the minimum; the budget never goes below it."""
@@ -284,7 +300,7 @@ class StagingArena:
         on the SSD tier, filled from the SSD when ``read`` (only ``ranges``, byte ranges of the region, if
         given; counted under ``label`` if given). ``wait=False``: return with the reads in flight, for
         :meth:`await_reads` (so several regions load at once). On a failure the buffer is given back."""
-        regions = self._regions[kind]
+        regions = self._regions(kind, u)
         what = f"unit {u} {kind.value}"
         if isinstance(regions, HostRegions):
             return Staged(regions.host_buffer(u), None, what)
@@ -310,7 +326,7 @@ class StagingArena:
     def read_into(self, kind: TensorKind, u: int, held: Staged, ranges: list[tuple[int, int]] | None = None,
                   label: str | None = None) -> None:
         """Submit reads of unit ``u``'s region (or its byte ``ranges``) into ``held``; they are ``held``'s."""
-        regions = self._regions[kind]
+        regions = self._regions(kind, u)
         assert isinstance(regions, SSDRegions)
         for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
             held.track_read(regions.submit_read(u, held.buf, label, r))
@@ -340,7 +356,7 @@ class StagingArena:
             # a device copy still filling the buffer (a gradient coming back) must land before the
             # write reads it
             held.wait_reads()
-            regions = self._regions[kind]
+            regions = self._regions(kind, u)
             assert isinstance(regions, SSDRegions)
             for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
                 held.track_write(regions.submit_write(u, held.buf, label, r))

@@ -59,7 +59,7 @@ class PartStepper:
         if self._slots and opt.part_initialized(0):
             wanted.append((TensorKind.OPTIMIZER_STATES,
                            self._state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi)))
-        wanted = [(kind, ranges) for kind, ranges in wanted if self._staging.on_ssd(kind)]
+        wanted = [(kind, ranges) for kind, ranges in wanted if self._staging.on_ssd(kind, unit)]
         if not wanted:
             return
         total = sum(self._staging.ssd_region_bytes(kind, unit) for kind, _ in wanted)

@@ -6,6 +6,7 @@ bf16, checkpoint and distributed tests under the simulated device; ``tests/gpu``
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 from typing import Any
@@ -108,8 +109,11 @@ def test_a_lane_that_does_not_wait_for_the_gradients_copy_gives_a_wrong_result(s
 
 def test_memory_on_the_simulated_device_is_freed_after_fit(simulated):
     seen = DeviceTierSeen()
-    run(GreedySnakeStrategy(), "gpt", 3, callbacks=(seen,))
-    assert seen.copies is not None
+    run(GreedySnakeStrategy(offload={"checkpoints": "ssd"}), "gpt", 3, callbacks=(seen,))
+    copies, seen.copies, seen._manager = seen.copies, None, None
+    assert copies is not None and copies.copies > 0
+    gc.collect()
+    assert copies.memory_allocated() == 0  # no weights, gradient or checkpoint left on the device
     # the tensor manager closed its device tier: the copy threads are gone
     assert not [t for t in threading.enumerate() if t.name.startswith("greedysnake-sim")]
 

@@ -87,6 +87,10 @@ def test_everything_on_the_device_needs_no_tensor_manager():
         ({"buffer_budget_bytes": -1}, ["offload.buffer_budget_bytes=-1", "Fix"]),
         ({"io_threads": 0}, ["offload.io_threads=0", "Fix"]),
         ({"prefetch_units": -1}, ["offload.prefetch_units=-1", "Fix"]),
+        ({"optimizer_states": {"host": 0.5}}, ["offload.optimizer_states", "sum to 0.5", "Fix"]),
+        ({"weights": {"device": 0.5, "ssd": 0.5}}, ["offload.weights", "'host' and 'ssd'", "Fix"]),
+        ({"checkpoints": {"host": 0.5, "ssd": 0.5}}, ["offload.checkpoints", "can be split", "Fix"]),
+        ({"gradients": {"host": -0.5, "ssd": 1.5}}, ["offload.gradients", "[0, 1]", "Fix"]),
         ({"io_chunk_bytes": 1000}, ["offload.io_chunk_bytes=1000", "4096"]),
         ({"keep_files": "no"}, ["offload.keep_files='no'"]),
         ({"path": ""}, ["offload.path=''"]),
@@ -147,3 +151,31 @@ def test_bf16_warning_reaches_the_user_at_setup(monkeypatch):
 def test_conflicting_or_mistyped_offload_directories_are_refused(kwargs, error):
     with pytest.raises(ValueError, match=error):
         GreedySnakeStrategy(**kwargs)
+
+
+def test_the_gpu_trainer_group_composes_into_trainer_arguments_for_one_gpu():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        cfg = compose("config", overrides=["trainer=gpu", "strategy.offload.prefetch_units=2"])
+    assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.precision) == ("gpu", 1, "bf16-mixed")
+    assert cfg.strategy.offload.prefetch_units == 2
+
+
+def test_a_split_placement_composes_from_the_command_line():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_greedysnake.config import Split
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        cfg = compose("config", overrides=["strategy.offload.optimizer_states={host: 0.6, ssd: 0.4}"])
+    strategy = instantiate(cfg.strategy)
+    assert strategy.config.offload.optimizer_states == Split(0.6, 0.4)
+    assert strategy.config.offload.weights is Tier.SSD

@@ -15,3 +15,13 @@ def test_regions_do_not_overlap():
     layout = build_file_layout([4096, 8192, 4096])
     assert layout.offsets == (0, 4096, 12288)
     assert layout.total_bytes == 16384
+
+
+def test_a_split_places_a_prefix_of_units_in_ram_within_the_host_share():
+    from lightning_greedysnake.config import Split, Tier
+    from lightning_greedysnake.layout import unit_tiers
+
+    assert unit_tiers([4096] * 5, Split(0.6, 0.4)) == [Tier.HOST] * 3 + [Tier.SSD] * 2
+    assert unit_tiers([4096] * 5, Split(0.5, 0.5)) == [Tier.HOST] * 2 + [Tier.SSD] * 3  # never more than the share
+    assert unit_tiers([8192, 4096, 4096], Split(0.5, 0.5)) == [Tier.HOST, Tier.SSD, Tier.SSD]
+    assert unit_tiers([4096, 4096], Tier.SSD) == [Tier.SSD, Tier.SSD]
