@@ -50,6 +50,17 @@ SPLIT_KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
 """The kinds that can be split between host and SSD (each unit's region lives on one tier)."""
 
 
+def _directory(value: Any, whole: Any) -> str:
+    if isinstance(value, str) and value:
+        return value
+    if hasattr(value, "__fspath__"):
+        return os.fspath(value)
+    raise ValueError(
+        f"offload.path={whole!r} must be a directory path, a list of them (one per SSD), or None for the "
+        "default under the Trainer's default_root_dir. Fix: e.g. offload.path='/mnt/nvme/greedysnake'."
+    )
+
+
 def _placement(setting: str, value: Any) -> Tier | Split:
     """A kind's placement from a tier name or a ``{host: f, ssd: g}`` mapping (shares summing to 1)."""
     if isinstance(value, Split):
@@ -95,8 +106,10 @@ class OffloadConfig:
     ``strategy.offload``). The default is ZeRO-Infinity's placement: weights, master weights, optimizer
     states and waiting gradients on SSD, activation checkpoints in host memory."""
 
-    path: str | None = None
-    """The offload directory (a local NVMe SSD). ``None``: ``<Trainer default_root_dir>/greedysnake_offload``.
+    path: str | list[str] | None = None
+    """The offload directory (a local NVMe SSD), or a list of them, one per SSD: each kind's SSD units
+    are then striped over them (unit by unit, round robin), each directory with its own preflight, lock,
+    I/O threads (``io_threads`` each) and cleanup. ``None``: ``<Trainer default_root_dir>/greedysnake_offload``.
     With several processes each rank uses ``<path>/rank_<global rank>``, or, when the path contains
     ``{rank}`` (or ``{local_rank}``), the path with it filled in (``/mnt/nvme{local_rank}/gs``: one SSD
     per process)."""
@@ -145,13 +158,17 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         for kind in TensorKind:
             setattr(self, kind.value, _placement(f"offload.{kind.value}", getattr(self, kind.value)))
-        if self.path is not None and (not isinstance(self.path, str) or not self.path):
-            if not hasattr(self.path, "__fspath__"):
+        if self.path is not None:
+            several = isinstance(self.path, (list, tuple)) or (
+                not isinstance(self.path, str) and not hasattr(self.path, "__fspath__")
+                and hasattr(self.path, "__iter__"))
+            paths = [_directory(p, self.path) for p in self.path] if several else [_directory(self.path, self.path)]
+            if not paths or len(set(paths)) != len(paths):
                 raise ValueError(
-                    f"offload.path={self.path!r} must be a directory path (or None for the default under "
-                    "the Trainer's default_root_dir). Fix: e.g. offload.path='/mnt/nvme/greedysnake'."
+                    f"offload.path={self.path!r} must name one directory or several different ones. Fix: e.g. "
+                    "offload.path=['/mnt/nvme0/gs', '/mnt/nvme1/gs']."
                 )
-            self.path = os.fspath(self.path)
+            self.path = paths if several else paths[0]
         if self.optimizer_states is Tier.DEVICE and self.uses_tensor_manager:
             raise ValueError(
                 "offload.optimizer_states='device' needs every other kind on 'device' too (then Lightning "
@@ -192,6 +209,13 @@ class OffloadConfig:
         for name in ("direct_io", "keep_files", "return_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"offload.{name}={getattr(self, name)!r} must be true or false.")
+
+    @property
+    def paths(self) -> list[str] | None:
+        """The offload directories as a list (None: the default one)."""
+        if self.path is None:
+            return None
+        return list(self.path) if isinstance(self.path, list) else [self.path]
 
     def tier(self, kind: TensorKind) -> Tier | Split:
         return getattr(self, kind.value)

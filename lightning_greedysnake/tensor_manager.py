@@ -75,7 +75,8 @@ class TieredTensorStore:
         self.clip = clip or ClipPolicy()
         self.stats = IOStats()
         self.offload_dir: Path | None = None
-        self._engine: IOEngine | None = None
+        self._engines: list[IOEngine] = []
+        self.offload_dirs: list[Path] = []
         self._closed = False
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
         self.params: list[list[nn.Parameter]] = [unit.parameters() for unit in units]
@@ -183,28 +184,35 @@ class TieredTensorStore:
         """The element range of unit ``u`` that ``rank`` (default: this process) steps."""
         return self.state.bounds(u, rank)
 
-    def ssd_bytes(self) -> dict[str, int]:
-        """Bytes each SSD-resident kind keeps in the offload directory (for preflight)."""
-        return self.arena.ssd_bytes()
+    def ssd_bytes(self, directory: int | None = None) -> dict[str, int]:
+        """Bytes each SSD-resident kind keeps in offload directory ``directory`` (by index, as striped
+        by ``arena.stripe``; None: in all of them), for preflight."""
+        return self.arena.ssd_bytes(directory)
 
     def open_files(self) -> list[OffloadFile]:
         """The offload files open now (each kind's regions, the checkpoint scratch)."""
         return [*self.arena.open_files(), *self.activations.open_files()]
 
     # -- lifetime -------------------------------------------------------------------------------------------
-    def open(self, offload_dir: Path | None, io_engine: IOEngine | None = None) -> None:
-        """Create the host regions and the preallocated offload files (after preflight). ``io_engine``:
-        the I/O backend (default: the threaded O_DIRECT engine of ``offload.io_threads`` threads, see
-        :func:`~lightning_greedysnake.io.default_engine`); this store closes it."""
+    def open(self, offload_dirs: Path | list[Path] | None, io_engine: IOEngine | None = None) -> None:
+        """Create the host regions and the preallocated offload files (after preflight), in one offload
+        directory or striped over several (one per SSD). ``io_engine``: the I/O backend for all of them
+        (default: a threaded O_DIRECT engine of ``offload.io_threads`` threads per directory, so each SSD
+        has its own queue, see :func:`~lightning_greedysnake.io.default_engine`); this store closes it."""
         config = self.config
-        self.offload_dir = offload_dir
+        dirs = [offload_dirs] if isinstance(offload_dirs, Path) else list(offload_dirs or [])
+        self.offload_dir = dirs[0] if dirs else None
+        self.offload_dirs = dirs
+        engines: list[IOEngine] = []
         if config.uses_ssd:
-            assert offload_dir is not None, "an SSD tier needs an offload directory"
-            self._engine = io_engine or default_engine(
-                IOConfig(config.io_threads, config.io_chunk_bytes, config.direct_io))
+            assert dirs, "an SSD tier needs an offload directory"
+            io = IOConfig(config.io_threads, config.io_chunk_bytes, config.direct_io)
+            engines = [io_engine or default_engine(io) for _ in dirs]
+            self._engines = list({id(e): e for e in engines}.values())  # (a given engine serves every one)
         try:
-            self.arena.open(offload_dir, self._engine)
-            self.activations.open(offload_dir, self._engine)
+            self.arena.stripe(max(1, len(dirs)))
+            self.arena.open(dirs, engines)
+            self.activations.open(dirs, engines)
         except BaseException:
             self._close_files()
             raise
@@ -286,8 +294,9 @@ class TieredTensorStore:
             self.arena.close()
         finally:
             try:
-                if self._engine is not None:
-                    self._engine.close()
+                engines, self._engines = self._engines, []
+                for engine in engines:
+                    engine.close()
             finally:
                 if self.copies is not None:
                     self.copies.close()  # (after every handle that tracked a copy was given back)
@@ -341,7 +350,7 @@ class TieredTensorStore:
 
     # -- the TensorStore protocol (training thread) ----------------------------------------------------------
     def begin_window(self, num_microbatches: int) -> None:
-        self.activations.begin_window(num_microbatches * (self.num_units - 1))
+        self.activations.begin_window(num_microbatches, self.num_units)
 
     def acquire_unit(self, unit: int) -> None:
         self.weights.acquire(unit)

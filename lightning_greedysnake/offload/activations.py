@@ -43,6 +43,8 @@ class _OnSSD:
     shape: torch.Size
     dtype: torch.dtype
     write: Future[None]
+    scratch: SSDScratch
+    """The scratch file (of the offload directory) that holds it."""
     loaded: Staged | None = None
     """The checkpoint's bytes in memory (its reads perhaps still in flight when read ahead)."""
     on_device: Tensor | None = None
@@ -69,7 +71,8 @@ class ActivationStore:
         """Device tier, ``host`` checkpoints."""
         self._config = config
         self._stats = stats
-        self._scratch: SSDScratch | None = None
+        self._scratches: list[SSDScratch] = []
+        """One scratch file per offload directory; unit u's checkpoints in ``u % len(...)``'s."""
         self._host: dict[tuple[int, int], Tensor] = {}
         self._ssd: dict[tuple[int, int], _OnSSD] = {}
         self._loaded = 0
@@ -80,28 +83,38 @@ class ActivationStore:
         self.prefetches = 0
         """SSD checkpoint reads started ahead of need, since construction."""
         self.files: list[Path] = []
-        self._window_count = 0
-        """Checkpoints a window saves (K micro-batches x the units after the first), once known."""
+        self._window_counts: list[int] = []
+        """Per scratch file, the checkpoints a window saves there (K micro-batches x its units)."""
         self._reserved = False
 
-    def open(self, offload_dir: Path | None, engine: IOEngine | None) -> None:
+    def open(self, offload_dirs: list[Path], engines: list[IOEngine]) -> None:
+        """On the SSD tier: a scratch file in each offload directory (checkpoints striped by unit)."""
         if self._config.checkpoints is Tier.SSD:
-            assert engine is not None and offload_dir is not None, "SSD checkpoints need an offload directory"
-            path = offload_dir / FILE_NAMES[TensorKind.CHECKPOINTS]
-            self.files.append(path)
-            self._scratch = SSDScratch(TensorKind.CHECKPOINTS.value, engine, path, self._stats)
+            assert offload_dirs and len(engines) == len(offload_dirs), "SSD checkpoints need an offload directory"
+            for directory, engine in zip(offload_dirs, engines, strict=True):
+                path = directory / FILE_NAMES[TensorKind.CHECKPOINTS]
+                self.files.append(path)
+                self._scratches.append(SSDScratch(TensorKind.CHECKPOINTS.value, engine, path, self._stats))
+            self._window_counts = [0] * len(self._scratches)
+
+    @property
+    def _scratch(self) -> SSDScratch | None:
+        """The first scratch file (None: checkpoints are not on SSD)."""
+        return self._scratches[0] if self._scratches else None
 
     def open_files(self) -> list[OffloadFile]:
-        return [self._scratch.file] if self._scratch is not None else []
+        return [scratch.file for scratch in self._scratches]
 
     @property
     def num_checkpoints(self) -> int:
         return len(self._host) + len(self._ssd) + len(self._copied)
 
-    def begin_window(self, num_checkpoints: int) -> None:
-        """A window that will save ``num_checkpoints`` begins: at its first save, when their size is known,
-        the scratch file gets room for all of them at once (a disk too small fails there, with the fix)."""
-        self._window_count = num_checkpoints
+    def begin_window(self, num_microbatches: int, num_units: int) -> None:
+        """A window of ``num_microbatches`` begins (checkpoints: the input of every unit but the first):
+        at its first save, when their size is known, each scratch file gets room for all of its
+        checkpoints at once (a disk too small fails there, with the fix)."""
+        n = max(1, len(self._scratches))
+        self._window_counts = [num_microbatches * sum(1 for u in range(1, num_units) if u % n == d) for d in range(n)]
         self._reserved = False
 
     def save(self, unit: int, microbatch: int, hidden: Tensor) -> None:
@@ -121,12 +134,13 @@ class ActivationStore:
             return
         self._arena.reserve_checkpoints(nbytes)
         if not self._reserved:
-            self._scratch.reserve(self._window_count * align_up(nbytes))
+            for scratch, count in zip(self._scratches, self._window_counts, strict=True):
+                scratch.reserve(count * align_up(nbytes))
             self._reserved = True
         held = self._arena.acquire(nbytes, f"checkpoint of unit {unit}")
         try:
-            offset = self._scratch.allocate(nbytes)
-            scratch, buf = self._scratch, held.buf
+            scratch, buf = self._scratches[unit % len(self._scratches)], held.buf
+            offset = scratch.allocate(nbytes)
             if self._copies is None:
                 held.view(hidden.dtype, hidden.numel()).copy_(hidden.reshape(-1))
                 write = scratch.submit("write", offset, buf, nbytes)
@@ -138,7 +152,7 @@ class ActivationStore:
         finally:
             held.release()  # back once written
         # device tier: the device tensor stays for the next unit's forward, as on the host tier
-        self._ssd[key] = _OnSSD(offset, nbytes, hidden.shape, hidden.dtype, write,
+        self._ssd[key] = _OnSSD(offset, nbytes, hidden.shape, hidden.dtype, write, scratch,
                                 on_device=hidden if self._copies is not None else None)
 
     def load(self, unit: int, microbatch: int) -> Tensor:
@@ -200,9 +214,8 @@ class ActivationStore:
         self.prefetches += 1
 
     def _read(self, ck: _OnSSD, held: Staged) -> None:
-        assert self._scratch is not None
         try:
-            held.track_read(self._scratch.submit("read", ck.offset, held.buf, ck.nbytes))
+            held.track_read(ck.scratch.submit("read", ck.offset, held.buf, ck.nbytes))
         except BaseException:
             held.release()
             raise
@@ -244,8 +257,8 @@ class ActivationStore:
             ck.write.result()
         self._host.clear()
         self._copied.clear()
-        if self._scratch is not None:
-            self._scratch.reset()
+        for scratch in self._scratches:
+            scratch.reset()
 
     def close(self) -> None:
         """Give back every loaded checkpoint and close the scratch file once nothing is in flight on it."""
@@ -255,11 +268,11 @@ class ActivationStore:
             ck.write.exception()  # a write chained after a device copy may not be submitted yet
         self._host.clear()
         self._copied.clear()
-        if self._scratch is not None:
-            self._scratch.close()
-            self._scratch = None
+        scratches, self._scratches = self._scratches, []
+        for scratch in scratches:
+            scratch.close()
 
     def flush(self) -> None:
         """Wait for every checkpoint transfer in flight."""
-        if self._scratch is not None:
-            self._scratch.wait_all()
+        for scratch in self._scratches:
+            scratch.wait_all()

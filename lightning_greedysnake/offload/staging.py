@@ -180,7 +180,11 @@ class StagingArena:
         self.unit_tiers = placement_of(state, config)
         """Per region kind, each unit's tier (whole kinds: the same for every unit)."""
         self._host: dict[TensorKind, HostRegions] = {}
-        self._ssd: dict[TensorKind, SSDRegions] = {}
+        self._ssd: dict[TensorKind, dict[int, SSDRegions]] = {}
+        """Per kind, per offload directory (index), the SSD regions of the units striped there."""
+        self._directory: dict[TensorKind, list[int | None]] = {}
+        """Per kind, each unit's offload directory (index), set by :meth:`stripe`."""
+        self.stripe(1)
         self.files: list[Path] = []
         self._checkpoint_reserve = 0
         self._lock = threading.Lock()
@@ -209,20 +213,22 @@ class StagingArena:
         return self.min_budget_bytes + prefetch + AUTO_BUDGET_EXTRA_BYTES
 
     # -- lifetime (training thread) ----------------------------------------------------------------
-    def open(self, offload_dir: Path | None, engine: IOEngine | None) -> None:
+    def open(self, offload_dirs: list[Path], engines: list[IOEngine]) -> None:
         """Create the host regions and the preallocated offload files (after preflight). A split kind has
-        both: its host units' regions in RAM, its SSD units' in its file."""
+        both: its host units' regions in RAM, its SSD units' in files. With several directories (one
+        per SSD, each with its engine) a kind's SSD units are striped over them unit by unit: the i-th
+        SSD unit in directory ``i % len(offload_dirs)``, one file of the kind in each."""
         try:
             for kind in REGION_KINDS:
                 sizes, tiers = self.state.all_region_bytes(kind), self.unit_tiers[kind]
-                on_ssd = [size if t is Tier.SSD else 0 for size, t in zip(sizes, tiers, strict=True)]
                 in_ram = [size if t is not Tier.SSD else 0 for size, t in zip(sizes, tiers, strict=True)]
-                if sum(on_ssd):
-                    assert engine is not None and offload_dir is not None, "an SSD tier needs a directory"
-                    path = offload_dir / FILE_NAMES[kind]
-                    self.files.append(path)
-                    self._ssd[kind] = SSDRegions(kind.value, on_ssd, engine, path, self.stats,
-                                                 sparse=self.state.sharded(kind))
+                for d, directory in enumerate(offload_dirs):
+                    here = [size if self.directory_of(kind, u) == d else 0 for u, size in enumerate(sizes)]
+                    if sum(here):
+                        path = directory / FILE_NAMES[kind]
+                        self.files.append(path)
+                        self._ssd.setdefault(kind, {})[d] = SSDRegions(
+                            kind.value, here, engines[d], path, self.stats, sparse=self.state.sharded(kind))
                 if sum(in_ram):
                     # only weights and gradients are copied to and from the device straight out of
                     # their host regions: only they are page-locked (the optimizer's stay pageable)
@@ -232,36 +238,55 @@ class StagingArena:
             self.close()
             raise
 
+    def directory_of(self, kind: TensorKind, u: int) -> int | None:
+        """Which offload directory keeps unit ``u``'s region of ``kind`` (None: it is not on SSD)."""
+        return self._directory[kind][u]
+
     def flush(self) -> None:
         """Wait for every transfer in flight on the regions (raises the first I/O error)."""
-        for regions in self._ssd.values():
+        for regions in self._all_ssd():
             regions.wait_all()
 
     def close(self) -> None:
         """Close the regions (each waits for its transfers first) and the pool; buffers still held come
         back to a closed pool and are freed there."""
-        for regions in [*self._ssd.values(), *self._host.values()]:
+        for regions in [*self._all_ssd(), *self._host.values()]:
             regions.close()
         self._ssd.clear()
         self._host.clear()
         self.pool.close()
 
     # -- sizes ---------------------------------------------------------------------------------------
-    def ssd_bytes(self) -> dict[str, int]:
-        """Bytes each SSD-resident kind keeps in the offload directory (for preflight)."""
-        kept = {kind.value: sum(self.state.kept_unit_bytes(kind, u) for u, t in enumerate(self.unit_tiers[kind])
-                                if t is Tier.SSD) for kind in REGION_KINDS}
+    def ssd_bytes(self, directory: int | None = None) -> dict[str, int]:
+        """Bytes each SSD-resident kind keeps in offload directory ``directory`` (None: in all of them),
+        for preflight."""
+        kept = {kind.value: sum(self.state.kept_unit_bytes(kind, u) for u, d in enumerate(self._directory[kind])
+                                if d is not None and (directory is None or d == directory))
+                for kind in REGION_KINDS}
         return {kind: n for kind, n in kept.items() if n}
 
     def open_files(self) -> list[OffloadFile]:
-        return [r.file for r in self._ssd.values()]
+        return [r.file for r in self._all_ssd()]
+
+    def _all_ssd(self) -> list[SSDRegions]:
+        return [r for per_dir in self._ssd.values() for r in per_dir.values()]
+
+    def stripe(self, num_dirs: int) -> None:
+        """Stripe every kind's SSD units over ``num_dirs`` offload directories (before :meth:`open`)."""
+        for kind, tiers in self.unit_tiers.items():
+            on_ssd = [u for u, t in enumerate(tiers) if t is Tier.SSD and self.state.region_bytes(kind, u)]
+            where: list[int | None] = [None] * len(tiers)
+            for i, u in enumerate(on_ssd):
+                where[u] = i % num_dirs
+            self._directory[kind] = where
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool:
         """Whether unit ``u``'s region of ``kind`` lives on SSD (staged through the pool)."""
         return self.unit_tiers[kind][u] is Tier.SSD and kind in self._ssd
 
     def _regions(self, kind: TensorKind, u: int) -> HostRegions | SSDRegions:
-        return self._ssd[kind] if self.on_ssd(kind, u) else self._host[kind]
+        d = self._directory[kind][u]
+        return self._ssd[kind][d] if d is not None and self.on_ssd(kind, u) else self._host[kind]
 
     def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:
         """Pool bytes staging unit ``u``'s region of ``kind`` takes (0 where it is not on SSD)."""

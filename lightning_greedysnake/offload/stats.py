@@ -67,12 +67,21 @@ class IOStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, str], IOCounter] = defaultdict(IOCounter)
+        self._by_directory: dict[str, IOCounter] = defaultdict(IOCounter)
         self.lanes = LaneClock()
 
-    def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float, start: float | None = None) -> None:
+    def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float, start: float | None = None,
+               directory: str | None = None) -> None:
+        """One completed transfer; ``directory``: the offload directory it went to (counted per SSD too)."""
         if start is not None:
             self.lanes.add("ssd_read" if op == "read" else "ssd_write", start, start + seconds, f"{op} {kind}")
         with self._lock:
+            if directory is not None:
+                d = self._by_directory[directory]
+                if op == "read":
+                    d.bytes_read += nbytes
+                else:
+                    d.bytes_written += nbytes
             c = self._counters[(kind, tier)]
             if op == "read":
                 c.bytes_read += nbytes
@@ -87,6 +96,8 @@ class IOStats:
         """A frozen copy (later I/O does not change it)."""
         out = IOStats()
         out._counters.update(self.snapshot())
+        with self._lock:
+            out._by_directory.update({d: IOCounter(**vars(c)) for d, c in self._by_directory.items()})
         out.lanes = self.lanes
         return out
 
@@ -99,6 +110,11 @@ class IOStats:
     def snapshot(self) -> dict[tuple[str, str], IOCounter]:
         with self._lock:
             return {k: IOCounter(**vars(v)) for k, v in self._counters.items()}
+
+    def by_directory(self) -> dict[str, tuple[int, int]]:
+        """Per offload directory: (bytes read, bytes written) so far."""
+        with self._lock:
+            return {d: (c.bytes_read, c.bytes_written) for d, c in self._by_directory.items()}
 
     def bytes_read(self, kind: str, tier: str = "ssd") -> int:
         with self._lock:

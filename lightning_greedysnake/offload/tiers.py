@@ -168,7 +168,8 @@ class SSDRegions:
             def finished(fut: Future[None]) -> None:
                 error = fut.exception()
                 if error is None:
-                    self._stats.record(kind, self.tier, op, nbytes, time.perf_counter() - t0, t0)
+                    self._stats.record(kind, self.tier, op, nbytes, time.perf_counter() - t0, t0,
+                                       directory=str(self.path.parent))
                     done.set_result(None)
                 else:
                     done.set_exception(error)
@@ -262,7 +263,8 @@ class SSDScratch:
             with self._lock:
                 self._inflight.discard(fut)
             if fut.exception() is None:
-                self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0, t0)
+                self._stats.record(self.kind, self.tier, op, nbytes, time.perf_counter() - t0, t0,
+                                   directory=str(self.path.parent))
 
         f.add_done_callback(finished)
         return f

@@ -55,7 +55,7 @@ from lightning_greedysnake.strategy.manager_setup import (
     stand_in_for_meta_parameters,
 )
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
-from lightning_greedysnake.strategy.offload_dir import OffloadDirectory
+from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
 from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore
 
@@ -91,7 +91,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         self._layered: nn.Module | None = None
         self._layered_path: str | None = None
         self._inputs: WindowInputs | None = None
-        self._dir: OffloadDirectory | None = None
+        self._dir: OffloadDirectories | None = None
         self._checkpoints = StreamedCheckpoints()
         self._telemetry: StepRecorder | None = None
         self._batch_idx = 0
@@ -238,7 +238,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             clip=checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy(),
             shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None)
         self.connect_collectives(manager.stepper)
-        self._dir = OffloadDirectory(self.config.offload)
+        self._dir = OffloadDirectories(self.config.offload)
         open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),
                             (self.global_rank, self.local_rank, self.is_distributed), units,
                             self.broadcast_parameters, meta_model, rank_zero_info)

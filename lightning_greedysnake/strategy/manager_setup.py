@@ -19,7 +19,7 @@ from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_o
 from lightning_greedysnake.offload.device import device_copies_for, simulate_device_enabled
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.strategy.lightning_api import record_module_device
-from lightning_greedysnake.strategy.offload_dir import OffloadDirectory
+from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 Broadcast = Callable[[list[nn.Parameter]], None]
@@ -125,7 +125,7 @@ def move_all_but_units(module: nn.Module, units: list[Unit], device: torch.devic
     record_module_device(module, device)
 
 
-def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectory, default_root: Path,
+def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectories, default_root: Path,
                         ranks: tuple[int, int, bool], units: list[Unit], broadcast: Broadcast,
                         meta_model: nn.Module | None, report: Callable[[str], None]) -> None:
     """Prepare and lock ``directory``, open ``manager``'s files there and store the model's initial
@@ -133,9 +133,14 @@ def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectory,
     rank, local rank, whether there are several processes). On a failure everything taken is given back."""
     try:
         if manager.config.uses_ssd:
-            text = directory.prepare(default_root, manager.ssd_bytes(), *ranks).text()
-            report("\n".join([*(f"greedysnake: {left.text()}" for left in directory.leftovers), text]))
-        manager.open(directory.path)
+            manager.arena.stripe(len(directory.dirs))  # (what each directory keeps, for its preflight)
+            reports = directory.prepare(default_root, [manager.ssd_bytes(d) for d in range(len(directory.dirs))],
+                                        *ranks)
+            report("\n".join([*(f"greedysnake: {left.text()}" for left in directory.leftovers),
+                               *(r.text() for r in reports)]))
+            manager.open(directory.paths)
+        else:
+            manager.open(None)
         if meta_model is not None:
             materialize(manager, meta_model, units, broadcast)
         else:

@@ -19,8 +19,10 @@ from lightning_greedysnake.offload.preflight import (
 
 
 class OffloadDirectory:
-    def __init__(self, config: OffloadConfig) -> None:
+    def __init__(self, config: OffloadConfig, setting: str | None = None) -> None:
+        """``setting``: the configured directory (one of ``offload.path``'s); None: the default."""
         self.config = config
+        self.setting = setting
         self.path: Path | None = None
         self._lock: OffloadDirLock | None = None
         self._created: Path | None = None
@@ -31,21 +33,21 @@ class OffloadDirectory:
         """What killed runs had left beside this run's directory, removed at :meth:`prepare`."""
 
     def _choose(self, default_root: Path, rank: int, local_rank: int, distributed: bool) -> Path:
-        offload = self.config
-        path = Path(offload.path or default_root / "greedysnake_offload")
-        if offload.path is not None and ("{rank}" in offload.path or "{local_rank}" in offload.path):
+        setting = self.setting
+        path = Path(setting or default_root / "greedysnake_offload")
+        if setting is not None and ("{rank}" in setting or "{local_rank}" in setting):
             try:
-                return Path(offload.path.format(rank=rank, local_rank=local_rank))
+                return Path(setting.format(rank=rank, local_rank=local_rank))
             except (KeyError, IndexError, ValueError) as e:
                 raise ValueError(
-                    f"offload.path={offload.path!r}: only {{rank}} and {{local_rank}} are filled in ({e!r}). "
+                    f"offload.path={setting!r}: only {{rank}} and {{local_rank}} are filled in ({e!r}). "
                     "Fix: escape other braces as {{ and }}."
                 ) from None
         if distributed:
             # each rank its own files and lock, under the one configured directory
             if path.parent.exists():
                 path.mkdir(exist_ok=True)  # the first rank makes it
-            if offload.path is None:  # ours: whichever rank leaves last removes it (when empty)
+            if setting is None:  # ours: whichever rank leaves last removes it (when empty)
                 self._created_rank_parent = path
             return path / f"rank_{rank}"
         return path
@@ -58,7 +60,7 @@ class OffloadDirectory:
         self.leftovers = clear_leftovers(self._neighbours(path, default_root))
         existed = path.exists()
         made: list[Path] = []
-        if self.config.path is None and not existed:
+        if self.setting is None and not existed:
             # our own default under default_root_dir (which Lightning creates lazily): make the parents;
             # a user-given path with a missing parent is refused by preflight instead (a typo?)
             made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
@@ -82,7 +84,7 @@ class OffloadDirectory:
         itself, its siblings, and with the default location the other runs' under the same parent
         (Hydra's per-run output folders)."""
         out = [path]
-        for parent in {path.parent, *([default_root.parent] if self.config.path is None else [])}:
+        for parent in {path.parent, *([default_root.parent] if self.setting is None else [])}:
             if not parent.is_dir():
                 continue
             for child in parent.iterdir():
@@ -114,3 +116,42 @@ class OffloadDirectory:
                 with contextlib.suppress(OSError):  # only when empty: the last rank out removes it
                     self._created_rank_parent.rmdir()
         self._created_rank_parent = None
+
+
+class OffloadDirectories:
+    """Every offload directory of one process (``offload.path`` may name one per SSD), each prepared,
+    locked and cleaned up on its own; a refusal of any leaves none prepared."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.dirs = [OffloadDirectory(config, setting) for setting in (config.paths or [None])]
+
+    @property
+    def paths(self) -> list[Path]:
+        assert all(d.path is not None for d in self.dirs), "not prepared"
+        return [d.path for d in self.dirs]  # type: ignore[misc]
+
+    @property
+    def leftovers(self) -> list[Leftover]:
+        return [left for d in self.dirs for left in d.leftovers]
+
+    def prepare(self, default_root: Path, ssd_bytes: list[dict[str, int]], rank: int = 0, local_rank: int = 0,
+                distributed: bool = False) -> list[PreflightReport]:
+        """Prepare each directory for the bytes it will keep (``ssd_bytes``, one dict per directory)."""
+        reports = []
+        try:
+            for d, need in zip(self.dirs, ssd_bytes, strict=True):
+                reports.append(d.prepare(default_root, need, rank, local_rank, distributed))
+        except BaseException:
+            self.cleanup([])
+            raise
+        if len({r.offload_dir.resolve() for r in reports}) != len(reports):
+            self.cleanup([])
+            raise ValueError(
+                f"offload.path={self.dirs[0].config.path!r} names one directory twice once filled in "
+                "(for this rank). Fix: give different directories, one per SSD."
+            )
+        return reports
+
+    def cleanup(self, files: list[Path]) -> None:
+        for d in self.dirs:
+            d.cleanup([f for f in files if d.path is not None and f.parent == d.path])

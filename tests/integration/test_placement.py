@@ -3,6 +3,7 @@ trains bit-identically to the same kind wholly in RAM, and only its SSD units to
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -28,7 +29,7 @@ class Seen(UnitGradients):
         self.region_bytes = {kind.value: [manager.region_bytes(kind, u) for u in range(manager.num_units)]
                              for kind in REGION_KINDS}
         self.stats = manager.stats.copy()
-        self.file_bytes = {f.name: f.stat().st_size for f in manager.files if f.exists()}
+        self.file_bytes = {str(f): f.stat().st_size for f in manager.files if f.exists()}
 
 
 def fit(offload: Any, schedule: str = "vertical", precision: str = "32-true") -> tuple[dict[str, torch.Tensor], Seen]:
@@ -72,7 +73,7 @@ def test_only_the_ssd_units_of_a_split_kind_touch_the_disk():
     on_ssd = sum(size for size, t in zip(sizes, tiers, strict=True) if t is Tier.SSD)
     assert 0 < on_ssd <= sum(sizes) // 2 + max(sizes)
     # the file holds the SSD units' regions only, and the traffic shrinks with them
-    assert split.file_bytes.get(FILE_NAMES[TensorKind.OPTIMIZER_STATES]) == on_ssd
+    assert [n for f, n in split.file_bytes.items() if Path(f).name == FILE_NAMES[TensorKind.OPTIMIZER_STATES]] == [on_ssd]
     read_whole = whole.stats.bytes_read("optimizer_states")
     read_split = split.stats.bytes_read("optimizer_states")
     assert 0 < read_split < read_whole
@@ -86,3 +87,39 @@ def test_a_split_of_every_kind_is_bit_identical_in_bf16_mixed():
     assert seen.tiers["master_weights"][0] is Tier.HOST and seen.tiers["master_weights"][-1] is Tier.SSD
     for window, ref_window in zip(seen.windows(), ref.windows(), strict=True):
         assert all(torch.equal(window[name], grad) for name, grad in ref_window.items())
+
+
+def test_several_offload_paths_stripe_every_kind_and_each_carries_traffic(tmp_path):
+    """Two offload directories on two filesystems (the disk and a tmpfs): each kind's SSD units are
+    striped over both, both carry reads and writes, the result is bit-identical to one directory, and
+    each directory is locked during the run and left empty after it."""
+    from tests.helpers import mounted
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    with mounted(tmp_path / "ram", size="64M") as ram:
+        one, _ = fit({**OffloadConfig.everywhere("ssd").__dict__, "path": str(disk / "one")})
+        seen_locks: list[bool] = []
+
+        class Locks(L.Callback):
+            def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+                seen_locks.append(all((d / ".greedysnake.lock").exists()
+                                      for d in trainer.strategy.tensor_manager.offload_dirs))
+
+        L.seed_everything(0, verbose=False)
+        module = TinyGPTModule(n_layer=4, lr=3e-3)
+        seen = Seen()
+        paths = [str(disk / "a"), str(ram / "b")]
+        strategy = GreedySnakeStrategy(offload={**OffloadConfig.everywhere("ssd").__dict__, "path": paths},
+                                       alpha=0.25, lag=1)
+        make_trainer(strategy, K, callbacks=[seen, Locks()], max_epochs=1).fit(module, token_loader(K * STEPS))
+        got = {n: p.detach().clone() for n, p in module.named_parameters()}
+        traffic = seen.stats.by_directory()
+        assert set(traffic) == set(paths)
+        assert all(read > 0 and written > 0 for read, written in traffic.values()), traffic
+        for kind in ("weights", "optimizer_states", "checkpoints"):
+            assert {Path(f).parent.name for f in seen.file_bytes if Path(f).name.startswith(kind)} <= {"a", "b"}
+        assert sum(1 for f in seen.file_bytes if Path(f).name == "weights.bin") == 2  # one file per directory
+        assert seen_locks and all(seen_locks)
+        assert all(torch.equal(got[n], v) for n, v in one.items())
+        assert not any((Path(p)).exists() for p in paths)  # created by the run, removed empty
