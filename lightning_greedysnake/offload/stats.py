@@ -132,4 +132,9 @@ class IOStats:
         for (kind, tier), c in sorted(self.snapshot().items()):
             for name, value in vars(c).items():
                 out[f"{tier}/{kind}/{name}"] = value
+        directories = self.by_directory()
+        if len(directories) > 1:  # several offload paths: each one's traffic
+            for directory, (read, written) in sorted(directories.items()):
+                out[f"ssd_path/{directory}/bytes_read"] = read
+                out[f"ssd_path/{directory}/bytes_written"] = written
         return out

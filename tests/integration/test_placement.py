@@ -116,6 +116,8 @@ def test_several_offload_paths_stripe_every_kind_and_each_carries_traffic(tmp_pa
         got = {n: p.detach().clone() for n, p in module.named_parameters()}
         traffic = seen.stats.by_directory()
         assert set(traffic) == set(paths)
+        flat = seen.stats.flat()
+        assert all(flat[f"ssd_path/{p}/bytes_read"] == traffic[p][0] for p in paths)
         assert all(read > 0 and written > 0 for read, written in traffic.values()), traffic
         for kind in ("weights", "optimizer_states", "checkpoints"):
             assert {Path(f).parent.name for f in seen.file_bytes if Path(f).name.startswith(kind)} <= {"a", "b"}
