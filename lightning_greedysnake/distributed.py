@@ -53,6 +53,8 @@ class ShardedStateView:
     def __init__(self, manager: ShardedStore, rank: int, world: int) -> None:
         self.manager = manager
         self.rank, self.world = rank, world
+        self.group = getattr(manager, "host_group", None)
+        """The process group for host tensors (gloo beside NCCL; None: the default group)."""
 
     @property
     def num_units(self) -> int:
@@ -88,7 +90,7 @@ class ShardedStateView:
         for slot, value in zip(self.manager.layouts[u].params, values, strict=True):
             full = self._masked(u, slot, value) if slot.group is not None else value.clone()
             if slot.group is not None:
-                dist.all_reduce(full)  # frozen parameters are the same everywhere: kept as they are
+                dist.all_reduce(full, group=self.group)  # frozen parameters are the same everywhere: kept
             out.append(full)
         return out
 
@@ -98,7 +100,7 @@ class ShardedStateView:
         scalars = {i: {k: v for k, v in e.items() if not (isinstance(v, Tensor) and v.shape == lay.params[i].shape)}
                    for i, e in local.items()}
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, scalars)
+        dist.all_gather_object(everyone, scalars, group=self.group)
         merged: dict[int, dict[str, Any]] = {}
         for part in everyone:
             for i, entry in part.items():
@@ -111,7 +113,7 @@ class ShardedStateView:
             for name in self.manager.slots:
                 value = local.get(i, {}).get(name)
                 full = self._masked(u, slot, value) if value is not None else torch.zeros(slot.shape)
-                dist.all_reduce(full)
+                dist.all_reduce(full, group=self.group)
                 entry[name] = full
             out[i] = entry
         return out

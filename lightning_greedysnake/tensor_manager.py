@@ -93,6 +93,7 @@ class TieredTensorStore:
                                  separate_master=compute_dtype != torch.float32, shard=shard)
         self.arena = StagingArena(self.state, config, self.stats, lag)
         self.copies = copies
+        self.host_group: Any = None  # data parallel: the process group for host tensors (gloo beside NCCL)
         if copies is not None:
             self.arena.pool.pinner = (copies.pin, copies.unpin)
         self.gate = UpdateGate(len(units))
@@ -402,7 +403,8 @@ class TieredTensorStore:
         if not self.stepper.trains(unit) or not self.grads.has(unit):
             return  # (no gradient reached this unit in this window: torch skips such parameters too)
         if self.clip.defer:
-            self.grads.record_norms(unit, self.stepper.grad_reducer)
+            reducer = self.grads.reducer
+            self.grads.record_norms(unit, reducer.average if reducer is not None else self.stepper.grad_reducer)
             self.stepper.wait_for_clipping(unit)
             if not self.weights.is_held(unit):
                 self.grads.spill(unit)  # wait on the gradients tier until finish_step (else: at release)
@@ -411,7 +413,7 @@ class TieredTensorStore:
         weights = self.weights.donate(unit)  # released by the engine soon; the job gives it back
         has_grad = self.grads.pop_has_grad(unit)
         self.weights.drop_prefetch(unit)
-        self.stepper.submit_backward_part(unit, grad, weights, has_grad)
+        self.stepper.submit_backward_part(unit, grad, weights, has_grad, averaged=self.grads.reducer is not None)
 
     def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter]) -> Tensor:
         """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step)."""

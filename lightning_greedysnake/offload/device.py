@@ -68,9 +68,10 @@ class DeviceCopies(Protocol):
         """Copy host ``src`` into device ``dst``. The owner of ``src`` keeps it unchanged until the copy
         is done; the compute stream reads ``dst`` only after :meth:`wait`."""
 
-    def to_host(self, src: Tensor, dst: Tensor) -> Copy:
-        """Copy device ``src`` (as the compute stream left it so far) into host ``dst``; ``dst`` is
-        readable once the copy is done (``Copy.result()``)."""
+    def to_host(self, src: Tensor, dst: Tensor, after: Any = None) -> Copy:
+        """Copy device ``src`` (as the compute stream left it so far, and ``after``, another stream that
+        produced it, if given) into host ``dst``; ``dst`` is readable once the copy is done
+        (``Copy.result()``)."""
 
     def wait(self, copy: Copy) -> None:
         """The compute stream's later work waits for ``copy`` (the host does not, on CUDA)."""
@@ -137,11 +138,15 @@ class CudaCopies:
         with torch.inference_mode(False):
             return torch.empty(numel, dtype=dtype, pin_memory=True)
 
-    def _copy(self, stream: torch.cuda.Stream, done: _Completer, src: Tensor, dst: Tensor, device_side: Tensor) -> Copy:
+    def _copy(self, stream: torch.cuda.Stream, done: _Completer, src: Tensor, dst: Tensor, device_side: Tensor,
+              after: Any = None) -> Copy:
         compute = torch.cuda.current_stream(self.device)
         # ordering: the copy follows everything the compute stream was given so far (it produced the
-        # source, or last used the destination's memory before the allocator handed it out again)
+        # source, or last used the destination's memory before the allocator handed it out again), and
+        # the stream that produced the source when that is another one (a gradient's collective)
         stream.wait_stream(compute)
+        if after is not None:
+            stream.wait_stream(after)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -163,9 +168,9 @@ class CudaCopies:
         self.bytes_to_device += dst.numel() * dst.element_size()
         return self._copy(self.h2d, self._h2d_done, src, dst, dst)
 
-    def to_host(self, src: Tensor, dst: Tensor) -> Copy:
+    def to_host(self, src: Tensor, dst: Tensor, after: Any = None) -> Copy:
         self.bytes_to_host += dst.numel() * dst.element_size()
-        return self._copy(self.d2h, self._d2h_done, src, dst, src)
+        return self._copy(self.d2h, self._d2h_done, src, dst, src, after)
 
     def wait(self, copy: Copy) -> None:
         torch.cuda.current_stream(self.device).wait_event(copy.event)
@@ -240,9 +245,9 @@ class SimulatedCopies:
         self.bytes_to_device += dst.numel() * dst.element_size()
         return self._copy(self._h2d, src, dst)
 
-    def to_host(self, src: Tensor, dst: Tensor) -> Copy:
+    def to_host(self, src: Tensor, dst: Tensor, after: Any = None) -> Copy:
         self.bytes_to_host += dst.numel() * dst.element_size()
-        return self._copy(self._d2h, src, dst)
+        return self._copy(self._d2h, src, dst)  # (the simulated device's collectives are synchronous)
 
     def wait(self, copy: Copy) -> None:
         copy.result()  # the simulated compute stream is the host thread

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.offload.residency import slot_view
 from lightning_greedysnake.offload.staging import Staged, StagingArena
 
@@ -38,6 +39,9 @@ class GradientAccumulator:
         self._copies = copies
         self._on_device: dict[int, Tensor] = {}
         """Device tier: accumulators in device memory (instead of ``_grads``)."""
+        self.reducer: DeviceGradientReducer | None = None
+        """Data parallel on the device tier: averages each gradient over the ranks before :meth:`take`
+        copies it (set by the strategy)."""
         self._state = state
         self.params = params
         self.where: dict[int, tuple[int, int]] = {
@@ -145,22 +149,34 @@ class GradientAccumulator:
 
     def spill(self, u: int) -> None:
         """Send unit ``u``'s accumulator to its tier (the buffer comes back once written)."""
-        held = self.take(u)
+        held = self._take(u, reduce=False)  # (a partial sum: reduced only once complete)
         self._arena.put_back(TensorKind.GRADIENTS, u, held)  # (waits for a D2H copy still filling it)
         self._spilled.add(u)
 
     def take(self, u: int) -> Staged:
+        return self._take(u, reduce=True)
+
+    def _take(self, u: int, reduce: bool) -> Staged:
         """Unit ``u``'s complete accumulator, in host memory (on a device tier: being copied there, which
-        the handle tracks); the caller owns the handle from now on."""
+        the handle tracks); the caller owns the handle from now on. With a device ``reducer`` (data
+        parallel on the device tier) it is averaged over the ranks first, and with partitioned state
+        only this rank's chunk comes over (the rest of the host buffer is zero)."""
         self.flat(u)
         if self._copies is None:
             return self._grads.pop(u)
         flat = self._on_device.pop(u)
+        numel, lo, after = flat.numel(), 0, None
+        if reduce and self.reducer is not None:
+            flat, lo = self.reducer.reduce(flat, [self._state.bounds(u, r) for r in range(self.reducer.world)])
+            after = self.reducer.after()
         held = self._arena.stage(TensorKind.GRADIENTS, u, read=False)
         try:
-            # ordered after the compute stream's last add into ``flat``; the device memory goes back to
-            # the compute stream's allocator here, the copy's stream recorded on it
-            held.track_read(self._copies.to_host(flat, held.view(torch.float32, flat.numel())))
+            host = held.view(torch.float32, numel)
+            host[:lo].zero_()
+            host[lo + flat.numel():].zero_()
+            # ordered after the compute stream's last add into ``flat`` (and the collective on it); the
+            # device memory goes back to the compute stream's allocator here, the copy's stream recorded
+            held.track_read(self._copies.to_host(flat, host[lo : lo + flat.numel()], after=after))
         except BaseException:
             held.release()
             raise
@@ -170,7 +186,7 @@ class GradientAccumulator:
         """Like :meth:`take`, but a spilled accumulator stays on its tier (None: the step reads it back)."""
         self._spilled.discard(u)
         if u in self._on_device:
-            return self.take(u)
+            return self._take(u, reduce=False)  # (averaged already, for its norm)
         return self._grads.pop(u, None)
 
     def pop_has_grad(self, u: int) -> list[bool]:

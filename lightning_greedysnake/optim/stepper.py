@@ -159,9 +159,10 @@ class UnitStepper:
         self.parts.read_ahead(unit, unit_need_bytes())
 
     def submit_backward_part(self, unit: int, grad: StagedBuffer, weights: StagedBuffer | None,
-                             has_grad: list[bool]) -> None:
+                             has_grad: list[bool], averaged: bool = False) -> None:
         """``unit``'s gradient is complete: step its backward part on the lane (the forward part follows
-        with :meth:`submit_forward_parts`). The job owns ``grad`` and ``weights`` (the unit's acquired
+        with :meth:`submit_forward_parts`). ``averaged``: data parallel already averaged it over the ranks
+        (on the device), so the lane does not. The job owns ``grad`` and ``weights`` (the unit's acquired
         compute weights, if still held) and gives them back."""
         hyper = self._hyper()
         self._gate.begin(unit)
@@ -180,7 +181,7 @@ class UnitStepper:
             try:
                 grad.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
                 flat = grad.view(torch.float32, numel)
-                if self.grad_reducer is not None:
+                if self.grad_reducer is not None and not averaged:
                     self.grad_reducer(flat)  # data parallel: the ranks' gradients averaged, as DDP does
                 self._observe(unit, flat)
                 if value is not None:

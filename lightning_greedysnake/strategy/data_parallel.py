@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_greedysnake.distributed import gather_chunks
+from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.strategy.lightning_api import init_process_group, subprocess_launcher, sync_reduce
 from lightning_greedysnake.strategy.manager_setup import move_all_but_units
 
@@ -43,7 +44,10 @@ class DataParallel:
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
         self.lane_group: Any = None
-        """The optimizer lane's own process group (created at :meth:`setup`)."""
+        """The optimizer lane's own process group (created at :meth:`setup`; gloo: it moves host tensors)."""
+        self.host_group: Any = None
+        """Beside NCCL, a gloo group for the training thread's collectives of host tensors (the units'
+        parameters at setup, checkpoint gathers of partitioned state); None: the default group is gloo."""
         self.collective_bytes = 0
         """Payload bytes this rank has put into collectives so far: gradient all-reduces (a ring sends
         and receives about twice that) and, with partitioned state, its chunks of the weights gathers.
@@ -54,12 +58,14 @@ class DataParallel:
         # gloo's worker threads abort the interpreter's exit ("terminate called without an active
         # exception") when a process group outlives it: destroy them while Python is still alive
         atexit.register(_destroy_process_groups)
-        self.lane_group = torch.distributed.new_group(backend=backend)
+        self.lane_group = torch.distributed.new_group(backend="gloo")
+        self.host_group = torch.distributed.new_group(backend="gloo") if backend != "gloo" else None
 
     def teardown(self) -> None:
-        if self.lane_group is not None and ready():
-            torch.distributed.destroy_process_group(self.lane_group)
-        self.lane_group = None
+        for group in (self.lane_group, self.host_group):
+            if group is not None and ready():
+                torch.distributed.destroy_process_group(group)
+        self.lane_group = self.host_group = None
 
     # -- the training thread ---------------------------------------------------------------------------
     @staticmethod
@@ -81,11 +87,10 @@ class DataParallel:
             return sync_reduce(tensor, group, reduce_op)
         return tensor
 
-    @staticmethod
-    def broadcast_parameters(params: Iterable[nn.Parameter]) -> None:
+    def broadcast_parameters(self, params: Iterable[nn.Parameter]) -> None:
         """Every rank starts from rank 0's weights (as DDP does at setup)."""
         for p in params:
-            torch.distributed.broadcast(p.data, 0)
+            torch.distributed.broadcast(p.data, 0, group=self.host_group if p.data.device.type == "cpu" else None)
 
     @staticmethod
     def average_param_grads(params: Iterable[nn.Parameter], world_size: int) -> None:
@@ -117,6 +122,7 @@ class DataParallelStrategy(ParallelStrategy):
         super().__init__(checkpoint_io=checkpoint_io)
         self._num_nodes = 1
         self._dp = DataParallel(default_pg_timeout)
+        self._device_reducer: DeviceGradientReducer | None = None
         self.units_stay_on_host: list[Any] | None = None
         """The units whose parameters the tensor manager keeps in its tiers: ``model_to_device`` leaves
         them where they are."""
@@ -153,7 +159,8 @@ class DataParallelStrategy(ParallelStrategy):
     @property
     def collective_bytes(self) -> int:
         """Payload bytes this rank has put into the optimizer lane's collectives so far."""
-        return self._dp.collective_bytes
+        device = self._device_reducer.collective_bytes if self._device_reducer is not None else 0
+        return self._dp.collective_bytes + device
 
     @override
     def _configure_launcher(self) -> None:
@@ -209,10 +216,17 @@ class DataParallelStrategy(ParallelStrategy):
             return
         super().teardown()
 
-    def connect_collectives(self, stepper: Any) -> None:
-        """Data parallel: the stepper averages each unit's gradient over the ranks before its step, and
+    def connect_collectives(self, manager: Any) -> None:
+        """Data parallel: the stepper averages each unit's gradient over the ranks before its step (on a
+        device tier: the gradient accumulator, on the device, before the gradient's copy to the host), and
         gathers every rank's chunk of a partitioned unit's new weights after it (on the lane)."""
+        stepper = manager.stepper
         if self.is_distributed:
+            if manager.copies is not None:
+                self._device_reducer = DeviceGradientReducer(manager.copies, self.global_rank, self.world_size,
+                                                             partitioned=manager.shard is not None)
+                manager.grads.reducer = self._device_reducer
+            manager.host_group = self._dp.host_group
             stepper.grad_reducer = lambda grad: self._dp.average_gradient(grad, self.world_size)
             stepper.weights_gatherer = lambda flat, b: self._dp.gather_weights(flat, b, self.global_rank)
 

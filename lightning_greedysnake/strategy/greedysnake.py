@@ -237,7 +237,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self.precision_plugin.compute_dtype, self.root_device,
             clip=checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy(),
             shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None)
-        self.connect_collectives(manager.stepper)
+        self.connect_collectives(manager)
         self._dir = OffloadDirectories(self.config.offload)
         open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),
                             (self.global_rank, self.local_rank, self.is_distributed), units,

@@ -54,6 +54,7 @@ PLACEMENTS = {
     "host": OffloadConfig.everywhere("host", checkpoints="device"),
     "ssd-everything": OffloadConfig.everywhere("ssd"),
     "host-weights-ssd-state": {"weights": "host", "checkpoints": "host", "prefetch_units": 2},
+    "split": {"weights": {"host": 0.5, "ssd": 0.5}, "optimizer_states": {"host": 0.5, "ssd": 0.5}},
 }
 
 
