@@ -121,6 +121,13 @@ class BufferPool:
             self.peak_bytes = max(self.peak_bytes, self.in_use_bytes + self._free_bytes)
             return buf
 
+    def wait_returned(self) -> None:
+        """Block until every buffer released with transfers still on it has come back (their last
+        transfer's completion callback gives it back, which can run just after a waiter on that
+        transfer woke up)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._returning == 0, timeout=self.wait_timeout_s)
+
     def will_return(self) -> None:
         """A released buffer waits for I/O; :meth:`release` (with ``returning=True``) follows."""
         with self._cond:

@@ -246,6 +246,7 @@ class StagingArena:
         """Wait for every transfer in flight on the regions (raises the first I/O error)."""
         for regions in self._all_ssd():
             regions.wait_all()
+        self.pool.wait_returned()  # (buffers given back by those transfers' callbacks: in the pool now)
 
     def close(self) -> None:
         """Close the regions (each waits for its transfers first) and the pool; buffers still held come
