@@ -133,6 +133,8 @@ class GradientAccumulator:
                 held.track_write(copy)  # the host bytes stay until the copy is done
                 self._copies.wait(copy)  # hand-over: the H2D stream -> the compute stream's next add
             finally:
+                # a pooled buffer comes back once the copy is done; a host-tier region's handle waits for
+                # it here (a host wait, in the horizontal order and deferred clipping only)
                 held.release()
         else:
             flat.zero_()

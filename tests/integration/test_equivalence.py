@@ -118,6 +118,9 @@ PLACEMENTS = {
     "ssd-everything": OffloadConfig.everywhere("ssd"),
     "host": OffloadConfig.everywhere("host"),
     "ssd-weights-host-state": {"optimizer_states": "host", "gradients": "host"},
+    # split between RAM and SSD by units, two units' weights prefetched ahead
+    "split-prefetch-2": {"weights": {"host": 0.5, "ssd": 0.5}, "optimizer_states": {"host": 0.5, "ssd": 0.5},
+                         "gradients": {"host": 0.5, "ssd": 0.5}, "prefetch_units": 2},
 }
 CLIPPING = {
     "none": {},
