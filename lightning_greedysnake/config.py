@@ -87,13 +87,28 @@ def _placement(setting: str, value: Any) -> Tier | Split:
     return Split(host, ssd)
 
 
+STATE_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+"""Accepted spellings of ``offload.optimizer_state_dtype`` -> the canonical name."""
+
+
+def _state_dtype(value: Any) -> str:
+    name = str(value).removeprefix("torch.") if value is not None else ""
+    if name not in STATE_DTYPES:
+        raise ValueError(
+            f"offload.optimizer_state_dtype={value!r} is not supported. Fix: use 'float32' (exact) or 'bfloat16' "
+            "(half the optimizer-state bytes, not bit-identical)."
+        )
+    return STATE_DTYPES[name]
+
+
 class TensorKind(str, enum.Enum):
     WEIGHTS = "weights"
     """Compute weights (16-bit under bf16-mixed; under 32-true they are also the master copy)."""
     MASTER_WEIGHTS = "master_weights"
     """fp32 master weights under bf16-mixed (under 32-true the compute weights are the master copy)."""
     OPTIMIZER_STATES = "optimizer_states"
-    """The optimizer's per-parameter state (Adam's two moments, SGD's momentum), fp32."""
+    """The optimizer's per-parameter state (Adam's two moments, SGD's momentum): fp32, or bf16 with
+    ``offload.optimizer_state_dtype=bfloat16``."""
     GRADIENTS = "gradients"
     """fp32 accumulated gradients that must wait (the horizontal order, or norm clipping)."""
     CHECKPOINTS = "checkpoints"
@@ -122,6 +137,15 @@ class OffloadConfig:
     ``{host: 0.6, ssd: 0.4}``: the first units up to that share of the kind's bytes in RAM (see
     :class:`Split`)."""
     checkpoints: Tier = Tier.HOST
+
+    optimizer_state_dtype: str = "float32"
+    """The dtype the optimizer's per-element state is kept in between steps (on its tier and on the way
+    there). ``float32``: exactly what your optimizer keeps (bit-identical to Lightning). ``bfloat16``
+    (opt-in): half the state bytes on SSD, in RAM and through the I/O engine; each step widens the
+    unit's state to fp32, runs your optimizer on it, and narrows it back with stochastic rounding (so
+    Adam's second moment keeps decaying where round-to-nearest would freeze it). Not bit-identical to
+    fp32 state: a lossy format, like an 8-bit optimizer. Checkpoints hold it as fp32 (loadable by any
+    strategy); resuming narrows it again."""
 
     buffer_budget_bytes: int | None = None
     """Host bytes the tensor manager may hold in staging buffers (weights being used or prefetched, the
@@ -158,6 +182,13 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         for kind in TensorKind:
             setattr(self, kind.value, _placement(f"offload.{kind.value}", getattr(self, kind.value)))
+        self.optimizer_state_dtype = _state_dtype(self.optimizer_state_dtype)
+        if self.optimizer_state_dtype != "float32" and not self.uses_tensor_manager:
+            raise ValueError(
+                f"offload.optimizer_state_dtype={self.optimizer_state_dtype!r} needs the tensor manager, but every "
+                "kind is on 'device', where Lightning steps your optimizer itself with its own state. Fix: put "
+                "optimizer_states on 'host' or 'ssd', or leave optimizer_state_dtype='float32'."
+            )
         if self.path is not None:
             several = isinstance(self.path, (list, tuple)) or (
                 not isinstance(self.path, str) and not hasattr(self.path, "__fspath__")

@@ -103,8 +103,8 @@ def shard_bounds(layout: UnitLayout, rank: int, world: int) -> tuple[int, int]:
 class StateLayout:
     """Every unit's regions of every kind: their sizes, and the bytes an element range covers in each.
 
-    Compute weights hold ``compute_itemsize``-byte elements; master weights, gradients and every
-    optimizer-state slot are fp32. Master weights exist only under a 16-bit compute dtype
+    Compute weights hold ``compute_itemsize``-byte elements, every optimizer-state slot
+    ``state_itemsize``-byte ones (4: fp32; 2: bf16 state); master weights and gradients are fp32. Master weights exist only under a 16-bit compute dtype
     (``separate_master``); a unit without trainable parameters has no master, state or gradient region."""
 
     units: tuple[UnitLayout, ...]
@@ -114,6 +114,8 @@ class StateLayout:
     separate_master: bool
     shard: tuple[int, int] | None = None
     """``(rank, world)`` with partitioned state: this rank keeps and steps only its chunk of every unit."""
+    state_itemsize: int = 4
+    """Bytes per element of every optimizer-state slot (``offload.optimizer_state_dtype``)."""
 
     @property
     def num_units(self) -> int:
@@ -127,7 +129,7 @@ class StateLayout:
         if kind is TensorKind.MASTER_WEIGHTS:
             return lay.nbytes(4) if self.separate_master and trainable else 0
         if kind is TensorKind.OPTIMIZER_STATES:
-            return lay.nbytes(4) * self.num_slots if trainable else 0
+            return lay.nbytes(self.state_itemsize) * self.num_slots if trainable else 0
         if kind is TensorKind.GRADIENTS:
             return lay.nbytes(4) if trainable else 0
         raise ValueError(f"{kind} has no per-unit region")
@@ -140,12 +142,17 @@ class StateLayout:
         a range reaching the unit's end runs to the region's (aligned) end."""
         lay = self.units[u]
         if kind is TensorKind.OPTIMIZER_STATES:
-            region, isz, copies = lay.nbytes(4), 4, self.num_slots
+            isz = self.state_itemsize
+            region, copies = lay.nbytes(isz), self.num_slots
         else:
             isz = self.compute_itemsize if kind is TensorKind.WEIGHTS else 4
             region, copies = lay.nbytes(isz), 1
         end = region if hi >= lay.numel else hi * isz
         return [(k * region + lo * isz, k * region + end) for k in range(copies)]
+
+    def slot_offset_bytes(self, u: int, k: int) -> int:
+        """Where optimizer-state slot ``k`` starts in unit ``u``'s state region."""
+        return k * self.units[u].nbytes(self.state_itemsize)
 
     def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]:
         """The element range of unit ``u`` that ``rank`` (default: this process) steps."""

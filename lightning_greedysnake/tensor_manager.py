@@ -44,6 +44,7 @@ from lightning_greedysnake.offload.residency import UpdateGate, WeightsResidency
 from lightning_greedysnake.offload.staging import StagingArena
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper, discover_slots
+from lightning_greedysnake.optim.state_format import STATE_DTYPES, StateFormat
 
 __all__ = ["ClipPolicy", "TieredTensorStore"]
 
@@ -89,8 +90,9 @@ class TieredTensorStore:
             for unit, ps in zip(units, self.params, strict=True)
         ]
         self.slots: tuple[str, ...] = discover_slots(optimizer) if optimizer is not None else ()
-        self.state = StateLayout(tuple(layouts), _itemsize(compute_dtype), len(self.slots),
-                                 separate_master=compute_dtype != torch.float32, shard=shard)
+        self.state_format = StateFormat(STATE_DTYPES[config.optimizer_state_dtype])
+        self.state = StateLayout(tuple(layouts), _itemsize(compute_dtype), len(self.slots),  # (separate master:)
+                                 compute_dtype != torch.float32, shard, self.state_format.itemsize)
         self.arena = StagingArena(self.state, config, self.stats, lag)
         self.copies = copies
         self.host_group: Any = None  # data parallel: the process group for host tensors (gloo beside NCCL)
@@ -98,7 +100,7 @@ class TieredTensorStore:
             self.arena.pool.pinner = (copies.pin, copies.unpin)
         self.gate = UpdateGate(len(units))
         self.stepper = UnitStepper(optimizer, self.state, self.slots, self.arena, self.gate, compute_dtype,
-                                   self.clip, alpha, lag,
+                                   self.clip, alpha, lag, state_format=self.state_format,
                                    on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
         self.weights = WeightsResidency(self.arena, self.state, self.params, compute_dtype, self.gate,
                                         wait_for=lambda event: self.stepper.lane.wait_for(event), copies=copies)
@@ -242,8 +244,8 @@ class TieredTensorStore:
         self.grads.register_hooks()
 
     def drain(self) -> None:
-        """Complete every pending optimizer step, deferred forward parts included (before reading the
-        weights or optimizer state from outside a window: checkpoints, evaluation, the end of the run)."""
+        """Complete every pending optimizer step, deferred parts included (before reading weights or state
+        outside a window: checkpoints, evaluation, the end of the run)."""
         self.stepper.drain()
         self.flush()
 
@@ -418,8 +420,7 @@ class TieredTensorStore:
     def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter]) -> Tensor:
         """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step)."""
         total = self.grads.global_norm(order)
-        # the lane scales host gradients: on a device tier this reads the norm back (one wait per step,
-        # in this mode only)
+        # the lane scales host gradients: on a device tier this reads the norm back (one wait, this mode only)
         self.stepper.clip_by_norm(max_norm, total.cpu())
         return total
 

@@ -1,7 +1,8 @@
 """The optimizer's state as checkpoints see it, in and out of the tensor manager, one unit at a time.
 
-Per-element state (Adam's moments) lives in each unit's flat ``optimizer_states`` region, one fp32 slot
-after another; scalar state (step counters) lives in the unit's :class:`UnitOptimizer`. These functions
+Per-element state (Adam's moments) lives in each unit's flat ``optimizer_states`` region, one slot after
+another (fp32, or bf16 with ``offload.optimizer_state_dtype``: checkpoints always see fp32, so they load
+into any strategy, and loading narrows to nearest); scalar state (step counters) lives in the unit's :class:`UnitOptimizer`. These functions
 turn them into ``torch.optim``'s per-parameter entries and back; the caller drains pending steps first
 (:meth:`TieredTensorStore.drain`), so nothing steps while they run (training thread).
 """
@@ -34,7 +35,8 @@ def _trainable_index(state: StateLayout, u: int) -> dict[int, int]:
 
 def _slot_view(held: StagedBuffer, state: StateLayout, u: int, k: int, slot: ParamSlot) -> Tensor:
     lay = state.units[u]
-    flat = held.view(torch.float32, lay.numel, offset_bytes=k * lay.nbytes(4))
+    dtype = torch.float32 if state.state_itemsize == 4 else torch.bfloat16
+    flat = held.view(dtype, lay.numel, offset_bytes=state.slot_offset_bytes(u, k))
     return flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)
 
 
@@ -55,7 +57,8 @@ def unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots: tup
             entry = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.param_scalar_state(j).items()}
             if held is not None:
                 for k, name in enumerate(slots):
-                    entry[name] = _slot_view(held, state, u, k, state.units[u].params[i]).clone()
+                    view = _slot_view(held, state, u, k, state.units[u].params[i])
+                    entry[name] = view.to(torch.float32, copy=True)
             entries[i] = entry
         return entries
     finally:

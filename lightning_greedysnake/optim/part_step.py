@@ -19,14 +19,17 @@ from torch import Tensor
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.optim.protocols import StagedBuffer, Staging
+from lightning_greedysnake.optim.state_format import StateFormat, mix
 from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer
 
 
 class PartStepper:
     def __init__(self, staging: Staging, unit_optimizers: list[UnitOptimizer | None], slots: tuple[str, ...],
-                 compute_dtype: torch.dtype) -> None:
-        """``unit_optimizers`` is the stepper's own list (re-split in place by a reconfiguration)."""
+                 compute_dtype: torch.dtype, state_format: StateFormat | None = None) -> None:
+        """``unit_optimizers`` is the stepper's own list (re-split in place by a reconfiguration);
+        ``state_format``: the dtype the state is kept in (default fp32)."""
         self._staging = staging
+        self._format = state_format or StateFormat(torch.float32)
         self._state = staging.state
         self._unit_optimizers = unit_optimizers
         self._slots = slots
@@ -174,10 +177,13 @@ class PartStepper:
                 weights_held.wait_io()  # changed in place below: its last write-behind must be done
             mflat = master.view(torch.float32, lay.numel)
             state_views = {
-                name: states.view(torch.float32, lay.numel, offset_bytes=k * lay.nbytes(4))
+                name: states.view(self._format.dtype, lay.numel, offset_bytes=state.slot_offset_bytes(unit, k))
                 for k, name in enumerate(self._slots)
             } if states is not None else {}
-            opt.step(mflat, grad, state_views, has_grad, part, hyper)
+            wide, base = self._format.widen(state_views, lo, hi)  # (bf16 state: fp32 scratch of the range)
+            opt.step(mflat, grad, wide, has_grad, part, hyper, state_base=base)
+            self._format.narrow(wide, state_views, lo, hi, seed=mix(unit, opt.step_number(part)))
+            del wide
         except BaseException:
             for held in owned:
                 held.release()

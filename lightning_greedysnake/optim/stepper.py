@@ -30,6 +30,7 @@ from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.optim.part_step import PartStepper
 from lightning_greedysnake.optim.protocols import StagedBuffer, Staging, UpdateGate
+from lightning_greedysnake.optim.state_format import StateFormat
 from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer, split_numel
 
 
@@ -47,7 +48,8 @@ class ClipPolicy:
 class UnitStepper:
     def __init__(self, optimizer: torch.optim.Optimizer | None, state: StateLayout, slots: tuple[str, ...],
                  staging: Staging, gate: UpdateGate, compute_dtype: torch.dtype, clip: ClipPolicy,
-                 alpha: float, lag: int, on_busy: Callable[[float, float], None] | None = None) -> None:
+                 alpha: float, lag: int, on_busy: Callable[[float, float], None] | None = None,
+                 state_format: StateFormat | None = None) -> None:
         self.optimizer = optimizer
         self.state = state
         self.slots = slots
@@ -59,7 +61,7 @@ class UnitStepper:
         self._gate = gate
         self._on_busy = on_busy
         self.unit_optimizers: list[UnitOptimizer | None] = [self._unit_optimizer(u) for u in range(state.num_units)]
-        self.parts = PartStepper(staging, self.unit_optimizers, slots, compute_dtype)
+        self.parts = PartStepper(staging, self.unit_optimizers, slots, compute_dtype, state_format)
         self.lane = StepLane(lag, on_busy=on_busy)
         self.keep_weights: Callable[[int, StagedBuffer], bool] = lambda unit, held: False
         """Offered unit 0's new weights after its step: True when it kept them (and owns the handle)."""

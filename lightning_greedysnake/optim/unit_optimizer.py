@@ -22,6 +22,9 @@ class UnsupportedOptimizerError(ValueError):
     pass
 
 
+PROBE_NUMEL = 1 << 16
+
+
 def _construct(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     return cls(groups)
 
@@ -37,7 +40,8 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     slots: list[str] = []
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
-        probe = torch.zeros(4, dtype=torch.float32, requires_grad=True)
+        # large enough that optimizers quantizing only large parameters (torchao's low-bit AdamW) show it
+        probe = torch.zeros(PROBE_NUMEL, dtype=torch.float32, requires_grad=True)
         try:
             shadow = _construct(cls, [{**hyper, "params": [probe]}])
             eager_state = bool(shadow.state)
@@ -54,6 +58,13 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
                 "greedysnake's per-unit streaming does not support yet. Fix: use torch.optim.AdamW, Adam or SGD."
             )
         for name, value in shadow.state[probe].items():
+            if isinstance(value, Tensor) and type(value) is not Tensor:
+                raise UnsupportedOptimizerError(
+                    f"{cls.__name__} keeps state {name!r} as a {type(value).__name__} (a tensor subclass, such as "
+                    "torchao's quantized 8-bit and 4-bit optimizer state), whose layout greedysnake cannot stream "
+                    "per unit. Fix: use torch.optim.AdamW with offload.optimizer_state_dtype=bfloat16 (half the "
+                    "state bytes, stochastically rounded), or plain fp32 state."
+                )
             if isinstance(value, Tensor) and value.shape == probe.shape:
                 if value.dtype != torch.float32:
                     raise UnsupportedOptimizerError(
@@ -104,6 +115,8 @@ class _Part:
         self.shadow = _construct(type(optimizer), groups) if groups else None
         self.scalar_state: list[dict[str, Any]] = [{} for _ in pieces]
         self.initialized: list[bool] = [False] * len(pieces)
+        self.steps = 0
+        """Steps of this part in this process (the step number where the optimizer keeps none)."""
 
 
 class UnitOptimizer:
@@ -141,6 +154,15 @@ class UnitOptimizer:
     def part_initialized(self, part: int) -> bool:
         return any(self.parts[part].initialized)
 
+    def step_number(self, part: int) -> int:
+        """The optimizer's own step count of part ``part`` (Adam's ``step``), which checkpoints keep, or
+        where it has none the steps taken in this process: seeds the state's stochastic rounding."""
+        for scalars in self.parts[part].scalar_state:
+            step = scalars.get("step")
+            if step is not None:
+                return int(step)
+        return self.parts[part].steps
+
     # -- per-parameter view of the state (checkpoints) ----------------------------------------------
     def param_initialized(self, j: int) -> bool:
         return any(init for part in self.parts for (pj, *_), init in zip(part.pieces, part.initialized) if pj == j)
@@ -168,6 +190,7 @@ class UnitOptimizer:
         has_grad: list[bool],
         part: int = 0,
         hyper: list[dict[str, Any]] | None = None,
+        state_base: int = 0,
     ) -> None:
         """Step part ``part`` of this unit.
 
@@ -175,7 +198,8 @@ class UnitOptimizer:
         range is read); ``state``: one flat fp32 buffer per slot; ``has_grad[j]``: whether trainable
         parameter j got a gradient in this window (torch skips parameters without one, and so do we);
         ``hyper``: the user's param-group hyperparameters as they were when Lightning would have
-        stepped (default: as they are now).
+        stepped (default: as they are now); ``state_base``: the unit element ``state``'s buffers start at
+        (fp32 scratch covering only the part's range, when the state is kept narrower).
         """
         p = self.parts[part]
         shadow = p.shadow
@@ -190,7 +214,8 @@ class UnitOptimizer:
             sp.data = master[lo:hi]
             sp.grad = grad[lo:hi] if has_grad[j] else None
             if p.initialized[k]:
-                shadow.state[sp] = {**p.scalar_state[k], **{name: buf[lo:hi] for name, buf in state.items()}}
+                shadow.state[sp] = {**p.scalar_state[k],
+                                    **{name: buf[lo - state_base : hi - state_base] for name, buf in state.items()}}
         try:
             shadow.step()
             for k, (sp, (_, _, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
@@ -200,13 +225,14 @@ class UnitOptimizer:
                 scalars = {}
                 for name, value in st.items():
                     if name in state:
-                        view = state[name][lo:hi]
+                        view = state[name][lo - state_base : hi - state_base]
                         if value is not view:  # created on the first step, or replaced: keep it in our buffer
                             view.copy_(value)
                     else:
                         scalars[name] = value
                 p.scalar_state[k] = scalars
                 p.initialized[k] = True
+            p.steps += 1
         finally:
             # drop every reference into the caller's buffers: they go back to the pool after this
             shadow.state.clear()

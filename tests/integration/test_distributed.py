@@ -168,11 +168,16 @@ def test_two_processes_equal_ddp(tmp_path, settings, clip):
         assert got["dirs"] == ["offload_0", "offload_1"]
 
 
-def test_partitioned_state_equals_replicated_under_bf16(tmp_path):
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_partitioned_state_equals_replicated_under_bf16(tmp_path, state_dtype):
     """bf16-mixed keeps 16-bit compute weights (a policy DDP does not have): partitioned state, whose
-    16-bit weights travel in the gather, must give exactly what every rank stepping everything gives."""
-    replicated = _run(tmp_path, "rep", "greedysnake", 2, settings={"shard_state": False}, precision="bf16-mixed")
-    sharded = _run(tmp_path, "shard", "greedysnake", 2, settings={"alpha": 0.25}, precision="bf16-mixed")
+    16-bit weights travel in the gather, must give exactly what every rank stepping everything gives;
+    so must bf16 optimizer state, each rank rounding its chunk as the whole would be rounded."""
+    offload = {"optimizer_state_dtype": state_dtype}
+    replicated = _run(tmp_path, "rep", "greedysnake", 2, settings={"shard_state": False, "offload": offload},
+                      precision="bf16-mixed")
+    sharded = _run(tmp_path, "shard", "greedysnake", 2, settings={"alpha": 0.25, "offload": offload},
+                   precision="bf16-mixed")
     assert max_abs_diff(sharded["params"], replicated["params"]) == 0
 
 

@@ -176,6 +176,43 @@ def test_lbfgs_refused():
         fit(WithLBFGS())
 
 
+class _PackedState(torch.Tensor):
+    """A per-element state kept as a tensor subclass (as torchao's quantized optimizer states are)."""
+
+
+class _PackedStateSGD(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for state in self.state.values():
+            if type(state.get("momentum_buffer")) is torch.Tensor:
+                state["momentum_buffer"] = state["momentum_buffer"].as_subclass(_PackedState)
+        return loss
+
+
+def test_state_in_a_tensor_subclass_is_refused_naming_the_bf16_alternative():
+    class WithPackedState(TinyGPTModule):
+        def configure_optimizers(self) -> Any:
+            return _PackedStateSGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    with pytest.raises(ValueError, match=r"_PackedStateSGD keeps state 'momentum_buffer' as a _PackedState.*"
+                                         r"optimizer_state_dtype=bfloat16"):
+        fit(WithPackedState())
+
+
+def test_torchao_low_bit_adamw_is_refused_rather_than_silently_stepped_in_fp32():
+    """torchao quantizes only parameters of 4096 elements or more: a small probe would see fp32 state and
+    the unit steps would silently keep fp32 moments."""
+    optim = pytest.importorskip("torchao.optim")
+
+    class With8bit(TinyGPTModule):
+        def configure_optimizers(self) -> Any:
+            return optim.AdamW8bit(self.parameters(), lr=1e-3)
+
+    with pytest.raises(ValueError, match=r"AdamW8bit keeps state 'exp_avg' as a OptimState8bit"):
+        fit(With8bit())
+
+
 def test_layered_model_protocol_on_the_lightning_module_itself():
     """A LightningModule that *is* the layered model (implements layer_chain) works as well."""
 
