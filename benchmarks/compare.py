@@ -31,10 +31,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_horizontal", "lightning_auto", "deepspeed"]
+SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_bf16_state", "gs_horizontal", "lightning_auto", "deepspeed"]
 """``gs_planned``: the vertical schedule with the planner's choice, planned from the costs ``gs_vertical``
 measured at the same K (so it runs after it); ``gs_auto``: ``GreedySnakeStrategy(auto=True)``, which
-plans from its own first step."""
+plans from its own first step; ``gs_bf16_state``: ``gs_vertical`` with the optimizer state kept in bf16
+(``offload.optimizer_state_dtype=bfloat16``; its SSD bytes and step time are given relative to
+``gs_vertical``'s in the same round)."""
+
+
+def _ssd_bytes(trainer: Any) -> int:
+    """Bytes greedysnake's tensor manager moved to and from its SSD so far (0 without one)."""
+    from lightning_greedysnake.config import TensorKind
+
+    manager = getattr(trainer.strategy, "tensor_manager", None)
+    if manager is None:
+        return 0
+    return sum(manager.stats.bytes_read(k.value) + manager.stats.bytes_written(k.value) for k in TensorKind)
 
 
 def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, Any]:
@@ -61,9 +73,14 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
                 self.t = now
                 if len(times) == 1:
                     self.steady_from = now  # unit times from the steps after the first (and after auto's plan)
+                    self.first_bytes = _ssd_bytes(trainer)  # (the first step reads no optimizer state)
 
         def on_train_end(self, trainer: Any, module: Any) -> None:
             manager = getattr(trainer.strategy, "tensor_manager", None)
+            if manager is not None and trainer.global_step > 1:
+                manager.drain()
+                moved = _ssd_bytes(trainer) - self.first_bytes
+                extra["ssd_GB_per_step"] = round(moved / (trainer.global_step - 1) / 1e9, 3)  # steady state
             if manager is None or system == "gs_horizontal":
                 return
             if trainer.strategy.plan_choice is not None:
@@ -90,6 +107,8 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
         extra["plan"] = chosen
     if system == "gs_auto":
         settings = {"auto": True, "auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}
+    if system == "gs_bf16_state":
+        offload.update(optimizer_state_dtype="bfloat16")
     if system == "lightning_auto":
         strategy: Any = "auto"
     else:
@@ -186,6 +205,8 @@ def _medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"system": key[0], "k": key[1], "round": "median", "step_s": round(step_s, 3),
                     "tokens_per_s": round(key[1] * runs[0]["seq"] / step_s, 1), "seq": runs[0]["seq"],
                     "runs": len(runs)})
+        if all(r.get("ssd_GB_per_step") is not None for r in runs):
+            out[-1]["ssd_GB_per_step"] = statistics.median(r["ssd_GB_per_step"] for r in runs)
     return out
 
 
@@ -291,10 +312,14 @@ def main() -> None:
         base = same_k.get(f"{row['system']}@{args.baseline}") if args.baseline else None
         if base is not None:
             row["vs_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        vertical = same_k.get("gs_vertical")
+        if row["system"] == "gs_bf16_state" and vertical is not None and vertical.get("ssd_GB_per_step"):
+            row["bytes_vs_vertical"] = round(row["ssd_GB_per_step"] / vertical["ssd_GB_per_step"], 3)
+            row["time_vs_vertical"] = round(row["step_s"] / vertical["step_s"], 3)
         if row.get("roofline_s"):
             row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
     print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_baseline",
-                       "fraction_of_roofline"])
+                       "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
     write_result(str(out), args, [*MODEL_FLAGS, "ks", "steps", "precision", "budget_gb", "baseline", "rounds"], rows,

@@ -19,7 +19,8 @@ into ranks' chunks (partitioned state) changes nothing. The cost is one pass ove
 generator in the step's path).
 
 Threads: the table is built once under a lock; everything else runs on the thread running the step,
-over tensors it owns for the duration of the step.
+over tensors it owns for the duration of the step; the fp32 scratch is that thread's own (thread-local),
+reused by its next step.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class StateFormat:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"optimizer state dtype {dtype} is not supported (float32 or bfloat16)")
         self.dtype = dtype
+        self._scratch = threading.local()
+        """Per stepping thread: the fp32 scratch its last step widened into, kept for the next step (a
+        fresh allocation of this size costs a page fault per 4 KiB, five times the conversion itself).
+        Owned by that thread: a step's ``wide`` tensors are views into it until :meth:`narrow`."""
 
     @property
     def itemsize(self) -> int:
@@ -101,7 +106,24 @@ class StateFormat:
         copies of the range (the caller owns them until :meth:`narrow`)."""
         if not self.narrowed:
             return views, 0
-        return {name: view[lo:hi].float() for name, view in views.items()}, lo
+        n = hi - lo
+        scratch = self._buffer(n * len(views))
+        wide = {}
+        for k, (name, view) in enumerate(views.items()):
+            wide[name] = scratch[k * n : (k + 1) * n]
+            wide[name].copy_(view[lo:hi])
+        return wide, lo
+
+    def _buffer(self, numel: int) -> Tensor:
+        held = getattr(self._scratch, "buffer", None)
+        if held is None or held.numel() < numel:
+            self._scratch.buffer = None  # (the old one goes before the new one is allocated)
+            self._scratch.buffer = held = torch.empty(numel, dtype=torch.float32)
+        return held[:numel]
+
+    def release_scratch(self) -> None:
+        """Give back the calling thread's scratch (a lane thread's goes when the thread ends)."""
+        self._scratch.buffer = None
 
     def narrow(self, wide: dict[str, Tensor], views: dict[str, Tensor], lo: int, hi: int, seed: int) -> None:
         """Write the stepped fp32 ``wide`` state (elements ``[lo, hi)``) back into ``views`` (a no-op for

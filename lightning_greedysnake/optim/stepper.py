@@ -62,6 +62,7 @@ class UnitStepper:
         self._on_busy = on_busy
         self.unit_optimizers: list[UnitOptimizer | None] = [self._unit_optimizer(u) for u in range(state.num_units)]
         self.parts = PartStepper(staging, self.unit_optimizers, slots, compute_dtype, state_format)
+        self._state_format = state_format
         self.lane = StepLane(lag, on_busy=on_busy)
         self.keep_weights: Callable[[int, StagedBuffer], bool] = lambda unit, held: False
         """Offered unit 0's new weights after its step: True when it kept them (and owns the handle)."""
@@ -367,6 +368,9 @@ class UnitStepper:
         self.parts.drop_all_read_aheads()
 
     def close(self) -> None:
-        """Run what is queued (a failed lane runs nothing more) and stop the lane; drop read-aheads."""
+        """Run what is queued (a failed lane runs nothing more) and stop the lane; drop read-aheads and
+        the training thread's state scratch (``lag=0`` steps here)."""
         self.lane.close()
         self.parts.drop_all_read_aheads()
+        if self._state_format is not None:
+            self._state_format.release_scratch()
