@@ -18,6 +18,7 @@ Sized to finish in about 5 minutes on one H200 with a ~1.2 GB/s disk:
 
     python benchmarks/gpu.py                         # GPT 1536x12 (~0.4 B), seq 1024, mb 4, K 4 16
     python benchmarks/gpu.py --ks 8 --n-layer 6      # smaller
+    python benchmarks/gpu.py --ks 8 --fp16-ks 8      # and 16-mixed (loss scaling) beside bf16-mixed
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     name, k = args.child.split(":")
     k = int(k)
+    precision = "16-mixed" if name == "vertical_fp16" else "bf16-mixed"
+    schedule = "vertical" if name == "vertical_fp16" else name
     Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
     if name == "lightning":
         strategy: Any = "auto"
     else:
         strategy = GreedySnakeStrategy(
-            schedule=name, offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"),
+            schedule=schedule, offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"),
             offload=OffloadConfig.everywhere("ssd", return_weights=False), alpha=0.25, lag=1)
     marks: list[float] = []
     captured: dict[str, Any] = {}
@@ -75,7 +78,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
             marks.append(time.perf_counter())
 
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed",
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision,
                         max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()],
                         default_root_dir=args.offload_dir)
@@ -94,7 +97,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
     if name != "lightning":
         recompute = 8.0 / 6.0
-        traffic = roofline.traffic(captured["units"], name, k)
+        # (16-mixed waits for the whole backward before stepping, as norm clipping does)
+        traffic = roofline.traffic(captured["units"], schedule, k, clip_norm=name == "vertical_fp16")
         bounds = {
             "compute": flops * recompute / args.peak_flops,
             "ssd": traffic.read_bytes / args.read_bps + traffic.write_bytes / args.write_bps,
@@ -146,6 +150,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--ks", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--horizontal-ks", type=int, nargs="*", default=[4])
+    parser.add_argument("--fp16-ks", type=int, nargs="*", default=[],
+                        help="also run the vertical order in 16-mixed (loss scaling) at these K")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu.json"))
@@ -167,7 +173,8 @@ def main() -> None:
         measure_gpu(args)
         flags = [*MODEL_FLAGS, "micro_batch", "steps", "read_bps", "write_bps", "opt_rate", "peak_flops", "pcie_bps"]
         for k in args.ks:
-            configs = ["lightning", "vertical", *(["horizontal"] if k in args.horizontal_ks else [])]
+            configs = ["lightning", "vertical", *(["horizontal"] if k in args.horizontal_ks else []),
+                       *(["vertical_fp16"] if k in args.fp16_ks else [])]
             for name in configs:
                 rows.append(run_child(__file__, f"{name}:{k}", args, flags, ["--offload-dir", tmp]))
                 print(f"  done {name} K={k}", file=sys.stderr)
@@ -177,8 +184,11 @@ def main() -> None:
             busy = in_memory[r["k"]] * 8.0 / 6.0  # the same tokens on a busy GPU, recompute included
             r["gpu_idle"] = round(max(0.0, 1.0 - busy / r["step_s"]), 3)
             r["vs_in_memory"] = round(in_memory[r["k"]] / r["step_s"], 3)
+        bf16 = next((b for b in rows if b["config"] == "vertical" and b["k"] == r["k"]), None)
+        if r["config"] == "vertical_fp16" and bf16 is not None:
+            r["fp16_vs_bf16_time"] = round(r["step_s"] / bf16["step_s"], 3)
     print_table(rows, ["config", "k", "params_M", "step_s", "tokens_per_s", "TFLOPs", "bound", "roofline_s",
-                       "of_roofline", "gpu_idle", "vs_in_memory", "compute_s", "ssd_s", "pcie_s", "optimizer_s"])
+                       "of_roofline", "gpu_idle", "vs_in_memory", "fp16_vs_bf16_time", "compute_s", "ssd_s", "pcie_s", "optimizer_s"])
     write_result(args.out, args, [*MODEL_FLAGS, "micro_batch", "steps"], rows,
                  {"read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9,
                   "optimizer_Melem_per_s": args.opt_rate / 1e6, "bf16_TFLOPs": args.peak_flops / 1e12,

@@ -16,17 +16,18 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
+from lightning_greedysnake.loss_scale import LossScaler
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")
+
+COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def unsupported_precision_error(value: Any) -> ValueError:
-    hint = ""
-    if value in ("16-mixed", "16", 16):
-        hint = " fp16 needs loss scaling, which greedysnake does not do yet; bf16-mixed needs none."
     return ValueError(
-        f"Trainer(precision={value!r}) is not supported by strategy='greedysnake'.{hint} Supported: "
+        f"Trainer(precision={value!r}) is not supported by strategy='greedysnake'. Supported: "
         f"{', '.join(repr(p) for p in SUPPORTED_PRECISION)}. Fix: Trainer(precision='bf16-mixed') or "
-        "precision='32-true'."
+        "precision='32-true' (or '16-mixed' on GPUs without bf16)."
     )
 
 
@@ -66,11 +67,14 @@ def slow_bf16_warning(factor: float) -> str | None:
 class GradientOwner(Protocol):
     """The tensor manager, when gradients live in its buffers instead of ``param.grad``."""
 
-    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter]) -> Tensor: ...
+    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter], inv_scale: float | None = None) -> Tensor:
+        """Clip by the global norm of the gradients (unscaled by ``inv_scale`` first, under loss scaling)."""
 
     def clip_by_value(self, value: float) -> None: ...
 
-    def finish_step(self) -> None: ...
+    def finish_step(self, inv_scale: float | None = None) -> bool:
+        """Step what waits; under loss scaling (``inv_scale``) unscale first, or, where a gradient is not
+        finite, step nothing: False."""
 
 
 class GreedySnakePrecision(Precision):
@@ -82,13 +86,21 @@ class GreedySnakePrecision(Precision):
       optimizer state on the optimizer side; each micro-batch's gradient accumulated into fp32 per unit.
       With every tensor on the device (no tensor manager) it is exactly Lightning's bf16-mixed: fp32
       parameters under autocast.
+    - ``"16-mixed"``: the same with fp16, plus dynamic loss scaling (:class:`LossScaler`, GradScaler's
+      semantics; ``scaler``: a ``torch.amp.GradScaler`` whose settings to take). Every unit's step
+      waits until the window's backward is complete (as under norm clipping) and runs overlapping the
+      next forward, so a window with an inf or NaN gradient anywhere is skipped whole, exactly. On a CPU
+      Lightning turns ``Trainer(precision="16-mixed")`` into bf16-mixed; pass
+      ``plugins=[GreedySnakePrecision("16-mixed")]`` to run fp16 there (to test the path).
     """
 
-    def __init__(self, precision: str = "32-true", device: str = "cpu") -> None:
+    def __init__(self, precision: str = "32-true", device: str = "cpu", scaler: Any = None) -> None:
         if precision not in SUPPORTED_PRECISION:
             raise unsupported_precision_error(precision)
         self.precision = precision  # type: ignore[assignment]
         self.device = device
+        self.loss_scaler = LossScaler.from_grad_scaler(scaler) if precision == "16-mixed" else None
+        """Under ``16-mixed``: the loss scale and its history (saved in checkpoints with this plugin)."""
         self._before_optimizer_step: Callable[[], None] | None = None
         self._gradient_owner: GradientOwner | None = None
         self._after_step: Callable[[], None] | None = None
@@ -96,16 +108,31 @@ class GreedySnakePrecision(Precision):
     @property
     def compute_dtype(self) -> torch.dtype:
         """dtype of the compute weights the tensor manager hands to forward and backward."""
-        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float32
+        return COMPUTE_DTYPES[self.precision]
 
     @contextlib.contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
-        if self.precision == "bf16-mixed":
-            with torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=False):
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            with torch.autocast(self.device, dtype=self.compute_dtype, cache_enabled=False):
                 yield
         else:
             yield
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        """Under loss scaling: the loss times the scale (what backward starts from)."""
+        tensor = super().pre_backward(tensor, module)
+        return tensor * self.loss_scaler.scale if self.loss_scaler is not None else tensor
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.loss_scaler.state_dict() if self.loss_scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.loss_scaler is not None and state_dict:
+            self.loss_scaler.load_state_dict(state_dict)
 
     def attach(
         self,
@@ -134,7 +161,10 @@ class GreedySnakePrecision(Precision):
         if self._gradient_owner is not None:
             # units whose step had to wait for clipping are stepped now; the user's optimizer.step() just
             # run found no gradients on the (offloaded) parameters and changed nothing
-            self._gradient_owner.finish_step()
+            scaler = self.loss_scaler
+            stepped = self._gradient_owner.finish_step(scaler.inv_scale if scaler is not None else None)
+            if scaler is not None:
+                scaler.update(found_inf=not stepped, step=int(model.trainer.global_step) + 1)
         if self._after_step is not None:
             self._after_step()
         return output
@@ -143,7 +173,8 @@ class GreedySnakePrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._gradient_owner is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
-        self._gradient_owner.clip_by_norm(float(clip_val), self.main_params(optimizer))
+        self._gradient_owner.clip_by_norm(float(clip_val), self.main_params(optimizer),
+                                          self.loss_scaler.inv_scale if self.loss_scaler is not None else None)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -160,6 +191,8 @@ class GreedySnakePrecision(Precision):
             return plugin
         if type(plugin) is Precision:  # Lightning's "32-true"
             return cls("32-true")
-        if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
-            return cls("bf16-mixed", device=plugin.device)
+        if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
+            # (Lightning builds a GradScaler("cuda") that disables itself where CUDA is missing: defaults then)
+            scaler = plugin.scaler if plugin.scaler is not None and plugin.scaler.is_enabled() else None
+            return cls(plugin.precision, device=plugin.device, scaler=scaler)
         raise unsupported_precision_error(getattr(plugin, "precision", type(plugin).__name__))

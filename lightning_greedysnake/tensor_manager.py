@@ -231,9 +231,8 @@ class TieredTensorStore:
         self.grads.register_hooks()
 
     def initialize_unit_by_unit(self, init_unit: Callable[[int], None]) -> None:
-        """For a model created on the meta device: give unit u's parameters real (uninitialized) memory,
-        let ``init_unit(u)`` fill them in place, store them in their tiers and free the memory again,
-        one unit at a time, so the whole model never exists in RAM at once."""
+        """A model on the meta device: per unit, real memory for its parameters, ``init_unit(u)`` fills them,
+        they go to their tiers, the memory is freed: the whole model never exists in RAM at once."""
         for u in range(self.num_units):
             self.weights.materialize(u)
             init_unit(u)
@@ -269,9 +268,8 @@ class TieredTensorStore:
         return self._closed
 
     def close(self) -> None:
-        """Wait for writes, stop the lane and the I/O threads, close files and buffers, remove hooks.
-        Idempotent. The parameters keep their placeholders: the state lives in the tiers (and in
-        checkpoints)."""
+        """Wait for writes, stop the lane and the I/O threads, close files and buffers, remove hooks (idempotent).
+        The parameters keep their placeholders: the state lives in the tiers (and in checkpoints)."""
         if self._closed:
             return
         self._closed = True
@@ -290,8 +288,7 @@ class TieredTensorStore:
             self._close_files()
 
     def _close_files(self) -> None:
-        """Every transfer completes before its file closes: each region and the scratch wait for theirs,
-        then the engine stops its threads."""
+        """Each region and the scratch wait for their transfers before closing; then the engines stop."""
         try:
             self.activations.close()
             self.arena.close()
@@ -316,8 +313,7 @@ class TieredTensorStore:
         return unit_values.read_unit(self.arena, u, self.compute_dtype)
 
     def restore_parameters(self, master: Callable[[int], list[Tensor]] | None = None) -> None:
-        """Give the parameters real memory again, holding the trained weights (end of a run).
-        ``master``: where unit u's full-precision weights come from (partitioned state: gathered)."""
+        """The parameters get real memory again, holding the trained weights (``master``: unit u's source)."""
         for u in range(self.num_units):
             self.weights.restore(u, (master or self.unit_master_weights)(u))
 
@@ -372,8 +368,7 @@ class TieredTensorStore:
         self.stepper.read_ahead(unit, lambda: self._unit_need_bytes(unit))
 
     def _unit_need_bytes(self, unit: int) -> int:
-        """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither
-        held nor prefetched, its gradient accumulator if not started."""
+        """Pool bytes ``unit``'s backward may still take: unheld, unprefetched weights; an unstarted gradient."""
         need = 0 if self.weights.is_staged(unit) else self.arena.ssd_region_bytes(TensorKind.WEIGHTS, unit)
         if not self.grads.in_memory(unit):
             need += self.arena.ssd_region_bytes(TensorKind.GRADIENTS, unit)
@@ -399,8 +394,8 @@ class TieredTensorStore:
         return self.activations.num_checkpoints
 
     def gradient_ready(self, unit: int) -> None:
-        """``unit``'s gradient for this window is complete: hand its step to the stepper, or (deferred
-        mode) record its norms and let the gradient wait on its tier until :meth:`finish_step`."""
+        """``unit``'s gradient is complete: hand its step to the stepper, or (deferred mode) record its norms,
+        the gradient waiting on its tier until :meth:`finish_step`."""
         self.stepper.check()
         if not self.stepper.trains(unit) or not self.grads.has(unit):
             return  # (no gradient reached this unit in this window: torch skips such parameters too)
@@ -417,9 +412,10 @@ class TieredTensorStore:
         self.weights.drop_prefetch(unit)
         self.stepper.submit_backward_part(unit, grad, weights, has_grad, averaged=self.grads.reducer is not None)
 
-    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter]) -> Tensor:
-        """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step)."""
-        total = self.grads.global_norm(order)
+    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter], inv_scale: float | None = None) -> Tensor:
+        """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step), by
+        the norm of the unscaled gradients under loss scaling."""
+        total = self.grads.global_norm(order) * (inv_scale if inv_scale is not None else 1.0)
         # the lane scales host gradients: on a device tier this reads the norm back (one wait, this mode only)
         self.stepper.clip_by_norm(max_norm, total.cpu())
         return total
@@ -427,25 +423,29 @@ class TieredTensorStore:
     def clip_by_value(self, value: float) -> None:
         self.stepper.clip_by_value(value)
 
-    def finish_step(self) -> None:
+    def finish_step(self, inv_scale: float | None = None) -> bool:
         """After clipping (Lightning's order): hand the forward parts of this window's steps to the lane
-        (they overlap the next forward); in deferred mode, every unit's whole step, in unit order."""
+        (they overlap the next forward); in deferred mode, every unit's whole step, in unit order. Under
+        loss scaling (``inv_scale``, deferred mode) each gradient is unscaled first, and a window with a
+        non-finite gradient anywhere steps nothing: False (its gradients go)."""
         self.stepper.check()
         if not self.clip.defer:
             self.stepper.submit_forward_parts()
-            return
+            return True
+        if inv_scale is not None and not self.grads.norms_finite():
+            self.discard_gradients()
+            return False
         values, coef = self.stepper.take_clipping()
         for unit in self.stepper.take_waiting():
             grad = self.grads.take_waiting(unit)
-            has_grad = self.grads.pop_has_grad(unit)
             self.weights.drop_prefetch(unit)
-            self.stepper.submit_whole_step(unit, grad, has_grad, values, coef)
+            self.stepper.submit_whole_step(unit, grad, self.grads.pop_has_grad(unit), values, coef, inv_scale)
         self.grads.clear_norms()
+        return True
 
     def end_window(self, completed: bool = True) -> None:
-        """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its
-        gradients, as Lightning's own ``zero_grad`` would drop them. A completed window's gradients are
-        all stepped already, or (deferred mode) wait for :meth:`finish_step`."""
+        """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its gradients,
+        as Lightning's ``zero_grad`` would (a completed one's are stepped, or wait for :meth:`finish_step`)."""
         self.activations.end_window()
         if not completed:
             self.discard_gradients()

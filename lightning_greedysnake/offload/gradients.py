@@ -224,6 +224,12 @@ class GradientAccumulator:
             return torch.tensor(0.0)
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
+    def norms_finite(self) -> bool:
+        """Whether every recorded norm is finite (an inf or NaN anywhere in a gradient makes its norm so):
+        one host read of all of them."""
+        norms = [n for per_unit in self._norms.values() for n in per_unit if n is not None]
+        return not norms or bool(torch.isfinite(torch.stack(norms)).all())
+
     def clear_norms(self) -> None:
         self._norms.clear()
 

@@ -282,9 +282,10 @@ class UnitStepper:
         return values, coef
 
     def submit_whole_step(self, unit: int, grad: StagedBuffer | None, has_grad: list[bool], values: list[float],
-                          coef: Tensor | None) -> None:
+                          coef: Tensor | None, inv_scale: float | None = None) -> None:
         """Deferred mode, after clipping: ``unit``'s whole step (``grad``: its gradient in memory, owned by
-        the job from now on; None: on its tier)."""
+        the job from now on; None: on its tier), its gradient unscaled by ``inv_scale`` first under loss
+        scaling (GradScaler's order: unscale, clip, step)."""
         hyper = self._hyper()
         self._gate.begin(unit)
 
@@ -293,6 +294,8 @@ class UnitStepper:
             try:
                 held.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
                 flat = held.view(torch.float32, self.state.units[unit].numel)
+                if inv_scale is not None:
+                    flat.mul_(inv_scale)
                 self._observe(unit, flat)
                 for v in values:
                     flat.clamp_(-v, v)

@@ -57,9 +57,13 @@ def check_optimizers(optimizers: list[Any]) -> None:
         )
 
 
-def clip_policy(trainer: Any, module: LightningModule, warn: Warn) -> ClipPolicy:
+def clip_policy(trainer: Any, module: LightningModule, warn: Warn, loss_scaling: bool = False) -> ClipPolicy:
     """Clipping by value is applied unit by unit as each gradient completes; clipping by norm (or a
-    custom ``configure_gradient_clipping``) needs every gradient first, so every step waits for it."""
+    custom ``configure_gradient_clipping``) needs every gradient first, so every step waits for it; so
+    does loss scaling (a window with an inf anywhere is skipped whole), which then also clips by value
+    at the step, after unscaling."""
+    if loss_scaling:
+        return ClipPolicy(defer=True)
     custom = type(module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
     value = trainer.gradient_clip_val
     algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm")
@@ -78,9 +82,24 @@ def clip_policy(trainer: Any, module: LightningModule, warn: Warn) -> ClipPolicy
     return ClipPolicy(defer=True)
 
 
+def check_loss_scaling(plugin: Any, uses_tensor_manager: bool) -> None:
+    """``16-mixed`` scales the loss for the tensor manager's deferred, all-or-nothing step; with every
+    kind on the device Lightning's own strategy does the same with ``torch.amp.GradScaler``."""
+    if getattr(plugin, "loss_scaler", None) is not None and not uses_tensor_manager:
+        raise ValueError(
+            "precision='16-mixed' with every kind of tensor on 'device' is Lightning's own fp16 training. Fix: "
+            "Trainer(strategy='auto', precision='16-mixed'), or offload a kind (e.g. offload.optimizer_states="
+            "'host') to train it with greedysnake."
+        )
+
+
 def check_cpu_precision(plugin: Any, device: torch.device, warn: Warn) -> None:
     """``bf16-mixed`` on a CPU without native bf16 runs about 100x slower than fp32: measure it (a few
     milliseconds) and say so, with the fix."""
+    if getattr(plugin, "precision", None) == "16-mixed" and device.type == "cpu":
+        warn("cpu_fp16", "precision='16-mixed' on a CPU, as asked through GreedySnakePrecision('16-mixed'): fp16 "
+             "autocast with loss scaling runs here to test the path, without a speed advantage (Lightning itself "
+             "turns Trainer(precision='16-mixed') into bf16-mixed on a CPU, the CPU's mixed precision).")
     if getattr(plugin, "precision", None) == "bf16-mixed" and device.type == "cpu":
         message = slow_bf16_warning(cpu_bf16_slowdown())
         if message is not None:

@@ -197,6 +197,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         if fitting:
             checks.check_optimizers(self.optimizers)
             checks.check_cpu_precision(self.precision_plugin, self.root_device, self._warn_once)
+            checks.check_loss_scaling(self.precision_plugin, self.config.offload.uses_tensor_manager)
         self._layered, self._layered_path = layered, path
         self._inputs = WindowInputs(layered, path)
         self._guard = NonFiniteGuard(self.config.on_nonfinite, self._warn_once)
@@ -235,7 +236,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         manager = new_tensor_manager(
             units, module, self.optimizers[0] if (fitting and self.optimizers) else None, self.config,
             self.precision_plugin.compute_dtype, self.root_device,
-            clip=checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy(),
+            clip=checks.clip_policy(trainer, module, self._warn_once, self.precision_plugin.loss_scaler is not None)
+            if fitting else ClipPolicy(),
             shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None)
         self.connect_collectives(manager)
         self._dir = OffloadDirectories(self.config.offload)

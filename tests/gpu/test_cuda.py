@@ -178,6 +178,33 @@ def test_norm_clipping_matches_auto_on_cuda():
     assert_matches(got, reference("32-true", gradient_clip_val=0.05), "32-true")
 
 
+class LossScale(L.Callback):
+    """The loss scale after each optimizer step (greedysnake's LossScaler, or Lightning's GradScaler)."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if (trainer.fit_loop.epoch_loop.batch_idx + 1) % K:
+            return
+        plugin = trainer.precision_plugin
+        scaler = getattr(plugin, "loss_scaler", None)
+        self.scales.append(float(scaler.scale) if scaler is not None else float(plugin.scaler.get_scale()))
+
+
+def test_fp16_mixed_matches_lightnings_own_16_mixed_on_cuda():
+    """fp16 compute weights with dynamic loss scaling against Lightning's 16-mixed (fp32 parameters under
+    autocast, torch.amp.GradScaler): the same loss-scale history, and the losses within fp16's rounding."""
+    ours, theirs = LossScale(), LossScale()
+    got = fit(GreedySnakeStrategy(), "16-mixed", callbacks=(DeviceTierSeen(), ours))
+    ref = fit("auto", "16-mixed", callbacks=(theirs,))
+    assert got["steps"] == ref["steps"] == STEPS
+    assert ours.scales == theirs.scales and ours.scales
+    assert len(got["losses"]) == len(ref["losses"]) > 0
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
+        assert abs(a - b) <= 2e-2 * max(1.0, abs(b)), (a, b)
+
+
 def test_gpu_memory_returns_to_its_starting_level_after_fit():
     gc.collect()
     torch.cuda.synchronize()  # (test code: settle before measuring)

@@ -116,16 +116,6 @@ def test_other_precisions_are_refused_with_the_fix(precision, strategy):
         make_trainer(GreedySnakeStrategy() if strategy == "instance" else "greedysnake", 1, precision=precision)
 
 
-def test_fp16_mixed_is_refused_with_the_reason():
-    """(On CPU Lightning itself turns 16-mixed into bf16-mixed; on a GPU the plugin reaches us.)"""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    from lightning_greedysnake import GreedySnakePrecision
-
-    with pytest.raises(ValueError, match=r"loss scaling.*Fix: Trainer\(precision='bf16-mixed'\)"):
-        GreedySnakePrecision.from_plugin(MixedPrecision("16-mixed", "cuda", scaler=None))
-
-
 def test_bf16_mixed_with_everything_on_the_device_is_lightnings_own_policy():
     """No tensor manager: fp32 parameters under autocast, as Trainer(strategy='auto') does it."""
     L.seed_everything(0, verbose=False)
