@@ -178,6 +178,9 @@ class TieredTensorStore:
     def region_bytes(self, kind: TensorKind, u: int) -> int:
         return self.state.region_bytes(kind, u)
 
+    def on_ssd(self, kind: TensorKind, u: int) -> bool:
+        return self.arena.on_ssd(kind, u)
+
     def deferred_bytes(self, kind: TensorKind, u: int) -> int:
         """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""
         lo, hi = self.stepper.deferred_range(u)
@@ -188,8 +191,7 @@ class TieredTensorStore:
         return self.state.bounds(u, rank)
 
     def ssd_bytes(self, directory: int | None = None) -> dict[str, int]:
-        """Bytes each SSD-resident kind keeps in offload directory ``directory`` (by index, as striped
-        by ``arena.stripe``; None: in all of them), for preflight."""
+        """Bytes each kind keeps in offload directory ``directory`` (its index; None: all), for preflight."""
         return self.arena.ssd_bytes(directory)
 
     def open_files(self) -> list[OffloadFile]:
@@ -198,10 +200,9 @@ class TieredTensorStore:
 
     # -- lifetime -------------------------------------------------------------------------------------------
     def open(self, offload_dirs: Path | list[Path] | None, io_engine: IOEngine | None = None) -> None:
-        """Create the host regions and the preallocated offload files (after preflight), in one offload
-        directory or striped over several (one per SSD). ``io_engine``: the I/O backend for all of them
-        (default: a threaded O_DIRECT engine of ``offload.io_threads`` threads per directory, so each SSD
-        has its own queue, see :func:`~lightning_greedysnake.io.default_engine`); this store closes it."""
+        """Create the host regions and the preallocated offload files (after preflight), in one directory or
+        striped over several. ``io_engine``: the I/O backend for all (default: ``offload.io_threads``
+        O_DIRECT threads per directory, a queue per SSD; :func:`~lightning_greedysnake.io.default_engine`); closed here."""
         config = self.config
         dirs = [offload_dirs] if isinstance(offload_dirs, Path) else list(offload_dirs or [])
         self.offload_dir = dirs[0] if dirs else None
@@ -243,8 +244,7 @@ class TieredTensorStore:
         self.grads.register_hooks()
 
     def drain(self) -> None:
-        """Complete every pending optimizer step, deferred parts included (before reading weights or state
-        outside a window: checkpoints, evaluation, the end of the run)."""
+        """Complete every pending step, deferred parts included (before weights or state are read outside a window)."""
         self.stepper.drain()
         self.flush()
 

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import UnitLayout
+from lightning_greedysnake.offload.staging import REGION_KINDS
 from lightning_greedysnake.planner.roofline import UnitCost
 
 
@@ -23,6 +24,9 @@ class SizedStore(Protocol):
 
     def deferred_bytes(self, kind: TensorKind, u: int) -> int:
         """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""
+
+    def on_ssd(self, kind: TensorKind, u: int) -> bool:
+        """Whether unit ``u``'s region of ``kind`` lives on SSD."""
 
 
 def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backward_s: list[float] | None = None,
@@ -45,6 +49,7 @@ def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backwa
             alpha_grad_bytes=manager.deferred_bytes(TensorKind.GRADIENTS, u),
             recompute_s=(forward_s[u] if forward_s and u < last else 0.0),
             activation_bytes=(activation_bytes or {}).get(u, 0),
+            on_ssd=frozenset(kind.value for kind in REGION_KINDS if manager.on_ssd(kind, u)),
         ))
     return out
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ON_SSD = frozenset({"weights", "master_weights", "optimizer_states", "gradients"})
+"""Every kind with a per-unit region: ZeRO-Infinity's placement, the default."""
+
 
 @dataclass(frozen=True)
 class UnitCost:
@@ -39,6 +42,9 @@ class UnitCost:
     activation_bytes: int = 0
     """Bytes autograd keeps for one micro-batch's graph of this unit (0: not measured): what
     ``recompute=False`` holds in memory per micro-batch until the unit's backward."""
+    on_ssd: frozenset[str] = ON_SSD
+    """The kinds whose region of this unit lives on SSD; the others are in host memory and move no
+    SSD bytes (a kind split between host and SSD has some units of each)."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +80,7 @@ class Prediction:
                    key=lambda kv: kv[1])[0]
 
 
-def traffic(units: list[UnitCost], schedule: str, k: int, *, weights_on_ssd: bool = True,
-            state_on_ssd: bool = True, grads_on_ssd: bool = True, clip_norm: bool = False,
-            slack: bool = True) -> Traffic:
+def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = False, slack: bool = True) -> Traffic:
     """SSD bytes of one steady-state step (after the first, whose optimizer state is not read yet).
 
     Vertical: every unit's weights are read for its forward and again for its backward (the fused last
@@ -87,7 +91,8 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, weights_on_ssd: boo
     budget has it), leaves the new weights in memory for the next window's first forward: one read
     less. The optimizer reads and writes its state, writes the new compute weights, and under 32-true
     reads the weights as master where they are not in memory; the deferred range of each gradient
-    goes to the gradients tier and back.
+    goes to the gradients tier and back. Each term counts only the units whose region of that kind is on
+    SSD (``UnitCost.on_ssd``).
     """
     assert schedule in ("vertical", "horizontal") and k >= 1 and units
     t: dict[str, int] = {}
@@ -96,56 +101,55 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, weights_on_ssd: boo
         if nbytes:
             t[name] = t.get(name, 0) + nbytes
 
-    w = [u.weight_bytes for u in units]
-    g = [u.grad_bytes if u.params else 0 for u in units]
-    if weights_on_ssd:
-        if schedule == "vertical":
-            add("read/weights", 2 * sum(w[:-1]) + w[-1])
-        else:
-            add("read/weights", k * (2 * sum(w[:-1]) + w[-1]) - (k - 1) * w[0])
-        if slack and units[0].params and not units[0].alpha_weight_bytes and not clip_norm:
-            t["read/weights"] -= w[0]
-        add("write/weights", sum(x for x, u in zip(w, units) if u.params))
+    on = {kind: [kind in u.on_ssd for u in units] for kind in ON_SSD}
+    w = [u.weight_bytes if s else 0 for u, s in zip(units, on["weights"])]
+    g = [u.grad_bytes if u.params and s else 0 for u, s in zip(units, on["gradients"])]
+    if schedule == "vertical":
+        add("read/weights", 2 * sum(w[:-1]) + w[-1])
+    else:
+        add("read/weights", k * (2 * sum(w[:-1]) + w[-1]) - (k - 1) * w[0])
+    if slack and units[0].params and not units[0].alpha_weight_bytes and not clip_norm:
+        add("read/weights", -w[0])
+    add("write/weights", sum(x for x, u in zip(w, units) if u.params))
     separate_master = any(u.master_bytes for u in units)
-    if state_on_ssd:
-        add("read/optimizer_states", sum(u.state_bytes for u in units))
-        add("write/optimizer_states", sum(u.state_bytes for u in units))
-        if separate_master:
-            add("read/master_weights", sum(u.master_bytes for u in units))
-            add("write/master_weights", sum(u.master_bytes for u in units))
-    if weights_on_ssd:
-        # a step reads the unit's weights range (as master under 32-true, to refresh the 16-bit copy
-        # under bf16-mixed) unless the unit is still in memory when its step comes: in the vertical
-        # order every unit is, for its backward part; horizontally only unit 0; with norm clipping none
-        trainable = [x if u.params else 0 for x, u in zip(w, units)]
-        if clip_norm:
-            refresh = sum(trainable)
-        elif schedule == "vertical":
-            refresh = sum(u.alpha_weight_bytes for u in units)
-        else:
-            refresh = sum(trainable[1:]) + units[0].alpha_weight_bytes
-        add("read/weights" if separate_master else "read/master_weights", refresh)
-    if grads_on_ssd:
-        if clip_norm:
-            assert schedule == "vertical", "the traffic model covers norm clipping in the vertical order"
-            # every gradient waits on SSD for the global norm
-            add("read/gradients", sum(g))
-            add("write/gradients", sum(g))
-        else:
-            if schedule == "horizontal":
-                # partial sums out and back after every micro-batch, but unit 0's at the end
-                add("read/gradients", k * sum(g) - g[0])
-                add("write/gradients", k * sum(g) - g[0])
-            add("read/gradients", sum(u.alpha_grad_bytes for u in units))
-            add("write/gradients", sum(u.alpha_grad_bytes for u in units))
+    add("read/optimizer_states", sum(u.state_bytes for u, s in zip(units, on["optimizer_states"]) if s))
+    add("write/optimizer_states", sum(u.state_bytes for u, s in zip(units, on["optimizer_states"]) if s))
+    if separate_master:
+        add("read/master_weights", sum(u.master_bytes for u, s in zip(units, on["master_weights"]) if s))
+        add("write/master_weights", sum(u.master_bytes for u, s in zip(units, on["master_weights"]) if s))
+    # a step reads the unit's weights range (as master under 32-true, to refresh the 16-bit copy under
+    # bf16-mixed) where it is on SSD, unless the unit is still in memory when its step comes: in the
+    # vertical order every unit is, for its backward part; horizontally only unit 0; with norm clipping none
+    trainable = [x if u.params else 0 for x, u in zip(w, units)]
+    alpha_w = [u.alpha_weight_bytes if s else 0 for u, s in zip(units, on["weights"])]
+    if clip_norm:
+        refresh = sum(trainable)
+    elif schedule == "vertical":
+        refresh = sum(alpha_w)
+    else:
+        refresh = sum(trainable[1:]) + alpha_w[0]
+    add("read/weights" if separate_master else "read/master_weights", refresh)
+    if clip_norm:
+        assert schedule == "vertical", "the traffic model covers norm clipping in the vertical order"
+        # every gradient waits on SSD for the global norm
+        add("read/gradients", sum(g))
+        add("write/gradients", sum(g))
+    else:
+        if schedule == "horizontal":
+            # partial sums out and back after every micro-batch, but unit 0's at the end
+            add("read/gradients", k * sum(g) - g[0])
+            add("write/gradients", k * sum(g) - g[0])
+        alpha_g = sum(u.alpha_grad_bytes for u, s in zip(units, on["gradients"]) if s)
+        add("read/gradients", alpha_g)
+        add("write/gradients", alpha_g)
     reads = sum(v for name, v in t.items() if name.startswith("read/"))
     writes = sum(v for name, v in t.items() if name.startswith("write/"))
     return Traffic(reads, writes, t)
 
 
-def predict(units: list[UnitCost], machine: Machine, schedule: str, k: int, **placement: bool) -> Prediction:
-    """The roofline prediction of one step."""
-    tr = traffic(units, schedule, k, **placement)
+def predict(units: list[UnitCost], machine: Machine, schedule: str, k: int, **options: bool) -> Prediction:
+    """The roofline prediction of one step (``options``: :func:`traffic`'s)."""
+    tr = traffic(units, schedule, k, **options)
     compute = k * sum(u.forward_s + u.backward_s for u in units)
     ssd = tr.read_bytes / machine.read_bytes_per_s + tr.write_bytes / machine.write_bytes_per_s
     optimizer = sum(u.params for u in units) / machine.optimizer_elements_per_s

@@ -23,30 +23,48 @@ class Counters(L.Callback):
         self.stats = manager.stats.copy()
 
 
-@pytest.mark.parametrize("schedule,k,alpha,precision,clip", [
-    ("vertical", 1, 0.0, "32-true", False),
-    ("vertical", 3, 0.0, "32-true", False),
-    ("vertical", 3, 0.5, "32-true", False),
-    ("vertical", 3, 0.5, "bf16-mixed", False),
-    ("vertical", 3, 0.25, "32-true", True),
-    ("horizontal", 1, 0.0, "32-true", False),
-    ("horizontal", 3, 0.5, "32-true", False),
-    ("horizontal", 3, 0.5, "bf16-mixed", False),
+SPLIT = {kind: {"host": share, "ssd": 1 - share} for kind, share in
+         (("weights", 0.4), ("master_weights", 0.5), ("optimizer_states", 0.4), ("gradients", 0.5))}
+
+
+@pytest.mark.parametrize("schedule,k,alpha,precision,clip,offload", [
+    ("vertical", 1, 0.0, "32-true", False, None),
+    ("vertical", 3, 0.0, "32-true", False, None),
+    ("vertical", 3, 0.5, "32-true", False, None),
+    ("vertical", 3, 0.5, "bf16-mixed", False, None),
+    ("vertical", 3, 0.25, "32-true", True, None),
+    ("horizontal", 1, 0.0, "32-true", False, None),
+    ("horizontal", 3, 0.5, "32-true", False, None),
+    ("horizontal", 3, 0.5, "bf16-mixed", False, None),
+    ("vertical", 3, 0.25, "bf16-mixed", False, SPLIT),  # some units of every kind in RAM
+    ("horizontal", 3, 0.5, "32-true", False, SPLIT),
+    ("vertical", 3, 0.25, "bf16-mixed", False, {"optimizer_state_dtype": "bfloat16"}),
 ])
-def test_predicted_bytes_equal_the_counters(schedule, k, alpha, precision, clip):
+def test_predicted_bytes_equal_the_counters(schedule, k, alpha, precision, clip, offload):
     counters = Counters()
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(schedule=schedule, alpha=alpha), k, max_epochs=1,
+    trainer = make_trainer(GreedySnakeStrategy(schedule=schedule, alpha=alpha, offload=offload), k, max_epochs=1,
                            precision=precision, callbacks=[counters],
                            **({"gradient_clip_val": 0.05} if clip else {}))
     trainer.fit(TinyGPTModule(n_layer=3, lr=1e-3), token_loader(STEPS * k))
     assert trainer.global_step == STEPS
-    model = traffic(counters.units, schedule, k, clip_norm=clip)
-    initial = {"write/weights": sum(u.weight_bytes for u in counters.units),
-               "write/master_weights": sum(u.master_bytes for u in counters.units)}
-    first_step_unread = {"read/optimizer_states": sum(u.state_bytes for u in counters.units)}
-    if not clip:  # no step before the first forward left unit 0's weights in memory
-        first_step_unread["read/weights"] = -counters.units[0].weight_bytes
+    units = counters.units
+    sizes = {"weights": "weight_bytes", "master_weights": "master_bytes", "optimizer_states": "state_bytes",
+             "gradients": "grad_bytes"}
+    if offload is SPLIT:  # every kind that has bytes really split: some units in RAM, some on SSD
+        for kind in SPLIT:
+            tiers = {kind in u.on_ssd for u in units if getattr(u, sizes[kind])}
+            assert tiers in (set(), {True, False}), kind
+    model = traffic(units, schedule, k, clip_norm=clip)
+
+    def on_ssd(kind: str, size: str) -> int:
+        return sum(getattr(u, size) for u in units if kind in u.on_ssd)
+
+    initial = {"write/weights": on_ssd("weights", "weight_bytes"),
+               "write/master_weights": on_ssd("master_weights", "master_bytes")}
+    first_step_unread = {"read/optimizer_states": on_ssd("optimizer_states", "state_bytes")}
+    if not clip and "weights" in units[0].on_ssd:  # no step before the first forward kept unit 0's weights
+        first_step_unread["read/weights"] = -units[0].weight_bytes
     names = set(model.terms) | {f"{op}/{kind}" for kind, _ in counters.stats.snapshot() for op in ("read", "write")}
     for name in sorted(names):
         op, kind = name.split("/")
