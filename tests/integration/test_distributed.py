@@ -37,12 +37,26 @@ CHILD = textwrap.dedent("""
     parser.add_argument("--settings", default="{}")
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--huge", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = json.loads(args.settings)
     strategy = GreedySnakeStrategy(**settings) if args.strategy == "greedysnake" else args.strategy
+    precision = {"precision": args.precision}
+    if args.precision == "16-mixed":  # fp16 on a CPU: greedysnake's own plugin (Lightning would run bf16)
+        from lightning_greedysnake import GreedySnakePrecision
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        precision = {"plugins": [GreedySnakePrecision("16-mixed", scaler=scaler)]}
     L.seed_everything(0, verbose=False)
-    module = TinyGPTModule(lr=3e-3, dropout=0.0)
+
+    class Module(TinyGPTModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if self.global_rank == 1 and self.trainer.current_epoch == 0 and batch_idx == args.huge:
+                loss = loss * 1e6  # an fp16 overflow on this rank only
+            return loss
+
+    module = Module(lr=3e-3, dropout=0.0)
 
     class Record(UnitGradients):
         resident_grads = []
@@ -79,10 +93,15 @@ CHILD = textwrap.dedent("""
             metric = torchmetrics.MeanMetric()
             metric.update(torch.tensor(rank))
             self.metric = float(metric.compute())  # synced over the ranks by torchmetrics
+            scaler = getattr(trainer.precision_plugin, "loss_scaler", None)
+            skipped = [list(scaler.skipped_steps) if scaler is not None else []] * trainer.world_size
+            if trainer.world_size > 1:
+                torch.distributed.all_gather_object(skipped, skipped[0])
+            self.skipped = skipped
 
     record = Record()
     trainer = make_trainer(strategy, args.k, max_epochs=args.epochs, devices=args.devices, default_root_dir=args.root,
-                           enable_checkpointing=True, gradient_clip_val=args.clip, precision=args.precision,
+                           enable_checkpointing=True, gradient_clip_val=args.clip, **precision,
                            callbacks=[ModelCheckpoint(dirpath=args.root, save_last=True), record])
     trainer.fit(module, token_loader(12), ckpt_path=args.ckpt)
     if trainer.global_rank == 0:
@@ -91,7 +110,7 @@ CHILD = textwrap.dedent("""
         with open(args.out + ".json", "w") as f:
             json.dump({"world": record.world, "ranks": record.ranks, "step": trainer.global_step,
                        "dirs": record.dirs, "sum": record.sum, "from_zero": record.from_zero,
-                       "metric": record.metric, "disk": record.disk}, f)
+                       "metric": record.metric, "disk": record.disk, "skipped": record.skipped}, f)
     # Under pytest, about one run in twenty of gloo processes aborted in interpreter finalization after
     # everything had finished ("terminate called without an active exception"), with the process groups
     # already destroyed; leave without finalization, as the results are written.
@@ -104,7 +123,7 @@ CHILD = textwrap.dedent("""
 
 def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2, ckpt: str | None = None,
          settings: dict | None = None, clip: float | None = None, root: Path | None = None,
-         precision: str = "32-true") -> dict:
+         precision: str = "32-true", huge: int | None = None) -> dict:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = tmp_path / f"{name}.pt"
@@ -115,6 +134,8 @@ def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2
         cmd += ["--ckpt", ckpt]
     if clip:
         cmd += ["--clip", str(clip)]
+    if huge is not None:
+        cmd += ["--huge", str(huge)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
@@ -178,6 +199,16 @@ def test_partitioned_state_equals_replicated_under_bf16(tmp_path, state_dtype):
                       precision="bf16-mixed")
     sharded = _run(tmp_path, "shard", "greedysnake", 2, settings={"alpha": 0.25, "offload": offload},
                    precision="bf16-mixed")
+    assert max_abs_diff(sharded["params"], replicated["params"]) == 0
+
+
+def test_an_fp16_overflow_on_one_rank_skips_that_step_on_every_rank(tmp_path):
+    """16-mixed: a gradient that overflows on rank 1 alone is averaged into every rank's gradient, so
+    every rank skips the step and backs off, partitioned or replicated, and they stay equal."""
+    replicated = _run(tmp_path, "rep", "greedysnake", 2, settings={"shard_state": False}, precision="16-mixed",
+                      huge=2)
+    sharded = _run(tmp_path, "shard", "greedysnake", 2, precision="16-mixed", huge=2)
+    assert replicated["skipped"] == sharded["skipped"] == [[2], [2]]  # (the second step, on both ranks)
     assert max_abs_diff(sharded["params"], replicated["params"]) == 0
 
 
