@@ -53,7 +53,53 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class TieredTensorStore:
+class _OptimizerStateAccess:
+    """The optimizer's state as checkpoints see it, read out of and written into the tiers unit by unit
+    (training thread, between windows). A part of :class:`TieredTensorStore`, by concern."""
+
+    optimizer: torch.optim.Optimizer | None
+    stepper: UnitStepper
+    arena: StagingArena
+    grads: GradientAccumulator
+    slots: tuple[str, ...]
+    num_units: int
+    unit_optimizers: list[UnitOptimizer | None]
+
+    def drain(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
+        """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout
+        (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
+        assert self.optimizer is not None
+        self.drain()
+        self.stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
+        return opt_state.unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u)
+
+    def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
+        """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
+        assert self.optimizer is not None
+        self.drain()
+        self.stepper.parts.drop_read_ahead(u)  # read before this new state
+        opt_state.load_unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u, entries)
+
+    def optimizer_state(self) -> dict[int, dict[str, Any]]:
+        """The optimizer's per-parameter state in ``torch.optim`` form (the ``state`` entry of
+        ``optimizer.state_dict()``). Holds it all in memory: checkpoints stream it unit by unit."""
+        assert self.optimizer is not None
+        return opt_state.optimizer_state(self.optimizer, self.grads.where, self.num_units, self.unit_optimizer_state)
+
+    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
+        """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
+        assert self.optimizer is not None
+        self.drain()
+        for u, entries in opt_state.split_optimizer_state(self.optimizer, self.grads.where, state).items():
+            self.load_unit_optimizer_state(u, entries)
+        self.flush()
+
+
+class TieredTensorStore(_OptimizerStateAccess):
     """The SSD/host tensor manager behind the :class:`TensorStore` protocol, plus the optimizer step."""
 
     owns_optimizer_step = True
@@ -61,7 +107,7 @@ class TieredTensorStore:
     def __init__(self, units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
                  config: OffloadConfig, compute_dtype: torch.dtype = torch.float32, clip: ClipPolicy | None = None,
                  alpha: float = 0.0, lag: int = 0, shard: tuple[int, int] | None = None,
-                 copies: DeviceCopies | None = None) -> None:
+                 copies: DeviceCopies | None = None, loss_scaler: Any = None) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
@@ -69,7 +115,10 @@ class TieredTensorStore:
         ``shard``: ``(rank, world)`` of data parallel with partitioned state: this process steps only its
         chunk of every unit, and the stepper's ``weights_gatherer`` brings the other chunks' weights.
         ``copies``: the device tier (a GPU's copy streams, or the simulated device), which this store
-        closes; None: the CPU computes on the host tier's memory."""
+        closes; None: the CPU computes on the host tier's memory. ``loss_scaler`` (fp16): where no
+        clipping defers the steps, each unit is stepped speculatively as its gradient completes, into
+        a second slot of its regions, and a window found to hold an inf or NaN is undone
+        (:meth:`finish_step`)."""
         self.config = config
         self.optimizer = optimizer
         self.compute_dtype = compute_dtype
@@ -93,7 +142,8 @@ class TieredTensorStore:
         self.state_format = StateFormat(STATE_DTYPES[config.optimizer_state_dtype])
         self.state = StateLayout(tuple(layouts), _itemsize(compute_dtype), len(self.slots),  # (separate master:)
                                  compute_dtype != torch.float32, shard, self.state_format.itemsize)
-        self.arena = StagingArena(self.state, config, self.stats, lag)
+        self.speculative = loss_scaler is not None and not self.clip.defer
+        self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1)
         self.copies = copies
         self.host_group: Any = None  # data parallel: the process group for host tensors (gloo beside NCCL)
         if copies is not None:
@@ -102,6 +152,8 @@ class TieredTensorStore:
         self.stepper = UnitStepper(optimizer, self.state, self.slots, self.arena, self.gate, compute_dtype,
                                    self.clip, alpha, lag, state_format=self.state_format,
                                    on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
+        self.stepper.speculative, self.stepper.loss_scaler = self.speculative, loss_scaler
+        self.stepper.check_finite = loss_scaler is None  # (an overflow is the loss scaler's to handle)
         self.weights = WeightsResidency(self.arena, self.state, self.params, compute_dtype, self.gate,
                                         wait_for=lambda event: self.stepper.lane.wait_for(event), copies=copies)
         self.stepper.keep_weights = self.weights.keep_as_prefetch
@@ -317,36 +369,6 @@ class TieredTensorStore:
         for u in range(self.num_units):
             self.weights.restore(u, (master or self.unit_master_weights)(u))
 
-    # -- optimizer state (checkpoints; training thread, between windows) -------------------------------------
-    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
-        """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout
-        (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
-        assert self.optimizer is not None
-        self.drain()
-        self.stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
-        return opt_state.unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u)
-
-    def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
-        """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
-        assert self.optimizer is not None
-        self.drain()
-        self.stepper.parts.drop_read_ahead(u)  # read before this new state
-        opt_state.load_unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u, entries)
-
-    def optimizer_state(self) -> dict[int, dict[str, Any]]:
-        """The optimizer's per-parameter state in ``torch.optim`` form (the ``state`` entry of
-        ``optimizer.state_dict()``). Holds it all in memory: checkpoints stream it unit by unit."""
-        assert self.optimizer is not None
-        return opt_state.optimizer_state(self.optimizer, self.grads.where, self.num_units, self.unit_optimizer_state)
-
-    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
-        """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
-        assert self.optimizer is not None
-        self.drain()
-        for u, entries in opt_state.split_optimizer_state(self.optimizer, self.grads.where, state).items():
-            self.load_unit_optimizer_state(u, entries)
-        self.flush()
-
     # -- the TensorStore protocol (training thread) ----------------------------------------------------------
     def begin_window(self, num_microbatches: int) -> None:
         self.activations.begin_window(num_microbatches, self.num_units)
@@ -406,6 +428,8 @@ class TieredTensorStore:
             if not self.weights.is_held(unit):
                 self.grads.spill(unit)  # wait on the gradients tier until finish_step (else: at release)
             return
+        if self.speculative:
+            self.grads.note_finiteness(unit)
         grad = self.grads.take(unit)
         weights = self.weights.donate(unit)  # released by the engine soon; the job gives it back
         has_grad = self.grads.pop_has_grad(unit)
@@ -429,6 +453,8 @@ class TieredTensorStore:
         loss scaling (``inv_scale``, deferred mode) each gradient is unscaled first, and a window with a
         non-finite gradient anywhere steps nothing: False (its gradients go)."""
         self.stepper.check()
+        if self.speculative:
+            return self._settle_speculation()
         if not self.clip.defer:
             self.stepper.submit_forward_parts()
             return True
@@ -442,6 +468,22 @@ class TieredTensorStore:
             self.stepper.submit_whole_step(unit, grad, self.grads.pop_has_grad(unit), values, coef, inv_scale)
         self.grads.clear_norms()
         return True
+
+    def _settle_speculation(self) -> bool:
+        """The window's verdict (one read of every unit's finiteness flag, agreed over the ranks): finite,
+        the forward parts follow and the speculative steps stand; else every step of the window is
+        waited for and undone, its gradients dropped: False."""
+        bad = torch.tensor(0.0 if self.grads.take_finiteness() else 1.0)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad, torch.distributed.ReduceOp.MAX, group=self.host_group)
+        if not bool(bad):
+            self.stepper.commit()
+            self.stepper.submit_forward_parts()
+            return True
+        for unit in self.stepper.roll_back():
+            self.weights.drop_prefetch(unit)  # (unit 0's new weights, kept for the next forward)
+        self.grads.discard()
+        return False
 
     def end_window(self, completed: bool = True) -> None:
         """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its gradients,

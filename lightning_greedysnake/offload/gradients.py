@@ -56,6 +56,8 @@ class GradientAccumulator:
         """Per unit in this window, per parameter of its layout: whether a gradient reached it."""
         self._norms: dict[int, list[Tensor | None]] = {}
         """Per-parameter 2-norms of the complete gradients waiting for clipping by the global norm."""
+        self._finite: list[Tensor] = []
+        """Speculative steps (fp16): per unit completed in this window, whether its gradient is finite."""
         self._hooks: list[Any] = []
         self._scratch: Tensor | None = None
         """fp32 room for one parameter's 16-bit gradient on its way into the accumulator."""
@@ -224,6 +226,16 @@ class GradientAccumulator:
             return torch.tensor(0.0)
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
+    def note_finiteness(self, u: int) -> None:
+        """Speculative steps: record whether unit ``u``'s complete gradient is finite, as a 0-dim tensor
+        where the gradient is (no wait for a device), for :meth:`take_finiteness`."""
+        self._finite.append(torch.isfinite(self.flat(u).sum()))  # (inf - inf is NaN: one pass finds either)
+
+    def take_finiteness(self) -> bool:
+        """Whether every gradient noted since the last call was finite (one read of all the flags)."""
+        flags, self._finite = self._finite, []
+        return not flags or bool(torch.stack(flags).all())
+
     def norms_finite(self) -> bool:
         """Whether every recorded norm is finite (an inf or NaN anywhere in a gradient makes its norm so):
         one host read of all of them."""
@@ -235,6 +247,7 @@ class GradientAccumulator:
 
     def discard(self) -> None:
         """Drop every gradient of the window (abandoned before its step, as Lightning's zero_grad)."""
+        self._finite.clear()
         for u in list(self._grads):
             self._grads.pop(u).release()
         self._on_device.clear()

@@ -40,6 +40,8 @@ FILE_NAMES = {
     TensorKind.CHECKPOINTS: "checkpoints.bin",
 }
 REGION_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES, TensorKind.GRADIENTS)
+SLOTTED = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES)
+"""The kinds a step rewrites: with two slots (speculative steps) each unit has two regions of each."""
 AUTO_BUDGET_EXTRA_BYTES = 16 << 20
 """The automatic budget's room beyond the minimum and one weights prefetch (checkpoint read-aheads)."""
 
@@ -173,10 +175,18 @@ class StagingArena:
     file each). Shared by the training thread, the optimizer lane and I/O completion callbacks: the
     regions order their own transfers, the pool locks itself, and ``_lock`` guards the slack counters."""
 
-    def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, lag: int) -> None:
+    def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, lag: int, slots: int = 1) -> None:
         self.state = state
         self.config = config
         self.stats = stats
+        self.slots = slots
+        """2: speculative steps (fp16 loss scaling) keep two regions per unit of each :data:`SLOTTED` kind,
+        so a step can be undone: it writes the slot not in use and flips to it once complete."""
+        self._slot: dict[TensorKind, list[int]] = {kind: [0] * state.num_units for kind in SLOTTED}
+        """Per kind, which slot holds each unit's current values. Read by every thread that stages the unit;
+        flipped by the thread that completes the unit's step, before it publishes the update (whoever
+        reads the unit next waits for that publication), and flipped back by a rollback (training thread,
+        the lane drained)."""
         self.unit_tiers = placement_of(state, config)
         """Per region kind, each unit's tier (whole kinds: the same for every unit)."""
         self._host: dict[TensorKind, HostRegions] = {}
@@ -218,12 +228,15 @@ class StagingArena:
         both: its host units' regions in RAM, its SSD units' in files. With several directories (one
         per SSD, each with its engine) a kind's SSD units are striped over them unit by unit: the i-th
         SSD unit in directory ``i % len(offload_dirs)``, one file of the kind in each."""
+        n = self.state.num_units
         try:
             for kind in REGION_KINDS:
+                copies = self.slots if kind in SLOTTED else 1  # (slot s of unit u: region u + s * n)
                 sizes, tiers = self.state.all_region_bytes(kind), self.unit_tiers[kind]
-                in_ram = [size if t is not Tier.SSD else 0 for size, t in zip(sizes, tiers, strict=True)]
+                in_ram = [size if t is not Tier.SSD else 0 for size, t in zip(sizes, tiers, strict=True)] * copies
                 for d, directory in enumerate(offload_dirs):
-                    here = [size if self.directory_of(kind, u) == d else 0 for u, size in enumerate(sizes)]
+                    here = [size if self.directory_of(kind, u % n) == d else 0
+                            for u, size in enumerate(sizes * copies)]
                     if sum(here):
                         path = directory / FILE_NAMES[kind]
                         self.files.append(path)
@@ -263,7 +276,7 @@ class StagingArena:
         for preflight."""
         kept = {kind.value: sum(self.state.kept_unit_bytes(kind, u) for u, d in enumerate(self._directory[kind])
                                 if d is not None and (directory is None or d == directory))
-                for kind in REGION_KINDS}
+                * (self.slots if kind in SLOTTED else 1) for kind in REGION_KINDS}
         return {kind: n for kind, n in kept.items() if n}
 
     def open_files(self) -> list[OffloadFile]:
@@ -284,6 +297,27 @@ class StagingArena:
     def on_ssd(self, kind: TensorKind, u: int) -> bool:
         """Whether unit ``u``'s region of ``kind`` lives on SSD (staged through the pool)."""
         return self.unit_tiers[kind][u] is Tier.SSD and kind in self._ssd
+
+    def _index(self, kind: TensorKind, u: int, next_slot: bool = False) -> int:
+        """The region of unit ``u`` holding its current values of ``kind`` (``next_slot``: the other one)."""
+        if self.slots == 1 or kind not in SLOTTED:
+            return u
+        return u + (self._slot[kind][u] ^ int(next_slot)) * self.state.num_units
+
+    def flip(self, u: int) -> None:
+        """Unit ``u``'s step is complete (written to the other slots): they become its current values."""
+        if self.slots > 1:
+            for kind in SLOTTED:
+                self._slot[kind][u] ^= 1
+
+    def slots_of(self, u: int) -> tuple[int, ...]:
+        return tuple(self._slot[kind][u] for kind in SLOTTED)
+
+    def restore_slots(self, u: int, slots: tuple[int, ...]) -> None:
+        """Roll back: unit ``u``'s current values are where they were (training thread, nothing in flight
+        writing them)."""
+        for kind, slot in zip(SLOTTED, slots, strict=True):
+            self._slot[kind][u] = slot
 
     def _regions(self, kind: TensorKind, u: int) -> HostRegions | SSDRegions:
         d = self._directory[kind][u]
@@ -329,7 +363,7 @@ class StagingArena:
         regions = self._regions(kind, u)
         what = f"unit {u} {kind.value}"
         if isinstance(regions, HostRegions):
-            return Staged(regions.host_buffer(u), None, what)
+            return Staged(regions.host_buffer(self._index(kind, u)), None, what)
         buf = self.pool.acquire(regions.region_bytes(u), what=what)
         assert buf is not None
         held = Staged(buf, self.pool, what)
@@ -343,6 +377,22 @@ class StagingArena:
                 self.await_reads(held, label=label or kind.value)
         return held
 
+    def stage_update(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
+                     ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> Staged:
+        """:meth:`stage` for a step that will write its result with ``put_back(..., next_slot=True)``. With
+        two slots, on the host tier: the other slot's region, with ``ranges`` of the current one copied in
+        when ``read`` (the step changes it in place; the current values stay untouched for a rollback)."""
+        regions = self._regions(kind, u)
+        if self.slots == 1 or kind not in SLOTTED or not isinstance(regions, HostRegions):
+            return self.stage(kind, u, read=read, label=label, ranges=ranges, wait=wait)
+        src = regions.host_buffer(self._index(kind, u)).tensor
+        dst = regions.host_buffer(self._index(kind, u, next_slot=True))
+        assert src is not None and dst.tensor is not None
+        if read:
+            for a, b in ranges if ranges is not None else [(0, regions.region_bytes(u))]:
+                dst.tensor[a:b].copy_(src[a:b])
+        return Staged(dst, None, f"unit {u} {kind.value} (next slot)")
+
     def acquire(self, nbytes: int, what: str) -> Staged:
         """A handle on a pool buffer of ``nbytes`` for must-run work (waits for write-behind if need be)."""
         buf = self.pool.acquire(nbytes, what=what)
@@ -354,8 +404,9 @@ class StagingArena:
         """Submit reads of unit ``u``'s region (or its byte ``ranges``) into ``held``; they are ``held``'s."""
         regions = self._regions(kind, u)
         assert isinstance(regions, SSDRegions)
+        index = self._index(kind, u)
         for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
-            held.track_read(regions.submit_read(u, held.buf, label, r))
+            held.track_read(regions.submit_read(index, held.buf, label, r))
 
     def await_reads(self, *helds: Staged | None, label: str = "optimizer") -> None:
         """Wait for the reads of ``helds``; if one failed, give every one of ``helds`` back (each waits
@@ -374,18 +425,19 @@ class StagingArena:
             self.stats.record_wait(label, "ssd", time.perf_counter() - t0)
 
     def put_back(self, kind: TensorKind, u: int, held: Staged, ranges: list[tuple[int, int]] | None = None, *,
-                 release: bool = True, label: str | None = None) -> None:
+                 release: bool = True, label: str | None = None, next_slot: bool = False) -> None:
         """Write ``held`` (or its byte ``ranges``) to unit ``u``'s region of ``kind`` (write-behind) and,
         with ``release``, give it back (the buffer returns once written). Host-tier regions were changed
-        in place: nothing to write."""
+        in place: nothing to write. ``next_slot``: a speculative step's write, to the slot not in use."""
         if held.pooled:
             # a device copy still filling the buffer (a gradient coming back) must land before the
             # write reads it
             held.wait_reads()
             regions = self._regions(kind, u)
             assert isinstance(regions, SSDRegions)
+            index = self._index(kind, u, next_slot)
             for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
-                held.track_write(regions.submit_write(u, held.buf, label, r))
+                held.track_write(regions.submit_write(index, held.buf, label, r))
         if release:
             held.release()
 

@@ -127,6 +127,10 @@ class PartStepper:
         lo, hi = opt.part_range(part)
         if lo >= hi or opt.parts[part].shadow is None:
             return
+        speculative = self._staging.slots > 1
+        if speculative and weights_held is not None and not weights_held.pooled:
+            weights_held = None  # host-tier weights: stepped in the other slot (its owner gives it back)
+        stage = self._staging.stage_update if speculative else self._staging.stage
         state = self._state
         lay = state.units[unit]
         w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
@@ -146,26 +150,25 @@ class PartStepper:
             if ahead_master is not None:
                 master = ahead_master
             elif self._separate_master:
-                master = self._staging.stage(TensorKind.MASTER_WEIGHTS, unit, read=True, wait=False,
-                                             ranges=state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
+                master = stage(TensorKind.MASTER_WEIGHTS, unit, read=True, wait=False,
+                               ranges=state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
                 owned.append(master)
             elif weights_held is not None:
                 master = weights_held  # 32-true: the compute weights in memory are the master copy
             else:
-                master = self._staging.stage(TensorKind.WEIGHTS, unit, read=True, wait=False, ranges=w_ranges,
-                                             label=TensorKind.MASTER_WEIGHTS.value)
+                master = stage(TensorKind.WEIGHTS, unit, read=True, wait=False, ranges=w_ranges,
+                               label=TensorKind.MASTER_WEIGHTS.value)
                 owned.append(master)
             states = ahead_states
             if self._slots and states is None:
-                states = self._staging.stage(TensorKind.OPTIMIZER_STATES, unit, read=opt.part_initialized(part),
-                                             wait=False,
-                                             ranges=state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
+                states = stage(TensorKind.OPTIMIZER_STATES, unit, read=opt.part_initialized(part), wait=False,
+                               ranges=state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
                 owned.append(states)
             compute = None
             if self._separate_master:
                 compute = weights_held
                 if compute is None:
-                    compute = self._staging.stage(TensorKind.WEIGHTS, unit, read=True, ranges=w_ranges, wait=False)
+                    compute = stage(TensorKind.WEIGHTS, unit, read=True, ranges=w_ranges, wait=False)
                     owned.append(compute)
         except BaseException:
             for held in owned:
@@ -196,9 +199,10 @@ class PartStepper:
                     compute: StagedBuffer | None, weights_held: StagedBuffer | None, mflat: Tensor) -> None:
         state = self._state
         w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
+        nxt = self._staging.slots > 1  # (speculative: into the slot not in use; the step's end flips to it)
         if states is not None:
             self._staging.put_back(TensorKind.OPTIMIZER_STATES, unit, states,
-                                   state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
+                                   state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi), next_slot=nxt)
         if self._separate_master:
             assert compute is not None
             lay = state.units[unit]
@@ -211,9 +215,11 @@ class PartStepper:
             # the training thread (a gradient accumulator of the same size is zeroed at once), so reading
             # it for the cast after put_back raced with that (found by benchmarks/stress_bf16_lane.py)
             self._staging.put_back(TensorKind.MASTER_WEIGHTS, unit, master,
-                                   state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi))
-            self._staging.put_back(TensorKind.WEIGHTS, unit, compute, w_ranges, release=weights_held is None)
+                                   state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi), next_slot=nxt)
+            self._staging.put_back(TensorKind.WEIGHTS, unit, compute, w_ranges, release=weights_held is None,
+                                   next_slot=nxt)
         else:
             # the updated fp32 weights are the new compute weights; an acquired buffer is given back by
             # its owner once this write is done
-            self._staging.put_back(TensorKind.WEIGHTS, unit, master, w_ranges, release=weights_held is None)
+            self._staging.put_back(TensorKind.WEIGHTS, unit, master, w_ranges, release=weights_held is None,
+                                   next_slot=nxt)

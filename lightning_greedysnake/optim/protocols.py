@@ -38,6 +38,9 @@ class Staging(Protocol):
     """Stages units' regions of each kind in and out of their tiers, under the budget."""
 
     state: StateLayout
+    slots: int
+    """2 when steps are speculative: a step stages with :meth:`stage_update`, writes with
+    ``put_back(..., next_slot=True)`` and completes with :meth:`flip`."""
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool: ...
 
@@ -46,6 +49,15 @@ class Staging(Protocol):
     def stage(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
               ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> StagedBuffer: ...
 
+    def stage_update(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
+                     ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> StagedBuffer: ...
+
+    def flip(self, u: int) -> None: ...
+
+    def slots_of(self, u: int) -> tuple[int, ...]: ...
+
+    def restore_slots(self, u: int, slots: tuple[int, ...]) -> None: ...
+
     def read_into(self, kind: TensorKind, u: int, held: StagedBuffer, ranges: list[tuple[int, int]] | None = None,
                   label: str | None = None) -> None: ...
 
@@ -53,7 +65,7 @@ class Staging(Protocol):
         """Wait for the reads into ``helds``; if one failed, give all of them back and raise."""
 
     def put_back(self, kind: TensorKind, u: int, held: StagedBuffer, ranges: list[tuple[int, int]] | None = None,
-                 *, release: bool = True, label: str | None = None) -> None: ...
+                 *, release: bool = True, label: str | None = None, next_slot: bool = False) -> None: ...
 
     def acquire_optional(self, nbytes: int, what: str, within_slack: bool = True) -> StagedBuffer | None: ...
 

@@ -91,6 +91,15 @@ class UnitStepper:
         """Units whose complete gradient waits for clipping (deferred mode)."""
         self._clip_coef: Tensor | None = None
         self._value_clips: list[float] = []
+        self.speculative = False
+        """fp16 loss scaling: steps run as gradients complete, before the window is known to be finite;
+        each writes its unit's other slot (:meth:`Staging.flip` at its end), undone by :meth:`roll_back`."""
+        self.loss_scaler: Any = None
+        """Loss scaling (its ``inv_scale``: each gradient is unscaled by it before its step; read when the
+        step is submitted, on the training thread, which alone updates the scale, after the window)."""
+        self._journal: dict[int, tuple[tuple[int, ...], Any]] = {}
+        """Speculative steps of this window: per unit, its slots and scalar state before it (training
+        thread: written at submission, read by :meth:`roll_back` with the lane drained)."""
 
     def _unit_optimizer(self, u: int) -> UnitOptimizer | None:
         if self.optimizer is None:
@@ -168,10 +177,13 @@ class UnitStepper:
         (on the device), so the lane does not. The job owns ``grad`` and ``weights`` (the unit's acquired
         compute weights, if still held) and gives them back."""
         hyper = self._hyper()
-        self._gate.begin(unit)
         opt = self.unit_optimizers[unit]
         assert opt is not None
+        if self.speculative and unit not in self._journal:
+            self._journal[unit] = (self._staging.slots_of(unit), opt.snapshot())  # (no job of it in flight)
+        self._gate.begin(unit)
         deferred = self.defers(unit)
+        inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else None
         if deferred:
             self._alpha_pending.append((unit, hyper, has_grad))
         value = self.clip.value
@@ -186,6 +198,8 @@ class UnitStepper:
                 flat = grad.view(torch.float32, numel)
                 if self.grad_reducer is not None and not averaged:
                     self.grad_reducer(flat)  # data parallel: the ranks' gradients averaged, as DDP does
+                if inv_scale is not None:
+                    flat.mul_(inv_scale)  # (GradScaler's order: unscale, clip, step)
                 self._observe(unit, flat)
                 if value is not None:
                     flat.clamp_(-value, value)
@@ -211,6 +225,7 @@ class UnitStepper:
                 ):
                     weights.release()
             if not deferred:
+                self._staging.flip(unit)  # (speculative: the step wrote the other slot)
                 self._gather_weights(unit)
                 self._publish(unit)
 
@@ -246,6 +261,7 @@ class UnitStepper:
                         self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
                     finally:
                         held.release()
+                self._staging.flip(unit)
                 self._gather_weights(unit)
                 self._publish(unit)
 
@@ -305,6 +321,7 @@ class UnitStepper:
                 self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
             finally:
                 held.release()
+            self._staging.flip(unit)
             self._gather_weights(unit)
             self._publish(unit)
 
@@ -368,7 +385,30 @@ class UnitStepper:
             self.submit_forward_parts()
         self._alpha_pending.clear()
         self._waiting.clear()
+        self._journal.clear()  # (an abandoned window's steps stand, as without speculation)
         self.parts.drop_all_read_aheads()
+
+    def commit(self) -> None:
+        """Speculative steps: the window's gradients were all finite; its steps stand (training thread)."""
+        self._journal.clear()
+
+    def roll_back(self) -> list[int]:
+        """Speculative steps: the window had a non-finite gradient. Skip its forward parts, wait for every
+        step of it on the lane, then restore each stepped unit's slots (its previous values, untouched)
+        and scalar state. Returns those units (training thread)."""
+        pending, self._alpha_pending = self._alpha_pending, []
+        self.lane.drain()
+        for unit, _, _ in pending:
+            self._gate.publish(unit)  # never completed: its current values (restored below) stand
+        units = sorted(self._journal)
+        for unit, (slots, scalars) in self._journal.items():
+            self._staging.restore_slots(unit, slots)
+            opt = self.unit_optimizers[unit]
+            assert opt is not None
+            opt.restore(scalars)
+        self._journal.clear()
+        self.parts.drop_all_read_aheads()
+        return units
 
     def close(self) -> None:
         """Run what is queued (a failed lane runs nothing more) and stop the lane; drop read-aheads and

@@ -181,6 +181,15 @@ class UnitOptimizer:
                     part.scalar_state[k] = {n: (v.clone() if isinstance(v, Tensor) else v) for n, v in scalars.items()}
                     part.initialized[k] = True
 
+    def snapshot(self) -> list[tuple[list[dict[str, Any]], list[bool], int]]:
+        """The scalar state of every part (step counters), for :meth:`restore` (speculative steps)."""
+        return [([{k: (v.clone() if isinstance(v, Tensor) else v) for k, v in sc.items()} for sc in p.scalar_state],
+                 list(p.initialized), p.steps) for p in self.parts]
+
+    def restore(self, snapshot: list[tuple[list[dict[str, Any]], list[bool], int]]) -> None:
+        for part, (scalars, initialized, steps) in zip(self.parts, snapshot, strict=True):
+            part.scalar_state, part.initialized, part.steps = scalars, initialized, steps
+
     # -- stepping -----------------------------------------------------------------------------------
     def step(
         self,

@@ -57,13 +57,9 @@ def check_optimizers(optimizers: list[Any]) -> None:
         )
 
 
-def clip_policy(trainer: Any, module: LightningModule, warn: Warn, loss_scaling: bool = False) -> ClipPolicy:
+def clip_policy(trainer: Any, module: LightningModule, warn: Warn) -> ClipPolicy:
     """Clipping by value is applied unit by unit as each gradient completes; clipping by norm (or a
-    custom ``configure_gradient_clipping``) needs every gradient first, so every step waits for it; so
-    does loss scaling (a window with an inf anywhere is skipped whole), which then also clips by value
-    at the step, after unscaling."""
-    if loss_scaling:
-        return ClipPolicy(defer=True)
+    custom ``configure_gradient_clipping``) needs every gradient first, so every step waits for it."""
     custom = type(module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
     value = trainer.gradient_clip_val
     algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm")

@@ -236,9 +236,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
         manager = new_tensor_manager(
             units, module, self.optimizers[0] if (fitting and self.optimizers) else None, self.config,
             self.precision_plugin.compute_dtype, self.root_device,
-            clip=checks.clip_policy(trainer, module, self._warn_once, self.precision_plugin.loss_scaler is not None)
-            if fitting else ClipPolicy(),
-            shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None)
+            clip=checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy(),
+            shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None,
+            loss_scaler=self.precision_plugin.loss_scaler)
         self.connect_collectives(manager)
         self._dir = OffloadDirectories(self.config.offload)
         open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),

@@ -8,6 +8,8 @@ convention for FSDP and DeepSpeed)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -102,15 +104,16 @@ def check_device(config: GreedySnakeConfig, device: torch.device, distributed: b
 
 def new_tensor_manager(units: list[Unit], module: nn.Module, optimizer: torch.optim.Optimizer | None,
                        config: GreedySnakeConfig, compute_dtype: torch.dtype, device: torch.device,
-                       clip: ClipPolicy, shard: tuple[int, int] | None) -> TieredTensorStore:
+                       clip: ClipPolicy, shard: tuple[int, int] | None, loss_scaler: Any = None) -> TieredTensorStore:
     """The tensor manager for ``units``, with the device tier ``device`` needs (CUDA copy streams, the
-    simulated device, or none: the CPU computes in host memory), which it owns from then on."""
+    simulated device, or none: the CPU computes in host memory), which it owns from then on.
+    ``loss_scaler``: fp16's (see :class:`~lightning_greedysnake.loss_scale.LossScaler`), or None."""
     copies = device_copies_for(device)
     try:
         return TieredTensorStore(
             units, {id(p): n for n, p in module.named_parameters()}, optimizer, config.offload,
             compute_dtype=compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
-            copies=copies)
+            copies=copies, loss_scaler=loss_scaler)
     except BaseException:
         if copies is not None:
             copies.close()
