@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -164,7 +165,11 @@ class GreedySnakePrecision(Precision):
             scaler = self.loss_scaler
             stepped = self._gradient_owner.finish_step(scaler.inv_scale if scaler is not None else None)
             if scaler is not None:
-                scaler.update(found_inf=not stepped, step=int(model.trainer.global_step) + 1)
+                before, step = scaler.scale, int(model.trainer.global_step) + 1
+                scaler.update(found_inf=not stepped, step=step)
+                if not stepped:  # (normal under dynamic loss scaling; said as DeepSpeed says it)
+                    rank_zero_info(f"greedysnake: fp16 gradients overflowed in optimizer step {step}: step "
+                                   f"skipped, loss scale {before:g} -> {scaler.scale:g}")
         if self._after_step is not None:
             self._after_step()
         return output

@@ -24,5 +24,9 @@ def log_step(trainer: Any, entry: StepTelemetry) -> None:
     step = trainer.global_step
     if trainer.loggers and step % every == 0:
         metrics = {f"greedysnake/{k}": v for k, v in entry.as_metrics().items()}
+        scaler = getattr(trainer.precision_plugin, "loss_scaler", None)
+        if scaler is not None:  # 16-mixed: the loss scale after this step, and the steps skipped so far
+            metrics["greedysnake/loss_scale"] = scaler.scale
+            metrics["greedysnake/skipped_steps"] = float(len(scaler.skipped_steps))
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)

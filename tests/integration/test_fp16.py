@@ -193,3 +193,14 @@ def test_settings_come_from_lightnings_plugin_and_bad_ones_are_refused():
         GreedySnakePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False))
     with pytest.raises(ValueError, match=r"16-mixed' with every kind of tensor on 'device'.*strategy='auto'"):
         greedysnake(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")))
+
+
+def test_the_loss_scale_is_logged_and_an_overflow_is_said(plain, caplog):
+    from tests.helpers import RecordingLogger
+
+    logger = RecordingLogger()
+    with caplog.at_level("INFO"):
+        _, seen, _ = greedysnake(GreedySnakeStrategy(), logger=logger)
+    assert [v for _, v in logger.series("greedysnake/loss_scale")] == seen.scales == plain[1]
+    assert [v for _, v in logger.series("greedysnake/skipped_steps")] == [0, 1, 1, 1, 1, 1]
+    assert "fp16 gradients overflowed in optimizer step 2: step skipped, loss scale 1024 -> 512" in caplog.text
