@@ -102,6 +102,9 @@ class GreedySnakePrecision(Precision):
         self.device = device
         self.loss_scaler = LossScaler.from_grad_scaler(scaler) if precision == "16-mixed" else None
         """Under ``16-mixed``: the loss scale and its history (saved in checkpoints with this plugin)."""
+        self.window_dropped = False
+        """The strategy dropped this window for a non-finite loss (``on_nonfinite='skip'``): under loss
+        scaling that is an overflow too (training thread; read and cleared at the optimizer step)."""
         self._before_optimizer_step: Callable[[], None] | None = None
         self._gradient_owner: GradientOwner | None = None
         self._after_step: Callable[[], None] | None = None
@@ -164,6 +167,7 @@ class GreedySnakePrecision(Precision):
             # run found no gradients on the (offloaded) parameters and changed nothing
             scaler = self.loss_scaler
             stepped = self._gradient_owner.finish_step(scaler.inv_scale if scaler is not None else None)
+            stepped, self.window_dropped = stepped and not self.window_dropped, False
             if scaler is not None:
                 before, step = scaler.scale, int(model.trainer.global_step) + 1
                 scaler.update(found_inf=not stepped, step=step)

@@ -400,8 +400,11 @@ class UnitStepper:
         self.lane.drain()
         for unit, _, _ in pending:
             self._gate.publish(unit)  # never completed: its current values (restored below) stand
+        half_done = {unit for unit, _, _ in pending}
         units = sorted(self._journal)
         for unit, (slots, scalars) in self._journal.items():
+            if unit not in half_done:
+                self.steps_completed[unit] -= 1  # (completed, and now undone)
             self._staging.restore_slots(unit, slots)
             opt = self.unit_optimizers[unit]
             assert opt is not None

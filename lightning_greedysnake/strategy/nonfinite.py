@@ -25,9 +25,11 @@ class NonFiniteError(FloatingPointError):
 
 
 class NonFiniteGuard:
-    def __init__(self, mode: str, warn: Callable[[str, str], None]) -> None:
+    def __init__(self, mode: str, warn: Callable[[str, str], None], loss_scaling: bool = False) -> None:
         self.mode = mode
         self._warn = warn
+        self._loss_scaling = loss_scaling
+        """16-mixed: a non-finite loss makes non-finite gradients, and the loss scaler skips that step."""
         self._window: str | None = None
         """The first non-finite loss of the window in progress, described."""
         self._skipping = False
@@ -79,6 +81,9 @@ class NonFiniteGuard:
             self.skipped_steps.append(step + 1)
             self._warn(f"nonfinite_skip_{step}", f"greedysnake: {what}; on_nonfinite='skip' dropped that step's "
                        "update (no unit was stepped).")
+        elif what is not None and self._loss_scaling:
+            self._warn("nonfinite", f"greedysnake: {what}; under 16-mixed its gradients are not finite either, so "
+                       "the loss scaler skips that step and backs off (on_nonfinite='warn'). (Reported once.)")
         elif what is not None:
             self._warn("nonfinite", f"greedysnake: {what}; training goes on (on_nonfinite='warn'), and the "
                        "weights will be NaN from here. Fix: on_nonfinite='raise' to stop, 'skip' to drop such "

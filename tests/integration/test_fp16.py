@@ -22,19 +22,23 @@ K = 3
 NUM_BATCHES = 9
 EPOCHS = 2
 HUGE = {4}
+FACTOR = {"huge": 1e6, "nan": float("nan")}
 """Global micro-batch indices whose loss is multiplied by 1e6: the scaled gradient overflows fp16 in
 the middle of the second window."""
 SCALER = {"init_scale": 2.0**10, "growth_interval": 2}
 
 
 class HugeLoss(TinyGPTModule):
+    factor = FACTOR["huge"]
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
         index = self.trainer.current_epoch * NUM_BATCHES + batch_idx
-        return loss * 1e6 if index in HUGE else loss
+        return loss * self.factor if index in HUGE else loss
 
 
-def reference(clip: tuple[str, float] | None = None) -> tuple[dict[str, torch.Tensor], list[float], list[int], list]:
+def reference(clip: tuple[str, float] | None = None,
+              factor: float = FACTOR["huge"]) -> tuple[dict[str, torch.Tensor], list[float], list[int], list]:
     """fp16 copies of the fp32 master weights compute each window under autocast; the loss (over K) is
     multiplied by the scale; each micro-batch's fp16 gradient is accumulated in fp32; then GradScaler's
     rules: a window with an inf or NaN is skipped and the scale backs off, otherwise the gradients are
@@ -60,7 +64,7 @@ def reference(clip: tuple[str, float] | None = None) -> tuple[dict[str, torch.Te
                     logits = compute(x)
                     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
                 if epoch * NUM_BATCHES + start + i in HUGE:
-                    loss = loss * 1e6
+                    loss = loss * factor
                 ((loss / K) * scale).backward()
                 for a, c in zip(acc, compute.parameters(), strict=True):
                     a += c.grad
@@ -97,6 +101,11 @@ class Scales(UnitGradients):
         manager = trainer.strategy.tensor_manager
         self.speculative = manager.speculative if manager is not None else None
 
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        manager = trainer.strategy.tensor_manager
+        manager.drain()
+        self.steps_completed = list(manager.stepper.steps_completed)
+
     def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
         if (trainer.fit_loop.epoch_loop.batch_idx + 1) % K == 0:
             self.scales.append(trainer.precision_plugin.loss_scaler.scale)
@@ -106,9 +115,11 @@ def plugin() -> GreedySnakePrecision:
     return GreedySnakePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", **SCALER))
 
 
-def greedysnake(strategy: Any, epochs: int = EPOCHS, **kwargs: Any) -> tuple[dict[str, torch.Tensor], Scales, Any]:
+def greedysnake(strategy: Any, epochs: int = EPOCHS, factor: float = FACTOR["huge"],
+                **kwargs: Any) -> tuple[dict[str, torch.Tensor], Scales, Any]:
     L.seed_everything(0, verbose=False)
     module = HugeLoss(n_layer=3, lr=LR)
+    module.factor = factor
     seen = Scales()
     ckpt_path = kwargs.pop("ckpt_path", None)
     trainer = make_trainer(strategy, K, max_epochs=epochs, plugins=[kwargs.pop("precision", plugin())],
@@ -138,6 +149,7 @@ def test_an_overflow_mid_window_is_skipped_as_gradscaler_skips_it(plain, setting
     got, seen, trainer = greedysnake(GreedySnakeStrategy(**settings))
     assert seen.speculative  # (steps as gradients complete, undone on overflow)
     assert trainer.precision_plugin.loss_scaler.skipped_steps == ref_skipped
+    assert set(seen.steps_completed) == {EPOCHS * NUM_BATCHES // K - len(ref_skipped)}  # (the undone one uncounted)
     assert seen.scales == ref_scales
     assert max_abs_diff(got, ref_params) <= 1e-5
     # every stepped window's unscaled gradient (speculative steps also show the skipped window's)
@@ -204,3 +216,17 @@ def test_the_loss_scale_is_logged_and_an_overflow_is_said(plain, caplog):
     assert [v for _, v in logger.series("greedysnake/loss_scale")] == seen.scales == plain[1]
     assert [v for _, v in logger.series("greedysnake/skipped_steps")] == [0, 1, 1, 1, 1, 1]
     assert "fp16 gradients overflowed in optimizer step 2: step skipped, loss scale 1024 -> 512" in caplog.text
+
+
+@pytest.mark.parametrize("on_nonfinite", ["warn", "skip"])
+def test_a_nan_loss_backs_the_scale_off_as_gradscaler_does(on_nonfinite):
+    """A NaN loss makes NaN gradients: GradScaler skips the step and backs off. So does greedysnake, also
+    where ``on_nonfinite='skip'`` drops the window before any gradient exists."""
+    ref_params, ref_scales, ref_skipped, _ = reference(factor=FACTOR["nan"])
+    with pytest.warns(UserWarning, match="the loss of micro-batch 1 of optimizer step 2 is nan") as said:
+        got, seen, trainer = greedysnake(GreedySnakeStrategy(on_nonfinite=on_nonfinite), factor=FACTOR["nan"])
+    text = " ".join(str(w.message) for w in said)
+    assert ("loss scaler skips that step" in text) == (on_nonfinite == "warn") and "will be NaN" not in text
+    assert trainer.precision_plugin.loss_scaler.skipped_steps == ref_skipped == [2]
+    assert seen.scales == ref_scales
+    assert max_abs_diff(got, ref_params) <= 1e-5
