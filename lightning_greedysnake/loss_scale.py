@@ -26,19 +26,21 @@ class LossScaler:
     """Windows in a row without an inf or NaN gradient since the scale last changed."""
     skipped_steps: list[int] = field(default_factory=list)
     """Optimizer steps (1-based, as ``global_step`` after them) skipped for a non-finite gradient."""
+    window_dropped: bool = False
+    """The window was dropped for a non-finite loss (``on_nonfinite='skip'``) before any gradient
+    existed: an overflow too, as GradScaler would see it (set by the non-finite guard, taken by
+    :meth:`update`)."""
 
     def __post_init__(self) -> None:
-        for name in ("scale", "growth_factor"):
+        checks = (("scale", lambda v: v > 0, "> 0", "65536"), ("growth_factor", lambda v: v > 1, "> 1", "2"),
+                  ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)", "0.5"),
+                  ("growth_interval", lambda v: v >= 1 and float(v).is_integer(), "a positive integer", "2000"))
+        for name, ok, what, default in checks:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > (0 if name == "scale" else 1):
-                raise ValueError(f"loss scaling {name}={value!r} must be a number > {0 if name == 'scale' else 1}. "
-                                 "Fix: torch.amp.GradScaler's defaults (init_scale=65536, growth_factor=2).")
-        if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"loss scaling backoff_factor={self.backoff_factor!r} must be in (0, 1). Fix: e.g. 0.5.")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or self.growth_interval < 1:
-            raise ValueError(f"loss scaling growth_interval={self.growth_interval!r} must be a positive integer. "
-                             "Fix: e.g. 2000.")
-        self.scale = float(self.scale)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"loss scaling {name}={value!r} must be {what}. Fix: e.g. {default} "
+                                 "(torch.amp.GradScaler's default).")
+        self.scale, self.growth_interval = float(self.scale), int(self.growth_interval)
 
     @classmethod
     def from_grad_scaler(cls, scaler: Any) -> LossScaler:
@@ -59,18 +61,20 @@ class LossScaler:
         """``1 / scale`` in fp32, as GradScaler computes it (exact for its power-of-two scales)."""
         return 1.0 / self.scale
 
-    def update(self, found_inf: bool, step: int) -> None:
-        """After optimizer step ``step`` (1-based): back off where a gradient was not finite, else count
-        toward growth."""
+    def update(self, found_inf: bool, step: int) -> bool:
+        """After optimizer step ``step`` (1-based): back off where a gradient was not finite (or the window
+        was dropped), else count toward growth. Returns whether the step counts as skipped."""
+        found_inf, self.window_dropped = found_inf or self.window_dropped, False
         if found_inf:
             self.scale *= self.backoff_factor
             self.growth_tracker = 0
             self.skipped_steps.append(step)
-            return
+            return True
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
             self.scale *= self.growth_factor
             self.growth_tracker = 0
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,

@@ -88,9 +88,10 @@ class GreedySnakePrecision(Precision):
       With every tensor on the device (no tensor manager) it is exactly Lightning's bf16-mixed: fp32
       parameters under autocast.
     - ``"16-mixed"``: the same with fp16, plus dynamic loss scaling (:class:`LossScaler`, GradScaler's
-      semantics; ``scaler``: a ``torch.amp.GradScaler`` whose settings to take). Every unit's step
-      waits until the window's backward is complete (as under norm clipping) and runs overlapping the
-      next forward, so a window with an inf or NaN gradient anywhere is skipped whole, exactly. On a CPU
+      semantics; ``scaler``: a ``torch.amp.GradScaler`` whose settings to take). Units are stepped
+      speculatively as their gradients complete and undone if the window had an inf or NaN anywhere
+      (with norm clipping the steps wait for the whole backward instead), so such a window is skipped
+      whole, exactly (see :meth:`TieredTensorStore.finish_step`). On a CPU
       Lightning turns ``Trainer(precision="16-mixed")`` into bf16-mixed; pass
       ``plugins=[GreedySnakePrecision("16-mixed")]`` to run fp16 there (to test the path).
     """
@@ -102,9 +103,6 @@ class GreedySnakePrecision(Precision):
         self.device = device
         self.loss_scaler = LossScaler.from_grad_scaler(scaler) if precision == "16-mixed" else None
         """Under ``16-mixed``: the loss scale and its history (saved in checkpoints with this plugin)."""
-        self.window_dropped = False
-        """The strategy dropped this window for a non-finite loss (``on_nonfinite='skip'``): under loss
-        scaling that is an overflow too (training thread; read and cleared at the optimizer step)."""
         self._before_optimizer_step: Callable[[], None] | None = None
         self._gradient_owner: GradientOwner | None = None
         self._after_step: Callable[[], None] | None = None
@@ -167,11 +165,9 @@ class GreedySnakePrecision(Precision):
             # run found no gradients on the (offloaded) parameters and changed nothing
             scaler = self.loss_scaler
             stepped = self._gradient_owner.finish_step(scaler.inv_scale if scaler is not None else None)
-            stepped, self.window_dropped = stepped and not self.window_dropped, False
             if scaler is not None:
                 before, step = scaler.scale, int(model.trainer.global_step) + 1
-                scaler.update(found_inf=not stepped, step=step)
-                if not stepped:  # (normal under dynamic loss scaling; said as DeepSpeed says it)
+                if scaler.update(found_inf=not stepped, step=step):  # (normal with loss scaling; said as DeepSpeed)
                     rank_zero_info(f"greedysnake: fp16 gradients overflowed in optimizer step {step}: step "
                                    f"skipped, loss scale {before:g} -> {scaler.scale:g}")
         if self._after_step is not None:

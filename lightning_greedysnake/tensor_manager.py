@@ -53,22 +53,41 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class _OptimizerStateAccess:
-    """The optimizer's state as checkpoints see it, read out of and written into the tiers unit by unit
-    (training thread, between windows). A part of :class:`TieredTensorStore`, by concern."""
+class _StateBetweenWindows:
+    """Weights and optimizer state as checkpoints, initialization and the end of a run see them: read out
+    of and written into the tiers unit by unit (training thread, between windows). A part of
+    :class:`TieredTensorStore`, by concern; it uses the store's components and its drain and flush."""
 
     optimizer: torch.optim.Optimizer | None
+    compute_dtype: torch.dtype
     stepper: UnitStepper
     arena: StagingArena
     grads: GradientAccumulator
+    weights: WeightsResidency
     slots: tuple[str, ...]
     num_units: int
     unit_optimizers: list[UnitOptimizer | None]
+    drain: Callable[[], None]
+    flush: Callable[[], None]
 
-    def drain(self) -> None: ...
+    # -- weights in and out (training thread, between windows) ------------------------------------------------
+    def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
+        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
+        self.stepper.parts.drop_read_ahead(u)  # read before these new values
+        unit_values.write_unit(self.arena, u, values, self.compute_dtype)
 
-    def flush(self) -> None: ...
+    def unit_master_weights(self, u: int) -> list[Tensor]:
+        """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
+        self.drain()
+        return unit_values.read_unit(self.arena, u, self.compute_dtype)
 
+    def restore_parameters(self, master: Callable[[int], list[Tensor]] | None = None) -> None:
+        """Give the parameters real memory again, holding the trained weights (end of a run).
+        ``master``: where unit u's full-precision weights come from (partitioned state: gathered)."""
+        for u in range(self.num_units):
+            self.weights.restore(u, (master or self.unit_master_weights)(u))
+
+    # -- optimizer state ---------------------------------------------------------------------------------
     def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
         """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout
         (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
@@ -99,7 +118,7 @@ class _OptimizerStateAccess:
         self.flush()
 
 
-class TieredTensorStore(_OptimizerStateAccess):
+class TieredTensorStore(_StateBetweenWindows):
     """The SSD/host tensor manager behind the :class:`TensorStore` protocol, plus the optimizer step."""
 
     owns_optimizer_step = True
@@ -140,8 +159,9 @@ class TieredTensorStore(_OptimizerStateAccess):
         ]
         self.slots: tuple[str, ...] = discover_slots(optimizer) if optimizer is not None else ()
         self.state_format = StateFormat(STATE_DTYPES[config.optimizer_state_dtype])
-        self.state = StateLayout(tuple(layouts), _itemsize(compute_dtype), len(self.slots),  # (separate master:)
-                                 compute_dtype != torch.float32, shard, self.state_format.itemsize)
+        self.state = StateLayout(tuple(layouts), _itemsize(compute_dtype), len(self.slots),
+                                 separate_master=compute_dtype != torch.float32, shard=shard,
+                                 state_itemsize=self.state_format.itemsize)
         self.speculative = loss_scaler is not None and not self.clip.defer
         self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1)
         self.copies = copies
@@ -243,7 +263,8 @@ class TieredTensorStore(_OptimizerStateAccess):
         return self.state.bounds(u, rank)
 
     def ssd_bytes(self, directory: int | None = None) -> dict[str, int]:
-        """Bytes each kind keeps in offload directory ``directory`` (its index; None: all), for preflight."""
+        """Bytes each SSD-resident kind keeps in offload directory ``directory`` (by index, as striped
+        by ``arena.stripe``; None: in all of them), for preflight."""
         return self.arena.ssd_bytes(directory)
 
     def open_files(self) -> list[OffloadFile]:
@@ -252,9 +273,10 @@ class TieredTensorStore(_OptimizerStateAccess):
 
     # -- lifetime -------------------------------------------------------------------------------------------
     def open(self, offload_dirs: Path | list[Path] | None, io_engine: IOEngine | None = None) -> None:
-        """Create the host regions and the preallocated offload files (after preflight), in one directory or
-        striped over several. ``io_engine``: the I/O backend for all (default: ``offload.io_threads``
-        O_DIRECT threads per directory, a queue per SSD; :func:`~lightning_greedysnake.io.default_engine`); closed here."""
+        """Create the host regions and the preallocated offload files (after preflight), in one offload
+        directory or striped over several (one per SSD). ``io_engine``: the I/O backend for all of them
+        (default: a threaded O_DIRECT engine of ``offload.io_threads`` threads per directory, so each SSD
+        has its own queue, see :func:`~lightning_greedysnake.io.default_engine`); this store closes it."""
         config = self.config
         dirs = [offload_dirs] if isinstance(offload_dirs, Path) else list(offload_dirs or [])
         self.offload_dir = dirs[0] if dirs else None
@@ -284,8 +306,9 @@ class TieredTensorStore(_OptimizerStateAccess):
         self.grads.register_hooks()
 
     def initialize_unit_by_unit(self, init_unit: Callable[[int], None]) -> None:
-        """A model on the meta device: per unit, real memory for its parameters, ``init_unit(u)`` fills them,
-        they go to their tiers, the memory is freed: the whole model never exists in RAM at once."""
+        """For a model created on the meta device: give unit u's parameters real (uninitialized) memory,
+        let ``init_unit(u)`` fill them in place, store them in their tiers and free the memory again,
+        one unit at a time, so the whole model never exists in RAM at once."""
         for u in range(self.num_units):
             self.weights.materialize(u)
             init_unit(u)
@@ -296,7 +319,8 @@ class TieredTensorStore(_OptimizerStateAccess):
         self.grads.register_hooks()
 
     def drain(self) -> None:
-        """Complete every pending step, deferred parts included (before weights or state are read outside a window)."""
+        """Complete every pending optimizer step, deferred forward parts included (before reading the
+        weights or optimizer state from outside a window: checkpoints, evaluation, the end of the run)."""
         self.stepper.drain()
         self.flush()
 
@@ -320,8 +344,9 @@ class TieredTensorStore(_OptimizerStateAccess):
         return self._closed
 
     def close(self) -> None:
-        """Wait for writes, stop the lane and the I/O threads, close files and buffers, remove hooks (idempotent).
-        The parameters keep their placeholders: the state lives in the tiers (and in checkpoints)."""
+        """Wait for writes, stop the lane and the I/O threads, close files and buffers, remove hooks.
+        Idempotent. The parameters keep their placeholders: the state lives in the tiers (and in
+        checkpoints)."""
         if self._closed:
             return
         self._closed = True
@@ -340,7 +365,8 @@ class TieredTensorStore(_OptimizerStateAccess):
             self._close_files()
 
     def _close_files(self) -> None:
-        """Each region and the scratch wait for their transfers before closing; then the engines stop."""
+        """Every transfer completes before its file closes: each region and the scratch wait for theirs,
+        then the engine stops its threads."""
         try:
             self.activations.close()
             self.arena.close()
@@ -352,22 +378,6 @@ class TieredTensorStore(_OptimizerStateAccess):
             finally:
                 if self.copies is not None:
                     self.copies.close()  # (after every handle that tracked a copy was given back)
-
-    # -- weights in and out (training thread, between windows) ------------------------------------------------
-    def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
-        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
-        self.stepper.parts.drop_read_ahead(u)  # read before these new values
-        unit_values.write_unit(self.arena, u, values, self.compute_dtype)
-
-    def unit_master_weights(self, u: int) -> list[Tensor]:
-        """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
-        self.drain()
-        return unit_values.read_unit(self.arena, u, self.compute_dtype)
-
-    def restore_parameters(self, master: Callable[[int], list[Tensor]] | None = None) -> None:
-        """The parameters get real memory again, holding the trained weights (``master``: unit u's source)."""
-        for u in range(self.num_units):
-            self.weights.restore(u, (master or self.unit_master_weights)(u))
 
     # -- the TensorStore protocol (training thread) ----------------------------------------------------------
     def begin_window(self, num_microbatches: int) -> None:
@@ -390,7 +400,8 @@ class TieredTensorStore(_OptimizerStateAccess):
         self.stepper.read_ahead(unit, lambda: self._unit_need_bytes(unit))
 
     def _unit_need_bytes(self, unit: int) -> int:
-        """Pool bytes ``unit``'s backward may still take: unheld, unprefetched weights; an unstarted gradient."""
+        """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither
+        held nor prefetched, its gradient accumulator if not started."""
         need = 0 if self.weights.is_staged(unit) else self.arena.ssd_region_bytes(TensorKind.WEIGHTS, unit)
         if not self.grads.in_memory(unit):
             need += self.arena.ssd_region_bytes(TensorKind.GRADIENTS, unit)
@@ -416,8 +427,8 @@ class TieredTensorStore(_OptimizerStateAccess):
         return self.activations.num_checkpoints
 
     def gradient_ready(self, unit: int) -> None:
-        """``unit``'s gradient is complete: hand its step to the stepper, or (deferred mode) record its norms,
-        the gradient waiting on its tier until :meth:`finish_step`."""
+        """``unit``'s gradient for this window is complete: hand its step to the stepper, or (deferred
+        mode) record its norms and let the gradient wait on its tier until :meth:`finish_step`."""
         self.stepper.check()
         if not self.stepper.trains(unit) or not self.grads.has(unit):
             return  # (no gradient reached this unit in this window: torch skips such parameters too)
@@ -436,11 +447,13 @@ class TieredTensorStore(_OptimizerStateAccess):
         self.weights.drop_prefetch(unit)
         self.stepper.submit_backward_part(unit, grad, weights, has_grad, averaged=self.grads.reducer is not None)
 
-    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter], inv_scale: float | None = None) -> Tensor:
+    def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter],
+                     inv_scale: float | None = None) -> Tensor:
         """Deferred mode: scale every waiting gradient as ``clip_grad_norm_`` would (applied at step), by
         the norm of the unscaled gradients under loss scaling."""
         total = self.grads.global_norm(order) * (inv_scale if inv_scale is not None else 1.0)
-        # the lane scales host gradients: on a device tier this reads the norm back (one wait, this mode only)
+        # the lane scales host gradients: on a device tier this reads the norm back (one wait per step,
+        # in this mode only)
         self.stepper.clip_by_norm(max_norm, total.cpu())
         return total
 
@@ -486,8 +499,9 @@ class TieredTensorStore(_OptimizerStateAccess):
         return False
 
     def end_window(self, completed: bool = True) -> None:
-        """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its gradients,
-        as Lightning's ``zero_grad`` would (a completed one's are stepped, or wait for :meth:`finish_step`)."""
+        """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its
+        gradients, as Lightning's own ``zero_grad`` would drop them. A completed window's gradients are
+        all stepped already, or (deferred mode) wait for :meth:`finish_step`."""
         self.activations.end_window()
         if not completed:
             self.discard_gradients()

@@ -127,10 +127,9 @@ class PartStepper:
         lo, hi = opt.part_range(part)
         if lo >= hi or opt.parts[part].shadow is None:
             return
-        speculative = self._staging.slots > 1
-        if speculative and weights_held is not None and not weights_held.pooled:
+        if self._staging.slots > 1 and weights_held is not None and not weights_held.pooled:
             weights_held = None  # host-tier weights: stepped in the other slot (its owner gives it back)
-        stage = self._staging.stage_update if speculative else self._staging.stage
+        stage = self._staging.stage_update  # (a step writes the unit's next slot: the same one with one slot)
         state = self._state
         lay = state.units[unit]
         w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
@@ -199,10 +198,10 @@ class PartStepper:
                     compute: StagedBuffer | None, weights_held: StagedBuffer | None, mflat: Tensor) -> None:
         state = self._state
         w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
-        nxt = self._staging.slots > 1  # (speculative: into the slot not in use; the step's end flips to it)
+        # every write goes to the unit's next slot, which the step's end flips to (with one slot: the only one)
         if states is not None:
             self._staging.put_back(TensorKind.OPTIMIZER_STATES, unit, states,
-                                   state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi), next_slot=nxt)
+                                   state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi), next_slot=True)
         if self._separate_master:
             assert compute is not None
             lay = state.units[unit]
@@ -215,11 +214,11 @@ class PartStepper:
             # the training thread (a gradient accumulator of the same size is zeroed at once), so reading
             # it for the cast after put_back raced with that (found by benchmarks/stress_bf16_lane.py)
             self._staging.put_back(TensorKind.MASTER_WEIGHTS, unit, master,
-                                   state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi), next_slot=nxt)
+                                   state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi), next_slot=True)
             self._staging.put_back(TensorKind.WEIGHTS, unit, compute, w_ranges, release=weights_held is None,
-                                   next_slot=nxt)
+                                   next_slot=True)
         else:
             # the updated fp32 weights are the new compute weights; an acquired buffer is given back by
             # its owner once this write is done
             self._staging.put_back(TensorKind.WEIGHTS, unit, master, w_ranges, release=weights_held is None,
-                                   next_slot=nxt)
+                                   next_slot=True)

@@ -89,7 +89,7 @@ class StateFormat:
         self.dtype = dtype
         self._scratch = threading.local()
         """Per stepping thread: the fp32 scratch its last step widened into, kept for the next step (a
-        fresh allocation of this size costs a page fault per 4 KiB, five times the conversion itself).
+        fresh allocation of this size costs a page fault per 4 KiB, more than the conversion itself).
         Owned by that thread: a step's ``wide`` tensors are views into it until :meth:`narrow`."""
 
     @property

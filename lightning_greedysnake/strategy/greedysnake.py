@@ -200,8 +200,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             checks.check_loss_scaling(self.precision_plugin, self.config.offload.uses_tensor_manager)
         self._layered, self._layered_path = layered, path
         self._inputs = WindowInputs(layered, path)
-        self._guard = NonFiniteGuard(self.config.on_nonfinite, self._warn_once,
-                                     loss_scaling=self.precision_plugin.loss_scaler is not None)
+        self._guard = NonFiniteGuard(self.config.on_nonfinite, self._warn_once, self.precision_plugin.loss_scaler)
         if self.config.offload.uses_tensor_manager:
             manager = self._open_tensor_manager(trainer, module, units, fitting, layered if on_meta else None)
             self._store = manager
@@ -223,7 +222,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
-        """``init_module(empty_init=True)``: with a tensor manager, a meta model; setup fills it unit by unit."""
+        """``trainer.init_module(empty_init=True)``: with the tensor manager, build the model on the meta
+        device; setup then materializes it one unit at a time straight into its tiers."""
         if empty_init and self.config.offload.uses_tensor_manager:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
@@ -348,8 +348,6 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def _finish_window(self) -> None:
         if not self._guard.end_window(self.lightning_module.trainer.global_step):
             self.engine.finish_window()
-        else:
-            self.precision_plugin.window_dropped = True  # (on_nonfinite='skip': loss scaling backs off)
         if self.is_distributed and self.tensor_manager is None:
             self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
 

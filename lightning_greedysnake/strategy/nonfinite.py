@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_greedysnake.engine import WindowEngine
+from lightning_greedysnake.loss_scale import LossScaler
 
 
 class NonFiniteError(FloatingPointError):
@@ -25,11 +26,13 @@ class NonFiniteError(FloatingPointError):
 
 
 class NonFiniteGuard:
-    def __init__(self, mode: str, warn: Callable[[str, str], None], loss_scaling: bool = False) -> None:
+    def __init__(self, mode: str, warn: Callable[[str, str], None],
+                 loss_scaler: LossScaler | None = None) -> None:
         self.mode = mode
         self._warn = warn
-        self._loss_scaling = loss_scaling
-        """16-mixed: a non-finite loss makes non-finite gradients, and the loss scaler skips that step."""
+        self._loss_scaler = loss_scaler
+        """16-mixed: a non-finite loss makes non-finite gradients, and the loss scaler skips that step
+        (told here when ``"skip"`` drops the window before any gradient exists)."""
         self._window: str | None = None
         """The first non-finite loss of the window in progress, described."""
         self._skipping = False
@@ -79,9 +82,11 @@ class NonFiniteGuard:
         skipped, self._skipping = self._skipping, False
         if skipped:
             self.skipped_steps.append(step + 1)
+            if self._loss_scaler is not None:
+                self._loss_scaler.window_dropped = True
             self._warn(f"nonfinite_skip_{step}", f"greedysnake: {what}; on_nonfinite='skip' dropped that step's "
                        "update (no unit was stepped).")
-        elif what is not None and self._loss_scaling:
+        elif what is not None and self._loss_scaler is not None:
             self._warn("nonfinite", f"greedysnake: {what}; under 16-mixed its gradients are not finite either, so "
                        "the loss scaler skips that step and backs off (on_nonfinite='warn'). (Reported once.)")
         elif what is not None:

@@ -201,6 +201,10 @@ def test_settings_come_from_lightnings_plugin_and_bad_ones_are_refused():
     got = GreedySnakePrecision.from_plugin(MixedPrecision("16-mixed", "cuda", scaler=scaler)).loss_scaler
     assert (got.scale, got.growth_factor, got.backoff_factor, got.growth_interval) == (8.0, 4.0, 0.25, 7)
     assert GreedySnakePrecision.from_plugin(MixedPrecision("16-mixed", "cuda", scaler=None)).loss_scaler.scale == 2**16
+    from lightning_greedysnake.loss_scale import LossScaler
+
+    with pytest.raises(ValueError, match=r"growth_interval=0 must be a positive integer\. Fix: e\.g\. 2000"):
+        LossScaler(growth_interval=0)
     with pytest.raises(ValueError, match=r"disabled GradScaler.*Fix"):
         GreedySnakePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False))
     with pytest.raises(ValueError, match=r"16-mixed' with every kind of tensor on 'device'.*strategy='auto'"):
