@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, system: str) -> dict[str, Any]:
                                                if k in ("weights", "master_weights", "optimizer_states"))
 
     def trainer(max_steps: int, callbacks: list) -> L.Trainer:
-        strategy: Any = "auto" if system == "lightning_auto" else GreedySnakeStrategy(
+        strategy: Any = "auto" if system == "lightning_auto" else GreedySnakeStrategy(auto=False,
             offload_dir=root / "offload", offload={"return_weights": False})
         return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed",
                          max_steps=max_steps, accumulate_grad_batches=args.k, logger=False,

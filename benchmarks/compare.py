@@ -31,12 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_bf16_state", "gs_horizontal", "lightning_auto", "deepspeed"]
-"""``gs_planned``: the vertical schedule with the planner's choice, planned from the costs ``gs_vertical``
-measured at the same K (so it runs after it); ``gs_auto``: ``GreedySnakeStrategy(auto=True)``, which
-plans from its own first step; ``gs_bf16_state``: ``gs_vertical`` with the optimizer state kept in bf16
-(``offload.optimizer_state_dtype=bfloat16``; its SSD bytes and step time are given relative to
-``gs_vertical``'s in the same round)."""
+SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_default", "gs_cpu", "gs_bf16_state", "gs_horizontal",
+           "lightning_auto", "deepspeed"]
+"""``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
+placement, every kind on SSD, alpha 0.25, lag 2); ``gs_planned``: it with the planner's choice, planned
+from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
+(``auto=True``: placement planned at setup, the rest after the first step) with ``--host-budget-gb``;
+``gs_default``: ``GreedySnakeStrategy()`` as is (the host budget: half of the available memory);
+``gs_cpu``: the ``greedysnake_cpu`` preset (every kind in RAM; its step time is what ``gs_auto`` and
+``gs_default`` are given relative to, ``time_vs_cpu``); ``gs_bf16_state``: ``gs_vertical`` with the
+optimizer state kept in bf16 (``offload.optimizer_state_dtype=bfloat16``; its SSD bytes and step time
+are given relative to ``gs_vertical``'s in the same round)."""
 
 
 def _ssd_bytes(trainer: Any) -> int:
@@ -54,6 +59,7 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     from _common import gpt_module, token_loader
 
     from lightning_greedysnake import GreedySnakeStrategy
+    from lightning_greedysnake.config import TensorKind
     from lightning_greedysnake.planner import Machine, predict
     from lightning_greedysnake.planner.measure import unit_costs, unit_times
 
@@ -96,22 +102,30 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
             extra["units"] = [dataclasses.asdict(c) for c in costs]
 
     offload: dict[str, Any] = {"return_weights": False, "buffer_budget_bytes": int(args.budget_gb * 2**30) or None}
-    settings: dict[str, Any] = {}
+    settings: dict[str, Any] = {"auto": False}
     if system == "gs_planned":
         chosen = json.loads(args.plan)
-        settings = {"alpha": chosen["alpha"], "lag": chosen["lag"], "layers_per_unit": chosen["layers_per_unit"],
+        settings = {"auto": False, "alpha": chosen["alpha"], "lag": chosen["lag"], "layers_per_unit": chosen["layers_per_unit"],
                     "recompute": chosen["recompute"]}
         offload.update(buffer_budget_bytes=chosen["buffer_budget_bytes"])
         if chosen["recompute"]:
             offload.update(checkpoints=chosen["checkpoints"])
         extra["plan"] = chosen
     if system == "gs_auto":
-        settings = {"auto": True, "auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}
+        settings = {"auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}
+        offload.pop("buffer_budget_bytes")  # planned
+    if system == "gs_default":
+        settings = {}
+        offload.pop("buffer_budget_bytes")
+    if system == "gs_cpu":  # Trainer(strategy="greedysnake_cpu")
+        settings = {"offload": {kind.value: "host" for kind in TensorKind}}
+        offload.pop("buffer_budget_bytes")
     if system == "gs_bf16_state":
         offload.update(optimizer_state_dtype="bfloat16")
     if system == "lightning_auto":
         strategy: Any = "auto"
     else:
+        offload.update(settings.pop("offload", {}))
         strategy = GreedySnakeStrategy(schedule="horizontal" if system == "gs_horizontal" else "vertical",
                                        offload_dir=Path(args.offload_dir) / f"{system}_{k}", offload=offload,
                                        **settings)
@@ -250,7 +264,8 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=0.0,
                         help="greedysnake's offload.buffer_budget_bytes in GiB (0: its default)")
     parser.add_argument("--host-budget-gb", type=float, default=4.0,
-                        help="host memory the planner may use for gs_planned (staging and checkpoints)")
+                        help="host memory the planner may use for gs_planned (staging and checkpoints) and "
+                             "gs_auto (per process: the kinds it keeps in RAM, staging, checkpoints)")
     parser.add_argument("--plan", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compare.json"))
@@ -316,10 +331,13 @@ def main() -> None:
         if row["system"] == "gs_bf16_state" and vertical is not None and vertical.get("ssd_GB_per_step"):
             row["bytes_vs_vertical"] = round(row["ssd_GB_per_step"] / vertical["ssd_GB_per_step"], 3)
             row["time_vs_vertical"] = round(row["step_s"] / vertical["step_s"], 3)
+        cpu = same_k.get("gs_cpu")
+        if row["system"] in ("gs_auto", "gs_default") and cpu is not None:
+            row["time_vs_cpu"] = round(row["step_s"] / cpu["step_s"], 3)
         if row.get("roofline_s"):
             row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
     print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_baseline",
-                       "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical"])
+                       "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
     write_result(str(out), args, [*MODEL_FLAGS, "ks", "steps", "precision", "budget_gb", "baseline", "rounds"], rows,

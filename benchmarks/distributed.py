@@ -50,7 +50,7 @@ def child(args: argparse.Namespace) -> None:
 
     where = Path(args.dir) / f"offload_{devices}_{k}_{args.mode}"
     where.mkdir(parents=True, exist_ok=True)
-    strategy = GreedySnakeStrategy(offload_dir=where, shard_state=args.mode == "sharded")
+    strategy = GreedySnakeStrategy(auto=False, offload_dir=where, shard_state=args.mode == "sharded")
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],

@@ -57,7 +57,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if name == "lightning":
         strategy: Any = "auto"
     else:
-        strategy = GreedySnakeStrategy(
+        strategy = GreedySnakeStrategy(auto=False,
             schedule=schedule, offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"),
             offload=OffloadConfig.everywhere("ssd", return_weights=False), alpha=0.25, lag=1)
     marks: list[float] = []

@@ -78,11 +78,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if name == "lightning_auto":
         strategy: Any = "auto"
     elif name == "greedysnake_cpu":
-        strategy = GreedySnakeStrategy(offload=OffloadConfig.everywhere("host"))
+        strategy = GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("host"))
     else:
         # return_weights=False: copying the trained model back into RAM at the end is what a model larger
         # than RAM cannot afford (and would dominate the peak here)
-        strategy = GreedySnakeStrategy(offload_dir=offload_root / name, offload={"return_weights": False})
+        strategy = GreedySnakeStrategy(auto=False, offload_dir=offload_root / name, offload={"return_weights": False})
     precision = "bf16-mixed" if name.endswith("bf16") else "32-true"
     timer = Timer()
     trainer = L.Trainer(

@@ -36,7 +36,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     alpha, lag = CONFIGS[args.child]
     Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
     loader = token_loader(args.vocab, args.seq, args.k * args.steps)
-    strategy = GreedySnakeStrategy(alpha=alpha, lag=lag, offload_dir=Path(args.offload_dir) / args.child,
+    strategy = GreedySnakeStrategy(auto=False, alpha=alpha, lag=lag, offload_dir=Path(args.offload_dir) / args.child,
                                    offload={"return_weights": False})
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, accumulate_grad_batches=args.k, logger=False,

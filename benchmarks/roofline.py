@@ -31,7 +31,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     schedule, k = args.child.split(":")
     k = int(k)
     Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
-    strategy = GreedySnakeStrategy(schedule=schedule, offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"),
+    strategy = GreedySnakeStrategy(auto=False, schedule=schedule, offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"),
                                    offload={"return_weights": False})
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,

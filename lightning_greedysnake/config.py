@@ -115,6 +115,13 @@ class TensorKind(str, enum.Enum):
     """Each unit's input per micro-batch, kept for the recomputing backward."""
 
 
+FIXED_PLACEMENT = {
+    TensorKind.WEIGHTS: Tier.SSD, TensorKind.MASTER_WEIGHTS: Tier.SSD, TensorKind.OPTIMIZER_STATES: Tier.SSD,
+    TensorKind.GRADIENTS: Tier.SSD, TensorKind.CHECKPOINTS: Tier.HOST,
+}
+"""Where an unset kind goes with ``auto=False``: ZeRO-Infinity's placement."""
+
+
 @dataclass
 class OffloadConfig:
     """Where each kind of tensor lives, and the tensor manager's resources (Hydra group
@@ -129,14 +136,17 @@ class OffloadConfig:
     ``{rank}`` (or ``{local_rank}``), the path with it filled in (``/mnt/nvme{local_rank}/gs``: one SSD
     per process)."""
 
-    weights: Tier | Split = Tier.SSD
-    master_weights: Tier | Split = Tier.SSD
-    optimizer_states: Tier | Split = Tier.SSD
-    gradients: Tier | Split = Tier.SSD
+    weights: Tier | Split | None = None
+    master_weights: Tier | Split | None = None
+    optimizer_states: Tier | Split | None = None
+    gradients: Tier | Split | None = None
     """Each of these four may also be split between host memory and SSD by whole units,
     ``{host: 0.6, ssd: 0.4}``: the first units up to that share of the kind's bytes in RAM (see
-    :class:`Split`)."""
-    checkpoints: Tier = Tier.HOST
+    :class:`Split`). ``None`` (unset): the planner places it at setup (``auto=True``, see
+    :mod:`lightning_greedysnake.planner.placement`), or ``ssd`` (ZeRO-Infinity's placement) with
+    ``auto=False``."""
+    checkpoints: Tier | None = None
+    """``None`` (unset): ``host``."""
 
     optimizer_state_dtype: str = "float32"
     """The dtype the optimizer's per-element state is kept in between steps (on its tier and on the way
@@ -181,7 +191,10 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for kind in TensorKind:
-            setattr(self, kind.value, _placement(f"offload.{kind.value}", getattr(self, kind.value)))
+            if getattr(self, kind.value) is not None:
+                setattr(self, kind.value, _placement(f"offload.{kind.value}", getattr(self, kind.value)))
+        if isinstance(self.checkpoints, Split):
+            raise ValueError(f"offload.checkpoints={self.checkpoints}: checkpoints go to one tier. Fix: 'host' or 'ssd'.")
         self.optimizer_state_dtype = _state_dtype(self.optimizer_state_dtype)
         if self.optimizer_state_dtype != "float32" and not self.uses_tensor_manager:
             raise ValueError(
@@ -249,7 +262,18 @@ class OffloadConfig:
         return list(self.path) if isinstance(self.path, list) else [self.path]
 
     def tier(self, kind: TensorKind) -> Tier | Split:
-        return getattr(self, kind.value)
+        """``kind``'s placement (an unset one: its fixed default, :data:`FIXED_PLACEMENT`)."""
+        value = getattr(self, kind.value)
+        return FIXED_PLACEMENT[kind] if value is None else value
+
+    def unset(self) -> frozenset[TensorKind]:
+        """The kinds whose placement was not given (the planner's to choose)."""
+        return frozenset(kind for kind in TensorKind if getattr(self, kind.value) is None)
+
+    def placed(self, placement: Mapping[TensorKind, Tier | Split] | None = None) -> OffloadConfig:
+        """This config with every unset kind placed: as ``placement`` says, else at its fixed default."""
+        values = {kind.value: (placement or {}).get(kind, self.tier(kind)) for kind in self.unset()}
+        return dataclasses.replace(self, **values) if values else self
 
     @property
     def uses_tensor_manager(self) -> bool:
@@ -281,6 +305,10 @@ class OffloadConfig:
         raise ValueError(f"offload={value!r} must be an OffloadConfig, a mapping of its fields, or None.")
 
 
+FIXED_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "lag": 2, "recompute": True}
+"""What unset ``alpha``, ``lag`` and ``recompute`` are until (with ``auto=True``) the first-step plan."""
+
+
 @dataclass
 class GreedySnakeConfig:
     """Settings of the greedysnake strategy (Hydra group ``strategy``)."""
@@ -294,12 +322,13 @@ class GreedySnakeConfig:
     """Blocks per unit. A unit is what is loaded, checkpointed and recomputed as one piece: only each
     unit's input is kept per micro-batch, so larger units keep fewer checkpoints but recompute more."""
 
-    recompute: bool = True
+    recompute: bool | None = None
     """Backward recomputes each unit from its checkpointed input (RNG restored so dropout masks match).
     ``False`` keeps every unit's autograd graph (its activations, for all K micro-batches) from the
     forward until the unit's backward instead: no recompute, about a quarter less compute, and K times
     one model's activations in memory. The weights still leave memory between uses (views of them that
-    autograd saves are kept as references). ``auto=True`` picks it where it fits the host budget."""
+    autograd saves are kept as references). ``None`` (unset): ``True``, and with ``auto=True`` the
+    first-step plan keeps the graphs where they fit the host budget."""
 
     layered_module: str | None = None
     """Dotted name of the submodule that is the layered model (``""`` for the LightningModule itself).
@@ -308,29 +337,38 @@ class GreedySnakeConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Placement of each kind of tensor and the tensor manager's resources."""
 
-    alpha: float = 0.25
+    alpha: float | None = None
     """Fraction of each unit's optimizer update (by elements) deferred into the next iteration's
     forward, where the SSD and CPU have slack; a unit's forward waits for its own update, so no weight
-    is ever stale. 0: everything is stepped during backward. (With a tensor manager only.)"""
+    is ever stale. 0: everything is stepped during backward. (With a tensor manager only.) ``None``
+    (unset): 0.25 for the first step, then planned with ``auto=True``."""
 
-    lag: int = 2
+    lag: int | None = None
     """How many units the background optimizer may trail the backward by (it steps unit j+lag while
-    unit j computes); bounds the gradients held for it. 0: each unit is stepped synchronously."""
+    unit j computes); bounds the gradients held for it. 0: each unit is stepped synchronously.
+    ``None`` (unset): 2 for the first step, then planned with ``auto=True``."""
 
     shard_state: bool = True
     """With several processes: each rank keeps current and steps only its 1/N chunk of every unit's
     master weights and optimizer state, and the updated compute weights are all-gathered per unit
     (ZeRO's partitioning). ``False``: every rank steps the whole model, as DDP does."""
 
-    auto: bool = False
-    """Plan alpha, lag and the staging budget from this run's own measurements: after the first
-    optimizer step, measure the offload disk and the optimizer, take each unit's compute time from
-    that step, and apply the planner's choice (printed as a table with its predicted step time).
-    ``layers_per_unit`` and checkpoint placement stay as set (``python -m lightning_greedysnake.plan``
-    plans those before a run)."""
+    auto: bool = True
+    """Plan every setting left unset (``None``) from this machine and this run; what you set is kept.
+    At setup: each unset kind's placement (weights, master weights, optimizer state, gradients,
+    fractionally by units) within the host budget, in order of the SSD bytes a step saves per byte of
+    RAM, printed with the SSD traffic it leaves. After the first optimizer step: measure the offload
+    disks (each path) and the optimizer, take each unit's compute time from that step, and apply the
+    planner's alpha, lag, staging budget and recompute (printed as a table with the predicted step time
+    and the binding resource). ``False``: every unset setting takes its fixed default (ZeRO-Infinity's
+    placement, alpha 0.25, lag 2, recompute, the minimum staging budget). ``layers_per_unit`` and
+    checkpoint placement are not planned in a run (``python -m lightning_greedysnake.plan`` plans
+    them before one)."""
 
     auto_host_budget_bytes: int | None = None
-    """Host memory the planner may use for staging and checkpoints; ``None``: a quarter of RAM."""
+    """Host memory the planner may use, per process, for the tensor manager: the kinds it keeps in RAM,
+    its staging buffers and the activation checkpoints in host memory. ``None``: half of the memory
+    available (``MemAvailable``) at setup, shared by the processes on the node."""
 
     on_nonfinite: str = "warn"
     """A micro-batch's loss or a unit's gradient that is not finite (NaN or inf): ``"warn"`` names the
@@ -344,6 +382,20 @@ class GreedySnakeConfig:
 
     trace_path: str | None = None
     """Where the trace goes; ``None``: ``<Trainer default_root_dir>/greedysnake_trace.json``."""
+
+    def unset(self) -> frozenset[str]:
+        """The settings left to the planner (``None``): names as in a config, ``offload.weights``."""
+        mine = {name for name in FIXED_DEFAULTS if getattr(self, name) is None}
+        mine |= {f"offload.{kind.value}" for kind in self.offload.unset()}
+        if self.offload.buffer_budget_bytes is None:
+            mine.add("offload.buffer_budget_bytes")
+        return frozenset(mine)
+
+    def resolved(self, placement: Mapping[TensorKind, Tier | Split] | None = None) -> GreedySnakeConfig:
+        """The settings in effect: unset kinds placed by ``placement`` (else their fixed default), unset
+        alpha, lag and recompute at their fixed defaults (the first step's; the plan may change them)."""
+        values: dict[str, Any] = {name: v for name, v in FIXED_DEFAULTS.items() if getattr(self, name) is None}
+        return dataclasses.replace(self, offload=self.offload.placed(placement), **values)
 
     def __post_init__(self) -> None:
         self.offload = OffloadConfig.from_value(self.offload)
@@ -363,13 +415,14 @@ class GreedySnakeConfig:
                 f"layers_per_unit={self.layers_per_unit} must be >= 1 (blocks per unit). Fix: e.g. "
                 "layers_per_unit=1."
             )
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 <= self.alpha <= 1.0:
+        if self.alpha is not None and (
+                isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 <= self.alpha <= 1.0):
             raise ValueError(
                 f"alpha={self.alpha!r} must be a fraction in [0, 1] (the share of each unit's update deferred "
                 "into the next forward). Fix: e.g. alpha=0.25, or alpha=0 to step everything during backward."
             )
-        self.alpha = float(self.alpha)
-        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
+        self.alpha = None if self.alpha is None else float(self.alpha)
+        if self.lag is not None and (isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0):
             raise ValueError(
                 f"lag={self.lag!r} must be a non-negative integer (units the background optimizer may trail "
                 "backward by). Fix: e.g. lag=2, or lag=0 for synchronous steps."
@@ -386,9 +439,9 @@ class GreedySnakeConfig:
         ):
             raise ValueError(
                 f"auto_host_budget_bytes={self.auto_host_budget_bytes!r} must be a positive number of bytes or "
-                "None (a quarter of RAM). Fix: e.g. auto_host_budget_bytes=8589934592 (8 GiB)."
+                "None (half of the available memory). Fix: e.g. auto_host_budget_bytes=8589934592 (8 GiB)."
             )
-        if not isinstance(self.recompute, bool):
+        if self.recompute is not None and not isinstance(self.recompute, bool):
             raise ValueError(f"recompute={self.recompute!r} must be true or false.")
         if not isinstance(self.shard_state, bool):
             raise ValueError(f"shard_state={self.shard_state!r} must be true or false.")

@@ -118,6 +118,27 @@ class _StateBetweenWindows:
         self.flush()
 
 
+def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
+                 config: OffloadConfig, compute_dtype: torch.dtype, shard: tuple[int, int] | None = None,
+                 slots: tuple[str, ...] | None = None) -> StateLayout:
+    """How :class:`TieredTensorStore` lays ``units`` out (every region's size), without building one: what
+    the placement plan is computed from. ``slots``: the optimizer's, if already discovered."""
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
+    layouts = [
+        build_unit_layout(unit.index, [
+            (param_names.get(id(p), f"unit{unit.index}.{i}"), tuple(p.shape),
+             group_of.get(id(p)) if p.requires_grad else None)
+            for i, p in enumerate(unit.parameters())
+        ])
+        for unit in units
+    ]
+    if slots is None:
+        slots = discover_slots(optimizer) if optimizer is not None else ()
+    return StateLayout(tuple(layouts), _itemsize(compute_dtype), len(slots),
+                       separate_master=compute_dtype != torch.float32, shard=shard,
+                       state_itemsize=StateFormat(STATE_DTYPES[config.optimizer_state_dtype]).itemsize)
+
+
 class TieredTensorStore(_StateBetweenWindows):
     """The SSD/host tensor manager behind the :class:`TensorStore` protocol, plus the optimizer step."""
 
@@ -147,21 +168,10 @@ class TieredTensorStore(_StateBetweenWindows):
         self._engines: list[IOEngine] = []
         self.offload_dirs: list[Path] = []
         self._closed = False
-        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
         self.params: list[list[nn.Parameter]] = [unit.parameters() for unit in units]
-        layouts = [
-            build_unit_layout(unit.index, [
-                (param_names.get(id(p), f"unit{unit.index}.{i}"), tuple(p.shape),
-                 group_of.get(id(p)) if p.requires_grad else None)
-                for i, p in enumerate(ps)
-            ])
-            for unit, ps in zip(units, self.params, strict=True)
-        ]
         self.slots: tuple[str, ...] = discover_slots(optimizer) if optimizer is not None else ()
         self.state_format = StateFormat(STATE_DTYPES[config.optimizer_state_dtype])
-        self.state = StateLayout(tuple(layouts), _itemsize(compute_dtype), len(self.slots),
-                                 separate_master=compute_dtype != torch.float32, shard=shard,
-                                 state_itemsize=self.state_format.itemsize)
+        self.state = state_layout(units, param_names, optimizer, config, compute_dtype, shard, self.slots)
         self.speculative = loss_scaler is not None and not self.clip.defer
         self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1)
         self.copies = copies

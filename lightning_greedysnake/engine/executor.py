@@ -213,7 +213,7 @@ class WindowEngine:
         """Told ``(op name, start, end)`` of every forward and backward op the engine runs (telemetry)."""
         self.chain = chain
         self.units = units
-        self.config = config
+        self.config = config.resolved()  # (unset settings at their fixed defaults: the engine needs values)
         self.store = store
         self.device = device
         self._window: _Window | None = None

@@ -1,39 +1,90 @@
-"""``auto=True``: plan alpha, lag, the staging budget and recompute from the run's first optimizer step,
-and apply the choice between windows."""
+"""``auto=True`` after the first optimizer step: plan the unset ones of alpha, lag, the staging budget and
+recompute from this run's measurements, and apply the choice between windows."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lightning_greedysnake.config import GreedySnakeConfig, Tier
-from lightning_greedysnake.planner import Choice, Machine, plan
+from lightning_greedysnake.offload.staging import REGION_KINDS, SLOTTED, min_budget_bytes
+from lightning_greedysnake.planner import Choice, Machine, PlanError, plan, predict
 from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate, unit_costs, unit_times
+from lightning_greedysnake.strategy.placement import host_budget_bytes
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
+FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_budget_bytes"})
+"""What the first-step plan chooses when the user left it unset."""
 
-def auto_plan(manager: TieredTensorStore, activation_bytes: dict[int, int], config: GreedySnakeConfig, k: int,
-              default_root: Path, broadcast: Callable[[Any], Any]) -> tuple[Choice, GreedySnakeConfig, str]:
-    """Measure the offload disk and the optimizer, take each unit's compute time from the steps so far,
-    plan (every rank runs rank 0's choice) and reconfigure ``manager``. Returns the choice, the config
-    with its ``recompute`` (for the engine, from the next window on) and a report."""
-    manager.drain()
-    probe_dir = manager.offload_dir or default_root
-    read_bps, write_bps = disk_bandwidth(probe_dir, nbytes=64 << 20)
-    fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
-    costs = unit_costs(manager, fwd, bwd, activation_bytes)
-    budget = config.auto_host_budget_bytes or (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4
-    placement = "ssd" if config.offload.checkpoints is Tier.SSD else "host"
-    choice = plan(costs, Machine(read_bps, write_bps, optimizer_rate()), k, int(budget),
-                  manager.checkpoint_bytes, layers_per_unit=(1,),  # costs are per current unit
-                  checkpoint_placements=(placement,))
-    choice = broadcast(choice)  # every rank must run the same schedule and lane
-    manager.reconfigure(choice.alpha, choice.lag, choice.buffer_budget_bytes)
-    if choice.recompute != config.recompute:
-        config = dataclasses.replace(config, recompute=choice.recompute)
-    report = (f"greedysnake auto plan (SSD read {read_bps / 1e9:.2f} GB/s, write {write_bps / 1e9:.2f} GB/s):\n"
-              + choice.table())
-    return choice, config, report
+
+def host_region_bytes(manager: TieredTensorStore) -> int:
+    """RAM the kinds in the host tier take (every slot; this rank's chunk of partitioned kinds)."""
+    arena = manager.arena
+    return sum(manager.state.kept_unit_bytes(kind, u) * (arena.slots if kind in SLOTTED else 1)
+               for kind in REGION_KINDS for u, tier in enumerate(arena.unit_tiers[kind]) if tier is not Tier.SSD)
+
+
+def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Machine, str]:
+    """The offload disks' O_DIRECT bandwidth (each path; units are striped round robin over them, so the
+    slowest binds, once per path) and the host optimizer's element rate. The probes are small (at most
+    16 MiB of file and buffer, 1M optimizer elements: 16 MiB) so that they fit the host budget too."""
+    params = sum(lay.trainable_numel for lay in manager.layouts)
+    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)))
+    if not manager.config.uses_ssd:
+        return Machine(math.inf, math.inf, rate), "no SSD tier"
+    probe = 16 << 20
+    dirs = manager.offload_dirs or [default_root]
+    per_path = [disk_bandwidth(d, nbytes=probe) for d in dirs]
+    read, write = len(dirs) * min(r for r, _ in per_path), len(dirs) * min(w for _, w in per_path)
+    paths = ", ".join(f"{d}: read {r / 1e9:.2f} GB/s, write {w / 1e9:.2f} GB/s" for d, (r, w) in zip(dirs, per_path))
+    return Machine(read, write, rate), paths
+
+
+class FirstStepPlan:
+    """Runs once, after the first optimizer step, when ``auto=True`` left any of
+    :data:`FIRST_STEP_SETTINGS` unset."""
+
+    def __init__(self, settings: GreedySnakeConfig, local_processes: int) -> None:
+        self.settings = settings
+        self.local_processes = local_processes
+        self.pending = settings.auto and bool(settings.unset() & FIRST_STEP_SETTINGS)
+        self.choice: Choice | None = None
+
+    def run(self, manager: TieredTensorStore, activation_bytes: dict[int, int], config: GreedySnakeConfig, k: int,
+            default_root: Path, broadcast: Callable[[Any], Any], report: Callable[[str], None]) -> GreedySnakeConfig:
+        """Measure, plan (every rank runs rank 0's choice), reconfigure ``manager``; returns the config
+        in effect from the next window on (its ``recompute`` is the engine's)."""
+        self.pending = False
+        manager.drain()
+        unset = self.settings.unset()
+        machine, disks = measured_machine(manager, default_root)
+        fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
+        costs = unit_costs(manager, fwd, bwd, activation_bytes)
+        budget = host_budget_bytes(self.settings, self.local_processes) - host_region_bytes(manager)
+        explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
+        lags = (0, 1, 2) if "lag" in unset else (config.lag,)
+        if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
+            lags = tuple(lag for lag in lags if min_budget_bytes(manager.state, manager.config, lag) <= explicit_budget)
+        try:
+            choice = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
+                          alphas=tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
+                          lags=lags or (config.lag,), recompute=(True, False) if "recompute" in unset else (config.recompute,),
+                          checkpoint_placements=("ssd" if config.offload.checkpoints is Tier.SSD else "host",))
+        except PlanError as e:
+            report(f"greedysnake auto plan: keeping the settings in effect ({e})")
+            return config
+        choice = broadcast(choice)
+        self.choice = choice
+        staging = explicit_budget if explicit_budget is not None else choice.buffer_budget_bytes
+        manager.reconfigure(choice.alpha, choice.lag, staging)
+        if choice.recompute != config.recompute:
+            config = dataclasses.replace(config, recompute=choice.recompute)
+        config = dataclasses.replace(config, alpha=choice.alpha, lag=choice.lag)
+        bound = predict(costs, machine, config.schedule.value, k).bound
+        report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
+               f"elements/s; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
+               f"{'binding resource':<22}{bound:>20}")
+        return config

@@ -44,7 +44,7 @@ from lightning_greedysnake.models import check_parameter_ownership, find_layered
 from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import after_fit, checks, progress
-from lightning_greedysnake.strategy.auto_plan import auto_plan
+from lightning_greedysnake.strategy.auto_plan import FirstStepPlan
 from lightning_greedysnake.strategy.checkpoints import StreamedCheckpoints
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import WindowInputs, forward_replaced, loss_of, tokens_in
@@ -56,8 +56,21 @@ from lightning_greedysnake.strategy.manager_setup import (
 )
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
+from lightning_greedysnake.strategy.placement import PlacementPlan, plan_at_setup
 from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
-from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore
+from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore, state_layout
+
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "greedysnake": ("GreedySnake vertical schedule", {"schedule": "vertical"}),
+    "greedysnake_horizontal": (
+        "the horizontal (ZeRO-Infinity) order on the greedysnake engine", {"schedule": "horizontal"}),
+    "greedysnake_cpu": (
+        "GreedySnake vertical schedule with every tensor in host memory (no SSD tier)",
+        {"schedule": "vertical", "offload": OffloadConfig.everywhere(Tier.HOST)},
+    ),
+}
+"""``Trainer(strategy=name)``: the registered names and their settings."""
 
 
 class GreedySnakeStrategy(DataParallelStrategy):
@@ -81,7 +94,10 @@ class GreedySnakeStrategy(DataParallelStrategy):
             settings = {**config, **settings}
             config = None
         # validate first: bad settings fail at construction, before Lightning does anything
-        self.config = GreedySnakeConfig.from_kwargs(config, **settings)
+        self.settings = GreedySnakeConfig.from_kwargs(config, **settings)
+        """What the user set (``None``: unset, the planner's with ``auto=True``)."""
+        self.config = self.settings.resolved()
+        """The settings in effect: unset ones at their fixed defaults until setup plans the placement."""
         super().__init__(checkpoint_io=checkpoint_io)
         self._gs_precision: GreedySnakePrecision | None = None
         if precision_plugin is not None:
@@ -102,6 +118,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """After a teardown that could not give the module its state back: its fail-on-use hooks."""
         self.plan_choice: Any = None
         """The planner's choice when ``auto=True`` (after the first optimizer step)."""
+        self.placement_plan: PlacementPlan | None = None
+        """The placement planned at setup (``auto=True`` and a kind left unset)."""
 
     # -- the precision plugin ----------------------------------------------------------------------
     @property  # type: ignore[override]
@@ -161,16 +179,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        presets = {
-            "greedysnake": ("GreedySnake vertical schedule", {"schedule": "vertical"}),
-            "greedysnake_horizontal": (
-                "the horizontal (ZeRO-Infinity) order on the greedysnake engine", {"schedule": "horizontal"}),
-            "greedysnake_cpu": (
-                "GreedySnake vertical schedule with every tensor in host memory (no SSD tier)",
-                {"schedule": "vertical", "offload": OffloadConfig.everywhere(Tier.HOST)},
-            ),
-        }
-        for name, (description, params) in presets.items():
+        for name, (description, params) in PRESETS.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **params)
 
@@ -183,6 +192,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self._unusable.remove()
             self._unusable = None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self.config = self.settings.resolved()
+        self._first_step = FirstStepPlan(self.settings, self.num_processes)
         if fitting:
             checks.check_module_for_training(module, self._warn_once)
         path, layered, chain = find_layered_model(module, self.config.layered_module)
@@ -233,12 +244,16 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     def _open_tensor_manager(self, trainer: Any, module: Any, units: list, fitting: bool,
                              meta_model: nn.Module | None) -> TieredTensorStore:
-        manager = new_tensor_manager(
-            units, module, self.optimizers[0] if (fitting and self.optimizers) else None, self.config,
-            self.precision_plugin.compute_dtype, self.root_device,
-            clip=checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy(),
-            shard=(self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None,
-            loss_scaler=self.precision_plugin.loss_scaler)
+        optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
+        clip = checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy()
+        shard = (self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None
+        scaler, dtype = self.precision_plugin.loss_scaler, self.precision_plugin.compute_dtype
+        self.config, self.placement_plan = plan_at_setup(
+            self.settings, state_layout(units, {}, optimizer, self.config.offload, dtype, shard),
+            trainer.accumulate_grad_batches, speculative=scaler is not None and not clip.defer,
+            clip_norm=clip.defer, local_processes=self.num_processes, broadcast=self.broadcast, report=rank_zero_info)
+        manager = new_tensor_manager(units, module, optimizer, self.config, dtype, self.root_device, clip=clip,
+                                     shard=shard, loss_scaler=scaler)
         self.connect_collectives(manager)
         self._dir = OffloadDirectories(self.config.offload)
         open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),
@@ -363,13 +378,13 @@ class GreedySnakeStrategy(DataParallelStrategy):
         manager = self.tensor_manager
         if manager is not None:
             self._guard.check_gradients(manager.stepper.take_nonfinite(), self.lightning_module.trainer.global_step)
-        if self.config.auto and self.plan_choice is None and manager is not None:
+        if manager is not None and self._first_step.pending:
             trainer = self.lightning_module.trainer
-            self.plan_choice, self.config, report = auto_plan(
-                manager, self.engine.activation_bytes, self.config, trainer.accumulate_grad_batches,
-                Path(trainer.default_root_dir), self.broadcast)
+            self.config = self._first_step.run(manager, self.engine.activation_bytes, self.config,
+                                               trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
+                                               self.broadcast, rank_zero_info)
             self.engine.config = self.config  # between windows: the engine reads it op by op
-            rank_zero_info(report)
+            self.plan_choice = self._first_step.choice
         progress.log_step(self.lightning_module.trainer, entry)
 
     # -- state dicts and checkpoints (the tensor manager holds the real values) -------------------------

@@ -160,21 +160,24 @@ PLACEMENTS = {
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("placement", [*PLACEMENTS, "planned"])
 def test_matches_auto_on_cuda(placement, precision):
-    got = fit(GreedySnakeStrategy(offload=PLACEMENTS[placement]), precision, callbacks=(DeviceTierSeen(),))
+    # "planned": the defaults (auto=True) with a host budget that splits the kinds between RAM and SSD
+    settings = {"auto_host_budget_bytes": 18 << 20} if placement == "planned" else {
+        "auto": False, "offload": PLACEMENTS[placement]}
+    got = fit(GreedySnakeStrategy(**settings), precision, callbacks=(DeviceTierSeen(),))
     assert_matches(got, reference(precision), precision)
 
 
 @pytest.mark.parametrize(("alpha", "lag", "schedule"), [(0.0, 0, "vertical"), (0.5, 2, "vertical"),
                                                         (0.25, 1, "horizontal")])
 def test_alpha_lag_and_schedules_match_auto_on_cuda(alpha, lag, schedule):
-    got = fit(GreedySnakeStrategy(alpha=alpha, lag=lag, schedule=schedule), "32-true")
+    got = fit(GreedySnakeStrategy(auto=False, alpha=alpha, lag=lag, schedule=schedule), "32-true")
     assert_matches(got, reference("32-true"), "32-true")
 
 
 def test_norm_clipping_matches_auto_on_cuda():
-    got = fit(GreedySnakeStrategy(), "32-true", gradient_clip_val=0.05)
+    got = fit(GreedySnakeStrategy(auto=False), "32-true", gradient_clip_val=0.05)
     assert_matches(got, reference("32-true", gradient_clip_val=0.05), "32-true")
 
 
@@ -196,7 +199,7 @@ def test_fp16_mixed_matches_lightnings_own_16_mixed_on_cuda():
     """fp16 compute weights with dynamic loss scaling against Lightning's 16-mixed (fp32 parameters under
     autocast, torch.amp.GradScaler): the same loss-scale history, and the losses within fp16's rounding."""
     ours, theirs = LossScale(), LossScale()
-    got = fit(GreedySnakeStrategy(), "16-mixed", callbacks=(DeviceTierSeen(), ours))
+    got = fit(GreedySnakeStrategy(auto=False), "16-mixed", callbacks=(DeviceTierSeen(), ours))
     ref = fit("auto", "16-mixed", callbacks=(theirs,))
     assert got["steps"] == ref["steps"] == STEPS
     assert ours.scales == theirs.scales and ours.scales
@@ -209,7 +212,7 @@ def test_gpu_memory_returns_to_its_starting_level_after_fit():
     gc.collect()
     torch.cuda.synchronize()  # (test code: settle before measuring)
     before = torch.cuda.memory_allocated()
-    fit(GreedySnakeStrategy())
+    fit(GreedySnakeStrategy(auto=False))
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
@@ -239,7 +242,7 @@ class CountSynchronize(L.Callback):
 
 def test_no_synchronize_in_the_steady_state(monkeypatch):
     counter = CountSynchronize(monkeypatch)
-    fit(GreedySnakeStrategy(alpha=0.25, lag=1), "bf16-mixed", callbacks=(counter,))
+    fit(GreedySnakeStrategy(auto=False, alpha=0.25, lag=1), "bf16-mixed", callbacks=(counter,))
     assert counter.calls == 0
 
 

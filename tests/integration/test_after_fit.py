@@ -36,7 +36,7 @@ def _fit(strategy: Any, root: Path, epochs: int = 1, ckpt_path: str | None = Non
 
 def test_a_checkpoint_saved_after_fit_holds_the_optimizer_state_as_under_auto(tmp_path):
     saved = {}
-    for name, strategy in (("auto", "auto"), ("gs", GreedySnakeStrategy())):
+    for name, strategy in (("auto", "auto"), ("gs", GreedySnakeStrategy(auto=False))):
         _, trainer = _fit(strategy, tmp_path / name)
         trainer.save_checkpoint(tmp_path / f"{name}.ckpt")  # after fit returned
         saved[name] = torch.load(tmp_path / f"{name}.ckpt", weights_only=False)
@@ -49,12 +49,12 @@ def test_a_checkpoint_saved_after_fit_holds_the_optimizer_state_as_under_auto(tm
             assert torch.allclose(gs_state[i][key].float(), auto_state[i][key].float(), atol=1e-5), (i, key)
     # resumed from those files, each lands where the other does (Adam's moments did not restart)
     resumed_auto, _ = _fit("auto", tmp_path / "ra", epochs=2, ckpt_path=str(tmp_path / "auto.ckpt"))
-    resumed_gs, _ = _fit(GreedySnakeStrategy(), tmp_path / "rg", epochs=2, ckpt_path=str(tmp_path / "gs.ckpt"))
+    resumed_gs, _ = _fit(GreedySnakeStrategy(auto=False), tmp_path / "rg", epochs=2, ckpt_path=str(tmp_path / "gs.ckpt"))
     assert max_abs_diff(_params(resumed_gs), _params(resumed_auto)) <= 1e-5
 
 
 def test_without_return_weights_saving_or_using_the_model_after_fit_says_where_the_state_went(tmp_path):
-    module, trainer = _fit(GreedySnakeStrategy(offload={"return_weights": False}), tmp_path)
+    module, trainer = _fit(GreedySnakeStrategy(auto=False, offload={"return_weights": False}), tmp_path)
     with pytest.raises(StateNotReturned, match=r"offload.return_weights=False.*Fix: load a checkpoint"):
         trainer.save_checkpoint(tmp_path / "after.ckpt")
     x = next(iter(token_loader(1)))[0]
@@ -80,7 +80,7 @@ def test_an_exception_caught_by_the_caller_leaves_the_last_complete_update_as_un
     """The failure comes as window 3 starts (after 2 optimizer steps, alpha parts still pending): the
     module holds step 2's weights, as under strategy='auto', and the warning says so."""
     got = {}
-    for name, strategy in (("auto", "auto"), ("gs", GreedySnakeStrategy())):
+    for name, strategy in (("auto", "auto"), ("gs", GreedySnakeStrategy(auto=False))):
         L.seed_everything(0, verbose=False)
         module = TinyGPTModule(lr=3e-3)
         with pytest.raises(RuntimeError, match="stop here"), pytest.warns(UserWarning) as caught:
@@ -111,7 +111,7 @@ def test_a_failure_in_the_middle_of_a_windows_backward_says_which_units_are_ahea
 
     module.model.blocks[0].register_forward_pre_hook(fail_in_recompute)
     with pytest.raises(RuntimeError, match="unit 0 failed"), pytest.warns(UserWarning) as caught:
-        _fit(GreedySnakeStrategy(alpha=alpha), tmp_path, callbacks=[Arm()], module=module)
+        _fit(GreedySnakeStrategy(auto=False, alpha=alpha), tmp_path, callbacks=[Arm()], module=module)
     assert any("units [1, 2] were already updated" in str(w.message) and "global step 1" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
     assert all(torch.isfinite(p).all() for p in module.parameters())
@@ -129,7 +129,7 @@ def test_a_failed_optimizer_lane_leaves_a_model_that_fails_on_use_naming_the_fix
 
     module = TinyGPTModule(lr=3e-3)
     with pytest.raises(OptimizerLaneError, match="disk went away"):
-        _fit(GreedySnakeStrategy(), tmp_path, callbacks=[Break()], module=module)
+        _fit(GreedySnakeStrategy(auto=False), tmp_path, callbacks=[Break()], module=module)
     x = next(iter(token_loader(1)))[0]
     with pytest.raises(StateNotReturned, match=r"could not read this model's weights back.*Fix: load a checkpoint"):
         module.model(x)

@@ -9,28 +9,71 @@ import lightning as L
 import pytest
 
 from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.config import TensorKind, Tier
 from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
 
 
-def _fit(strategy: GreedySnakeStrategy) -> dict:
+def _fit(strategy: GreedySnakeStrategy, callbacks: list | None = None) -> dict:
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(n_layer=3, lr=3e-3)
-    make_trainer(strategy, 3, max_epochs=2).fit(module, token_loader(12))
+    make_trainer(strategy, 3, max_epochs=2, callbacks=callbacks or []).fit(module, token_loader(12))
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-@pytest.mark.parametrize("start", [{"alpha": 0.5, "lag": 0}, {"alpha": 0.0, "lag": 2}])
-def test_auto_plans_after_the_first_step_and_stays_exact(start, caplog):
-    ref = _fit(GreedySnakeStrategy(**start))
-    strategy = GreedySnakeStrategy(auto=True, auto_host_budget_bytes=1 << 30, **start)
+ALL_SSD = {kind: "ssd" for kind in ("weights", "master_weights", "optimizer_states", "gradients")}
+
+
+class Applied(L.Callback):
+    """What the tensor manager runs with after the first-step plan."""
+
+    def on_train_end(self, trainer, module):
+        manager = trainer.strategy.tensor_manager
+        self.alpha, self.lag, self.budget = manager.alpha, manager.lag, manager.pool.budget_bytes
+
+
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+def test_auto_plans_the_unset_settings_after_the_first_step_and_stays_exact(schedule, caplog):
+    ref = _fit(GreedySnakeStrategy(auto=False, schedule=schedule, offload=ALL_SSD))  # alpha 0.25, lag 2
+    strategy, applied = GreedySnakeStrategy(schedule=schedule, auto_host_budget_bytes=1 << 30, offload=ALL_SSD), Applied()
     with caplog.at_level("INFO"):
-        got = _fit(strategy)
+        got = _fit(strategy, [applied])
     choice = strategy.plan_choice
     assert choice is not None and 0.0 <= choice.alpha <= 1.0 and choice.lag in (0, 1, 2)
     assert choice.host_bytes <= 1 << 30
+    assert (applied.alpha, applied.lag, applied.budget) == (choice.alpha, choice.lag, choice.buffer_budget_bytes)
     assert strategy.config.recompute == choice.recompute  # applied (keeping graphs is a choice too)
     assert "greedysnake auto plan" in caplog.text and "predicted step (s)" in caplog.text
+    assert "binding resource" in caplog.text and "read" in caplog.text  # the disk was measured
     assert max_abs_diff(got, ref) == 0  # re-splitting the optimizer keeps its state: same numbers
+
+
+def test_the_first_step_plan_keeps_every_setting_given():
+    applied = Applied()
+    strategy = GreedySnakeStrategy(alpha=0.1, lag=1, recompute=True, auto_host_budget_bytes=1 << 30,
+                                   offload={**ALL_SSD, "buffer_budget_bytes": 48 << 20})
+    _fit(strategy, [applied])
+    choice = strategy.plan_choice
+    assert choice is None  # nothing was left to plan
+    strategy = GreedySnakeStrategy(alpha=0.1, lag=1, auto_host_budget_bytes=1 << 30, offload=ALL_SSD)
+    _fit(strategy, [applied])
+    choice = strategy.plan_choice
+    assert (choice.alpha, choice.lag, applied.alpha, applied.lag) == (0.1, 1, 0.1, 1)
+    assert applied.budget == choice.buffer_budget_bytes  # (the budget and recompute were planned)
+    strategy = GreedySnakeStrategy(recompute=True, auto_host_budget_bytes=1 << 30,
+                                   offload={**ALL_SSD, "buffer_budget_bytes": 48 << 20})
+    _fit(strategy, [applied])
+    assert strategy.plan_choice.recompute and strategy.config.recompute and applied.budget == 48 << 20
+
+
+def test_auto_false_keeps_the_fixed_defaults(caplog):
+    applied = Applied()
+    strategy = GreedySnakeStrategy(auto=False)
+    with caplog.at_level("INFO"):
+        _fit(strategy, [applied])
+    assert strategy.plan_choice is None and strategy.placement_plan is None
+    assert "plan" not in caplog.text
+    assert (applied.alpha, applied.lag) == (0.25, 2)
+    assert all(strategy.config.offload.tier(TensorKind(kind)) is Tier.SSD for kind in ALL_SSD)
 
 
 def test_bad_auto_settings():
@@ -52,10 +95,10 @@ def test_reconfiguring_alpha_and_lag_mid_run_keeps_the_optimizer_state():
                 manager.reconfigure(alpha=0.0, lag=2, buffer_budget_bytes=manager.pool.budget_bytes)
                 Switch.fired = True
 
-    ref = _fit(GreedySnakeStrategy(alpha=0.5, lag=0))
+    ref = _fit(GreedySnakeStrategy(auto=False, alpha=0.5, lag=0))
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(n_layer=3, lr=3e-3)
-    strategy = GreedySnakeStrategy(alpha=0.5, lag=0)
+    strategy = GreedySnakeStrategy(auto=False, alpha=0.5, lag=0)
     make_trainer(strategy, 3, max_epochs=2, callbacks=[Switch()]).fit(module, token_loader(12))
     got = {n: p.detach().clone() for n, p in module.named_parameters()}
     assert Switch.fired and strategy.config.alpha == 0.5  # (the manager's, not the config's, changed)
@@ -81,7 +124,7 @@ def test_auto_can_switch_to_kept_graphs_mid_run_exactly():
     def fit(callbacks: list) -> dict:
         L.seed_everything(0, verbose=False)
         module = TinyGPTModule(n_layer=3, lr=3e-3, dropout=0.2)
-        make_trainer(GreedySnakeStrategy(), 3, max_epochs=2, callbacks=callbacks).fit(module, token_loader(12))
+        make_trainer(GreedySnakeStrategy(auto=False), 3, max_epochs=2, callbacks=callbacks).fit(module, token_loader(12))
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
     switched = fit([Switch()])

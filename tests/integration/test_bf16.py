@@ -90,7 +90,7 @@ def reference() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("placement", ["ssd", "host"])
 def test_bf16_mixed_matches_the_same_policy_in_plain_pytorch(reference, schedule, placement):
     offload = OffloadConfig.everywhere("host") if placement == "host" else None
-    got, probe = greedysnake_bf16(GreedySnakeStrategy(schedule=schedule, offload=offload))
+    got, probe = greedysnake_bf16(GreedySnakeStrategy(auto=False, schedule=schedule, offload=offload))
     assert probe.compute_dtype is torch.bfloat16
     assert all(p.dtype is torch.float32 for p in got.values())  # the master weights come back
     assert max_abs_diff(got, reference) <= 1e-5
@@ -105,7 +105,7 @@ def test_bf16_mixed_matches_the_same_policy_in_plain_pytorch(reference, schedule
 
 def test_the_policy_reference_differs_from_fp32_training(reference):
     """Guards the comparison: the bf16 policy lands measurably away from fp32 training."""
-    fp32, _ = greedysnake_bf16(GreedySnakeStrategy(), precision="32-true")
+    fp32, _ = greedysnake_bf16(GreedySnakeStrategy(auto=False), precision="32-true")
     assert max_abs_diff(fp32, reference) > 1e-4
 
 
@@ -113,7 +113,7 @@ def test_the_policy_reference_differs_from_fp32_training(reference):
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
 def test_other_precisions_are_refused_with_the_fix(precision, strategy):
     with pytest.raises(ValueError, match=r"precision=.*not supported by strategy='greedysnake'.*Fix"):
-        make_trainer(GreedySnakeStrategy() if strategy == "instance" else "greedysnake", 1, precision=precision)
+        make_trainer(GreedySnakeStrategy(auto=False) if strategy == "instance" else "greedysnake", 1, precision=precision)
 
 
 def test_bf16_mixed_with_everything_on_the_device_is_lightnings_own_policy():
@@ -121,5 +121,5 @@ def test_bf16_mixed_with_everything_on_the_device_is_lightnings_own_policy():
     L.seed_everything(0, verbose=False)
     ref = TinyGPTModule(n_layer=3, lr=LR)
     make_trainer("auto", K, max_epochs=1, precision="bf16-mixed").fit(ref, token_loader(NUM_BATCHES))
-    got, _ = greedysnake_bf16(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")), epochs=1)
+    got, _ = greedysnake_bf16(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("device")), epochs=1)
     assert max_abs_diff(got, {n: p.detach() for n, p in ref.named_parameters()}) <= 1e-5

@@ -45,20 +45,20 @@ SETTINGS = {
 
 @pytest.mark.parametrize("settings", list(SETTINGS.values()), ids=list(SETTINGS))
 def test_resume_at_epoch_boundary_equals_uninterrupted(tmp_path, settings):
-    uninterrupted, _ = _fit(GreedySnakeStrategy(**settings), tmp_path / "a")
-    _fit(GreedySnakeStrategy(**settings), tmp_path / "b", max_epochs=1)
+    uninterrupted, _ = _fit(GreedySnakeStrategy(auto=False, **settings), tmp_path / "a")
+    _fit(GreedySnakeStrategy(auto=False, **settings), tmp_path / "b", max_epochs=1)
     last = tmp_path / "b" / "last.ckpt"
     assert last.is_dir() and CheckpointReader(last).manifest["optimizer"]  # the directory format
-    resumed, trainer = _fit(GreedySnakeStrategy(**settings), tmp_path / "b", ckpt_path=str(last))
+    resumed, trainer = _fit(GreedySnakeStrategy(auto=False, **settings), tmp_path / "b", ckpt_path=str(last))
     assert trainer.global_step == 12
     assert max_abs_diff(uninterrupted, resumed) <= 1e-6
 
 
 def test_bf16_resume_equals_uninterrupted(tmp_path):
     """fp32 master weights and moments, and the unit optimizers' step counters, survive a save."""
-    uninterrupted, _ = _fit(GreedySnakeStrategy(), tmp_path / "a", precision="bf16-mixed")
-    _fit(GreedySnakeStrategy(), tmp_path / "b", max_epochs=1, precision="bf16-mixed")
-    resumed, _ = _fit(GreedySnakeStrategy(), tmp_path / "b", ckpt_path="last", precision="bf16-mixed")
+    uninterrupted, _ = _fit(GreedySnakeStrategy(auto=False), tmp_path / "a", precision="bf16-mixed")
+    _fit(GreedySnakeStrategy(auto=False), tmp_path / "b", max_epochs=1, precision="bf16-mixed")
+    resumed, _ = _fit(GreedySnakeStrategy(auto=False), tmp_path / "b", ckpt_path="last", precision="bf16-mixed")
     assert max_abs_diff(uninterrupted, resumed) <= 1e-6
 
 
@@ -104,7 +104,7 @@ def test_a_plain_lightning_checkpoint_resumes_under_greedysnake(tmp_path):
     plain = tmp_path / "plain" / "last.ckpt"
     assert plain.is_file()
     reference, _ = _fit("auto", tmp_path / "r", ckpt_path=str(plain))
-    got, _ = _fit(GreedySnakeStrategy(), tmp_path / "g", ckpt_path=str(plain))
+    got, _ = _fit(GreedySnakeStrategy(auto=False), tmp_path / "g", ckpt_path=str(plain))
     assert max_abs_diff(reference, got) <= 1e-5
 
 
@@ -131,13 +131,13 @@ def test_saving_streams_one_unit_at_a_time(tmp_path):
 
                 setattr(manager, name, spied)
 
-    _fit(GreedySnakeStrategy(offload={"return_weights": False}), tmp_path, max_epochs=1,
+    _fit(GreedySnakeStrategy(auto=False, offload={"return_weights": False}), tmp_path, max_epochs=1,
          module=TinyGPTModule(n_layer=4, lr=3e-3), callbacks=[Spy(), ModelCheckpoint(dirpath=tmp_path)])
     assert len(overlaps) == 4 and max(overlaps) == 0  # one save of 4 units
 
 
 def test_save_last_reuses_the_files_of_the_checkpoint_just_saved(tmp_path):
-    _, trainer = _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1)
+    _, trainer = _fit(GreedySnakeStrategy(auto=False), tmp_path, max_epochs=1)
     top = CheckpointReader(tmp_path / "epoch=0-step=4.ckpt")
     last = CheckpointReader(tmp_path / "last.ckpt")
     for rel in top.files_under("model/"):
@@ -147,13 +147,13 @@ def test_save_last_reuses_the_files_of_the_checkpoint_just_saved(tmp_path):
 
 
 def test_a_save_replaces_the_previous_payload_and_clears_leftovers(tmp_path):
-    _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1)
+    _fit(GreedySnakeStrategy(auto=False), tmp_path, max_epochs=1)
     last = tmp_path / "last.ckpt"
     stray = last / "v-from-a-killed-save"
     stray.mkdir()
     (stray / "half.safetensors").write_bytes(b"x" * 10)
     first = CheckpointReader(last).payload.name
-    _fit(GreedySnakeStrategy(), tmp_path, max_epochs=2, ckpt_path=str(last))
+    _fit(GreedySnakeStrategy(auto=False), tmp_path, max_epochs=2, ckpt_path=str(last))
     entries = sorted(p.name for p in last.iterdir())
     assert entries == ["CURRENT", CheckpointReader(last).payload.name] and first not in entries
 
@@ -192,10 +192,10 @@ def _damage(how: str, ckpt: Path) -> Path:
 @pytest.mark.parametrize("how", ["missing", "truncated", "corrupted", "no_current", "manifest_flipped",
                                  "manifest_swapped_unit"])
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, how):
-    _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1)
+    _fit(GreedySnakeStrategy(auto=False), tmp_path, max_epochs=1)
     target = _damage(how, tmp_path / "last.ckpt")
     with pytest.raises(CheckpointError, match=str(target.name)) as info:
-        _fit(GreedySnakeStrategy(), tmp_path / "resume", ckpt_path=str(tmp_path / "last.ckpt"))
+        _fit(GreedySnakeStrategy(auto=False), tmp_path / "resume", ckpt_path=str(tmp_path / "last.ckpt"))
     assert "Fix" in str(info.value)
 
 
@@ -206,7 +206,7 @@ def test_a_save_onto_a_full_disk_names_the_file_and_the_fix_and_leaves_nothing(t
         every = ModelCheckpoint(dirpath=mount, every_n_train_steps=2, save_top_k=-1, filename="{step}")
         with pytest.raises(OSError, match=r"saving checkpoint .*step=2\.ckpt failed writing .*: No space left"
                                           r".*Fix: free space.*previous checkpoint.*untouched"):
-            _fit(GreedySnakeStrategy(offload_dir=tmp_path / "off"), tmp_path, max_epochs=1, callbacks=[every])
+            _fit(GreedySnakeStrategy(auto=False, offload_dir=tmp_path / "off"), tmp_path, max_epochs=1, callbacks=[every])
         assert list(mount.iterdir()) == []
 
 
@@ -224,9 +224,9 @@ class WithOpaqueHparams(TinyGPTModule):
 
 
 def test_loading_never_unpickles_arbitrary_objects(tmp_path):
-    _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1, module=WithOpaqueHparams())
+    _fit(GreedySnakeStrategy(auto=False), tmp_path, max_epochs=1, module=WithOpaqueHparams())
     with pytest.raises(CheckpointError, match=r"trainer_state.pt holds an object.*weights_only=True"):
-        _fit(GreedySnakeStrategy(), tmp_path / "r", module=WithOpaqueHparams(), ckpt_path=str(tmp_path / "last.ckpt"))
+        _fit(GreedySnakeStrategy(auto=False), tmp_path / "r", module=WithOpaqueHparams(), ckpt_path=str(tmp_path / "last.ckpt"))
 
 
 @pytest.mark.parametrize("call, error", [
@@ -239,7 +239,7 @@ def test_storage_options_and_remote_paths_are_refused(tmp_path, call, error):
             trainer.save_checkpoint(**call)
 
     with pytest.raises((TypeError, ValueError), match=error):
-        _fit(GreedySnakeStrategy(), tmp_path, max_epochs=1, callbacks=[SaveMidRun()])
+        _fit(GreedySnakeStrategy(auto=False), tmp_path, max_epochs=1, callbacks=[SaveMidRun()])
 
 
 def test_export_to_a_plain_lightning_checkpoint_resumes_under_the_default_strategy(tmp_path):
@@ -247,10 +247,10 @@ def test_export_to_a_plain_lightning_checkpoint_resumes_under_the_default_strate
     exactly where greedysnake itself resumes from the directory."""
     from lightning_greedysnake.export import export_lightning
 
-    _fit(GreedySnakeStrategy(), tmp_path / "g", max_epochs=1)
+    _fit(GreedySnakeStrategy(auto=False), tmp_path / "g", max_epochs=1)
     plain = export_lightning(tmp_path / "g" / "last.ckpt", tmp_path / "plain.ckpt")
     under_auto, _ = _fit("auto", tmp_path / "a", ckpt_path=str(plain))
-    under_gs, _ = _fit(GreedySnakeStrategy(), tmp_path / "b", ckpt_path=str(tmp_path / "g" / "last.ckpt"))
+    under_gs, _ = _fit(GreedySnakeStrategy(auto=False), tmp_path / "b", ckpt_path=str(tmp_path / "g" / "last.ckpt"))
     assert max_abs_diff(under_auto, under_gs) <= 1e-5
     loaded = TinyGPTModule.load_from_checkpoint(plain, weights_only=True)
     assert loaded.model.lm_head.weight.shape == (32, 16)

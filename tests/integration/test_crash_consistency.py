@@ -68,7 +68,7 @@ CHILD = textwrap.dedent("""
             trainer.save_checkpoint(f"{root}/last.ckpt")
 
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(), 3, max_epochs=50, default_root_dir=root,
+    trainer = make_trainer(GreedySnakeStrategy(auto=False), 3, max_epochs=50, default_root_dir=root,
                            callbacks=[SaveEveryEpoch(), Slow()])
     trainer.fit(TinyGPTModule(lr=3e-3), token_loader(10))
 """)
@@ -102,7 +102,7 @@ def _run_and_kill(tmp_path: Path, mode: str, wait_for: str, delay: float) -> Pat
 def _resume_from(last: Path, root: Path, epochs: int) -> tuple[dict, int]:
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(lr=3e-3)
-    trainer = make_trainer(GreedySnakeStrategy(), 3, max_epochs=epochs, default_root_dir=root)
+    trainer = make_trainer(GreedySnakeStrategy(auto=False), 3, max_epochs=epochs, default_root_dir=root)
     trainer.fit(module, token_loader(10), ckpt_path=str(last))
     return {n: p.detach().clone() for n, p in module.named_parameters()}, trainer.global_step
 
@@ -110,7 +110,7 @@ def _resume_from(last: Path, root: Path, epochs: int) -> tuple[dict, int]:
 def _uninterrupted(root: Path, epochs: int) -> dict:
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(lr=3e-3)
-    make_trainer(GreedySnakeStrategy(), 3, max_epochs=epochs, default_root_dir=root).fit(module, token_loader(10))
+    make_trainer(GreedySnakeStrategy(auto=False), 3, max_epochs=epochs, default_root_dir=root).fit(module, token_loader(10))
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 

@@ -63,7 +63,7 @@ PLACEMENTS = {
 def test_the_device_tier_matches_lightning(simulated, placement, schedule):
     ref = reference("gpt", 3)
     seen = DeviceTierSeen()
-    got = run(GreedySnakeStrategy(schedule=schedule, offload=PLACEMENTS[placement], alpha=0.25, lag=1), "gpt", 3,
+    got = run(GreedySnakeStrategy(auto=False, schedule=schedule, offload=PLACEMENTS[placement], alpha=0.25, lag=1), "gpt", 3,
               callbacks=(seen,))
     assert_matches(got, ref)
     assert seen.copies is not None and seen.copies.copies > 0
@@ -73,7 +73,7 @@ def test_the_device_tier_matches_lightning(simulated, placement, schedule):
 @pytest.mark.parametrize(("alpha", "lag"), [(0.0, 0), (0.5, 2)])
 def test_the_device_tier_with_norm_clipping_and_overlap_matches_lightning(simulated, alpha, lag):
     ref = run("auto", "gpt", 4, trainer_kwargs={"gradient_clip_val": 0.05})
-    got = run(GreedySnakeStrategy(alpha=alpha, lag=lag), "gpt", 4, trainer_kwargs={"gradient_clip_val": 0.05})
+    got = run(GreedySnakeStrategy(auto=False, alpha=alpha, lag=lag), "gpt", 4, trainer_kwargs={"gradient_clip_val": 0.05})
     assert_matches(got, ref)
 
 
@@ -92,7 +92,7 @@ def test_a_compute_stream_that_does_not_wait_for_its_copy_gives_a_wrong_result(s
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the non-finite losses it produces are reported)
-            got = run(GreedySnakeStrategy(), "gpt", 3)
+            got = run(GreedySnakeStrategy(auto=False), "gpt", 3)
     except RuntimeError as err:  # or autograd sees the late copy change memory it saved for backward
         assert "modified by an inplace operation" in str(err)
         return
@@ -104,13 +104,13 @@ def test_a_lane_that_does_not_wait_for_the_gradients_copy_gives_a_wrong_result(s
     the copy filling it, so the lane's wait returns at once): the steps read NaN, and the result is wrong."""
     track_read = Staged.track_read
     monkeypatch.setattr(Staged, "track_read", lambda self, fut: None if isinstance(fut, Copy) else track_read(self, fut))
-    got = run(GreedySnakeStrategy(), "gpt", 3)
+    got = run(GreedySnakeStrategy(auto=False), "gpt", 3)
     assert _differs(got, reference("gpt", 3))
 
 
 def test_memory_on_the_simulated_device_is_freed_after_fit(simulated):
     seen = DeviceTierSeen()
-    run(GreedySnakeStrategy(offload={"checkpoints": "ssd"}), "gpt", 3, callbacks=(seen,))
+    run(GreedySnakeStrategy(auto=False, offload={"checkpoints": "ssd"}), "gpt", 3, callbacks=(seen,))
     copies, seen.copies, seen._manager = seen.copies, None, None
     assert copies is not None and copies.copies > 0
     gc.collect()
@@ -134,7 +134,7 @@ def test_each_gradient_leaves_the_device_once_per_window_in_the_vertical_order(s
     """Accumulated on the device in fp32 over the window's micro-batches: one D2H copy per unit per window
     (vertical); the horizontal order sends partial gradients out between micro-batches."""
     counted = CopiedBytes()
-    got = run(GreedySnakeStrategy(schedule=schedule, offload={"checkpoints": "device"}), "gpt", 4,
+    got = run(GreedySnakeStrategy(auto=False, schedule=schedule, offload={"checkpoints": "device"}), "gpt", 4,
               callbacks=(counted,))
     once = got["global_step"] * counted.grad_bytes  # 10 batches, K=4: windows of 4, 4 and 2 micro-batches
     if schedule == "vertical":

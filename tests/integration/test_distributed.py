@@ -41,7 +41,7 @@ CHILD = textwrap.dedent("""
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = json.loads(args.settings)
-    strategy = GreedySnakeStrategy(**settings) if args.strategy == "greedysnake" else args.strategy
+    strategy = GreedySnakeStrategy(**{"auto": False, **settings}) if args.strategy == "greedysnake" else args.strategy
     precision = {"precision": args.precision}
     if args.precision == "16-mixed":  # fp16 on a CPU: greedysnake's own plugin (Lightning would run bf16)
         from lightning_greedysnake import GreedySnakePrecision
@@ -153,7 +153,7 @@ def _device_reduce_scatters(settings: dict, clip: float | None) -> bool:
 
 
 @pytest.mark.parametrize("settings, clip", [
-    ({}, None),  # the defaults: state on SSD and partitioned, background lane, alpha 0.25
+    ({}, None),  # auto=False: state on SSD and partitioned, background lane, alpha 0.25
     ({"shard_state": False}, None),  # every rank steps the whole model (DDP's way)
     ({"alpha": 0.5, "lag": 2, "layers_per_unit": 2}, None),
     ({"alpha": 0.0, "lag": 0}, None),
@@ -161,7 +161,11 @@ def _device_reduce_scatters(settings: dict, clip: float | None) -> bool:
     ({"offload": {"path": "offload_{rank}"}}, None),  # one directory per rank from the config
     ({"offload": {"weights": "device", "master_weights": "device", "optimizer_states": "device",
                   "gradients": "device", "checkpoints": "device"}}, None),  # everything resident
-], ids=["defaults", "replicated", "alpha_half", "synchronous", "norm_clipping", "path_per_rank", "resident"])
+    # auto=True (the defaults): rank 0's placement plan, a split under this budget, on both ranks
+    ({"auto": True, "auto_host_budget_bytes": ((1 << 20) + (96 << 10)) * 8 // 7 + 8,
+      "offload": {"buffer_budget_bytes": 1 << 20}}, None),
+], ids=["fixed_defaults", "replicated", "alpha_half", "synchronous", "norm_clipping", "path_per_rank", "resident",
+        "planned"])
 def test_two_processes_equal_ddp(tmp_path, settings, clip):
     ddp = _run(tmp_path, "ddp", "ddp", 2, clip=clip)
     got = _run(tmp_path, "gs", "greedysnake", 2, settings=settings, clip=clip)

@@ -105,7 +105,7 @@ def assert_matches(got: dict[str, Any], ref: dict[str, Any], atol: float = 1e-5)
 def test_matches_lightning_default(model, k, layers_per_unit, schedule, placement):
     ref = reference(model, k)
     offload = ON_DEVICE if placement == "device" else None
-    got = run(GreedySnakeStrategy(schedule=schedule, layers_per_unit=layers_per_unit, offload=offload), model, k)
+    got = run(GreedySnakeStrategy(auto=False, schedule=schedule, layers_per_unit=layers_per_unit, offload=offload), model, k)
     assert_matches(got, ref)
     if placement == "device":
         assert got["grads"].grads[0], "param.grad must be visible with everything on the device"
@@ -121,7 +121,11 @@ PLACEMENTS = {
     # split between RAM and SSD by units, two units' weights prefetched ahead
     "split-prefetch-2": {"weights": {"host": 0.5, "ssd": 0.5}, "optimizer_states": {"host": 0.5, "ssd": 0.5},
                          "gradients": {"host": 0.5, "ssd": 0.5}, "prefetch_units": 2},
+    # the defaults (auto=True) under a host budget of 1 MiB of staging and room for three 4 KiB regions:
+    # the planner splits the kinds between RAM and SSD, and plans alpha, lag and recompute after step 1
+    "planned": {"buffer_budget_bytes": 1 << 20},
 }
+PLANNED_BUDGET = ((1 << 20) + 3 * 4096) * 8 // 7 + 8
 CLIPPING = {
     "none": {},
     "norm": {"gradient_clip_val": 0.05},
@@ -131,7 +135,7 @@ CLIPPING = {
 
 @functools.lru_cache(maxsize=None)
 def on_device(model: str, schedule: str, clipping: str) -> dict[str, Any]:
-    return run(GreedySnakeStrategy(schedule=schedule, offload=ON_DEVICE), model, 3,
+    return run(GreedySnakeStrategy(auto=False, schedule=schedule, offload=ON_DEVICE), model, 3,
                trainer_kwargs=CLIPPING[clipping])
 
 
@@ -143,8 +147,12 @@ def test_offloaded_equals_in_memory_exactly(model, schedule, placement, clipping
     """The tensor manager steps the user's optimizer class unit by unit over streamed state: bit for bit
     what Lightning's step on resident parameters gives, for every placement and clipping mode."""
     ref = on_device(model, schedule, clipping)
-    got = run(GreedySnakeStrategy(schedule=schedule, offload=PLACEMENTS[placement]), model, 3,
-              trainer_kwargs=CLIPPING[clipping])
+    planned = {"auto_host_budget_bytes": PLANNED_BUDGET} if placement == "planned" else {"auto": False}
+    strategy = GreedySnakeStrategy(schedule=schedule, offload=PLACEMENTS[placement], **planned)
+    got = run(strategy, model, 3, trainer_kwargs=CLIPPING[clipping])
+    if placement == "planned":
+        kinds = strategy.placement_plan.kinds.values()
+        assert any(k.host_units for k in kinds) and any(k.host_units < k.num_units for k in kinds)
     assert got["global_step"] == ref["global_step"]
     assert max_abs_diff(got["params"], ref["params"]) == 0
     for g, r in zip(got["grads"].grads, ref["grads"].grads, strict=True):  # the gradients, bit for bit
@@ -176,7 +184,7 @@ def test_by_name(strategy_name):
 )
 def test_optimizers_and_schedulers(overrides):
     ref = run("auto", "gpt", 3, **overrides)
-    got = run(GreedySnakeStrategy(), "gpt", 3, **overrides)
+    got = run(GreedySnakeStrategy(auto=False), "gpt", 3, **overrides)
     assert_matches(got, ref)
 
 
@@ -184,7 +192,7 @@ def test_optimizers_and_schedulers(overrides):
 def test_gradient_clipping(algorithm, value):
     trainer_kwargs = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
     ref = run("auto", "gpt", 4, trainer_kwargs=trainer_kwargs)
-    got = run(GreedySnakeStrategy(), "gpt", 4, trainer_kwargs=trainer_kwargs)
+    got = run(GreedySnakeStrategy(auto=False), "gpt", 4, trainer_kwargs=trainer_kwargs)
     assert_matches(got, ref)
     unclipped = reference("gpt", 4)
     assert max_abs_diff(ref["params"], unclipped["params"]) > 1e-4  # clipping was active
@@ -193,7 +201,7 @@ def test_gradient_clipping(algorithm, value):
 def test_max_steps_and_limit_train_batches():
     trainer_kwargs = {"max_steps": 3, "limit_train_batches": 7, "max_epochs": -1}
     ref = run("auto", "gpt", 3, trainer_kwargs=trainer_kwargs)
-    got = run(GreedySnakeStrategy(), "gpt", 3, trainer_kwargs=trainer_kwargs)
+    got = run(GreedySnakeStrategy(auto=False), "gpt", 3, trainer_kwargs=trainer_kwargs)
     assert got["global_step"] == 3
     assert_matches(got, ref)
 
@@ -207,7 +215,7 @@ def test_validation_runs_layer_by_layer_and_matches():
         trainer.fit(module, token_loader(NUM_BATCHES), token_loader(3, seed=1))
         return logger
 
-    ref, got = with_val("auto"), with_val(GreedySnakeStrategy())
+    ref, got = with_val("auto"), with_val(GreedySnakeStrategy(auto=False))
     assert len(ref.series("val_loss")) == 4  # mid-window validation included (after batch 5 of windows of 3)
     assert_series_close(got.series("val_loss"), ref.series("val_loss"), 1e-5)
 
@@ -218,7 +226,7 @@ def test_validate_test_predict_without_fit():
     loader = token_loader(2)
     x = next(iter(loader))[0]
     expected = module.model(x).detach()
-    trainer = make_trainer(GreedySnakeStrategy(layers_per_unit=2), 1)
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, layers_per_unit=2), 1)
     module.predict_step = lambda batch, batch_idx: module.model(batch[0])  # type: ignore[method-assign]
     predictions = trainer.predict(module, loader)
     torch.testing.assert_close(predictions[0], expected, rtol=0, atol=0)
@@ -239,7 +247,7 @@ def test_weight_loads_per_window(k):
     for schedule in ("vertical", "horizontal"):
         L.seed_everything(0, verbose=False)
         counter = WeightLoads()
-        trainer = make_trainer(GreedySnakeStrategy(schedule=schedule), k, callbacks=[counter], max_epochs=1)
+        trainer = make_trainer(GreedySnakeStrategy(auto=False, schedule=schedule), k, callbacks=[counter], max_epochs=1)
         trainer.fit(TinyGPTModule(n_layer=3, lr=LR), token_loader(4 * k))
         assert counter.steps == 4
         loads[schedule] = {u: n / counter.steps for u, n in counter.loads.items()}

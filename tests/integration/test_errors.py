@@ -17,7 +17,7 @@ from tests.helpers import SequentialModule, TinyGPTModule, make_trainer, regress
 
 
 def fit(module: LightningModule, loader: Any = None, strategy: Any = None, k: int = 2, **kwargs: Any) -> L.Trainer:
-    trainer = make_trainer(strategy if strategy is not None else GreedySnakeStrategy(), k, max_epochs=1, **kwargs)
+    trainer = make_trainer(strategy if strategy is not None else GreedySnakeStrategy(auto=False), k, max_epochs=1, **kwargs)
     trainer.fit(module, loader if loader is not None else token_loader(4))
     return trainer
 
@@ -92,12 +92,12 @@ def test_two_candidates_then_naming_one():
 
     with pytest.raises(ValueError, match=r"2 candidate layered models: \['net', 'other'\].*layered_module="):
         fit(Two(), regression_loader(4))
-    fit(Two(), regression_loader(4), strategy=GreedySnakeStrategy(layered_module="net"))
+    fit(Two(), regression_loader(4), strategy=GreedySnakeStrategy(auto=False, layered_module="net"))
 
 
 def test_layered_module_that_does_not_exist():
     with pytest.raises(ValueError, match="layered_module='nett'.*children are"):
-        fit(SequentialModule(), regression_loader(4), strategy=GreedySnakeStrategy(layered_module="nett"))
+        fit(SequentialModule(), regression_loader(4), strategy=GreedySnakeStrategy(auto=False, layered_module="nett"))
 
 
 def test_parameters_outside_the_layered_model():
@@ -119,7 +119,7 @@ def test_tied_weights_across_units():
     with pytest.raises(ValueError, match="tied weights across units"):
         fit(Tied())
     # one unit holding everything is fine
-    fit(Tied(), strategy=GreedySnakeStrategy(layers_per_unit=3))
+    fit(Tied(), strategy=GreedySnakeStrategy(auto=False, layers_per_unit=3))
 
 
 def test_training_step_that_skips_the_model():
@@ -159,7 +159,7 @@ def test_training_step_returning_none_skips_that_microbatch_like_lightning():
             return None if batch_idx % 3 == 1 else loss
 
     results = []
-    for strategy in ("auto", GreedySnakeStrategy()):
+    for strategy in ("auto", GreedySnakeStrategy(auto=False)):
         L.seed_everything(0, verbose=False)
         module = Skipper(lr=3e-3)
         fit(module, token_loader(6), strategy=strategy)

@@ -27,7 +27,7 @@ from tests.helpers import (
 
 def _train(tmp_path: Path, module: L.LightningModule, loader, precision: str = "32-true") -> Path:
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(), 2, max_epochs=1, enable_checkpointing=True,
+    trainer = make_trainer(GreedySnakeStrategy(auto=False), 2, max_epochs=1, enable_checkpointing=True,
                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
                            precision=precision)
     trainer.fit(module, loader)

@@ -146,7 +146,7 @@ SETTINGS = {
 def test_an_overflow_mid_window_is_skipped_as_gradscaler_skips_it(plain, settings):
     ref_params, ref_scales, ref_skipped, ref_grads = plain
     assert ref_skipped == [2] and len(set(ref_scales)) > 2  # (the reference backs off and grows)
-    got, seen, trainer = greedysnake(GreedySnakeStrategy(**settings))
+    got, seen, trainer = greedysnake(GreedySnakeStrategy(auto=False, **settings))
     assert seen.speculative  # (steps as gradients complete, undone on overflow)
     assert trainer.precision_plugin.loss_scaler.skipped_steps == ref_skipped
     assert set(seen.steps_completed) == {EPOCHS * NUM_BATCHES // K - len(ref_skipped)}  # (the undone one uncounted)
@@ -162,7 +162,7 @@ def test_an_overflow_mid_window_is_skipped_as_gradscaler_skips_it(plain, setting
 @pytest.mark.parametrize("clip", [("norm", 0.05), ("value", 0.01)], ids=["norm", "value"])
 def test_clipping_sees_the_unscaled_gradients(clip):
     ref_params, ref_scales, ref_skipped, _ = reference(clip)
-    got, seen, trainer = greedysnake(GreedySnakeStrategy(), gradient_clip_val=clip[1],
+    got, seen, trainer = greedysnake(GreedySnakeStrategy(auto=False), gradient_clip_val=clip[1],
                                      gradient_clip_algorithm=clip[0])
     assert seen.speculative == (clip[0] == "value")  # (norm clipping waits for the whole backward)
     assert trainer.precision_plugin.loss_scaler.skipped_steps == ref_skipped and seen.scales == ref_scales
@@ -174,7 +174,7 @@ def test_the_reference_is_fp16(plain):
     ref_params = plain[0]
     L.seed_everything(0, verbose=False)
     module = HugeLoss(n_layer=3, lr=LR)
-    make_trainer(GreedySnakeStrategy(), K, max_epochs=EPOCHS, precision="bf16-mixed").fit(
+    make_trainer(GreedySnakeStrategy(auto=False), K, max_epochs=EPOCHS, precision="bf16-mixed").fit(
         module, token_loader(NUM_BATCHES))
     assert max_abs_diff({n: p.detach() for n, p in module.named_parameters()}, ref_params) > 1e-4
 
@@ -182,11 +182,11 @@ def test_the_reference_is_fp16(plain):
 def test_a_resume_right_after_an_overflow_lands_on_the_uninterrupted_run(plain, tmp_path: Path):
     """The scale and its growth tracker are saved with the plugin's state: resuming from the checkpoint
     taken at the end of the first epoch (after the overflow of step 2) continues the same scale history."""
-    uninterrupted, seen_a, _ = greedysnake(GreedySnakeStrategy())
+    uninterrupted, seen_a, _ = greedysnake(GreedySnakeStrategy(auto=False))
     every = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    greedysnake(GreedySnakeStrategy(), epochs=1, callbacks=[every], enable_checkpointing=True,
+    greedysnake(GreedySnakeStrategy(auto=False), epochs=1, callbacks=[every], enable_checkpointing=True,
                 default_root_dir=tmp_path)
-    resumed, seen_b, trainer = greedysnake(GreedySnakeStrategy(), callbacks=[ModelCheckpoint(dirpath=tmp_path)],
+    resumed, seen_b, trainer = greedysnake(GreedySnakeStrategy(auto=False), callbacks=[ModelCheckpoint(dirpath=tmp_path)],
                                            enable_checkpointing=True, default_root_dir=tmp_path,
                                            ckpt_path=str(tmp_path / "last.ckpt"))
     assert trainer.global_step == EPOCHS * NUM_BATCHES // K
@@ -208,7 +208,7 @@ def test_settings_come_from_lightnings_plugin_and_bad_ones_are_refused():
     with pytest.raises(ValueError, match=r"disabled GradScaler.*Fix"):
         GreedySnakePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False))
     with pytest.raises(ValueError, match=r"16-mixed' with every kind of tensor on 'device'.*strategy='auto'"):
-        greedysnake(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")))
+        greedysnake(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("device")))
 
 
 def test_the_loss_scale_is_logged_and_an_overflow_is_said(plain, caplog):
@@ -216,7 +216,7 @@ def test_the_loss_scale_is_logged_and_an_overflow_is_said(plain, caplog):
 
     logger = RecordingLogger()
     with caplog.at_level("INFO"):
-        _, seen, _ = greedysnake(GreedySnakeStrategy(), logger=logger)
+        _, seen, _ = greedysnake(GreedySnakeStrategy(auto=False), logger=logger)
     assert [v for _, v in logger.series("greedysnake/loss_scale")] == seen.scales == plain[1]
     assert [v for _, v in logger.series("greedysnake/skipped_steps")] == [0, 1, 1, 1, 1, 1]
     assert "fp16 gradients overflowed in optimizer step 2: step skipped, loss scale 1024 -> 512" in caplog.text
@@ -228,7 +228,7 @@ def test_a_nan_loss_backs_the_scale_off_as_gradscaler_does(on_nonfinite):
     where ``on_nonfinite='skip'`` drops the window before any gradient exists."""
     ref_params, ref_scales, ref_skipped, _ = reference(factor=FACTOR["nan"])
     with pytest.warns(UserWarning, match="the loss of micro-batch 1 of optimizer step 2 is nan") as said:
-        got, seen, trainer = greedysnake(GreedySnakeStrategy(on_nonfinite=on_nonfinite), factor=FACTOR["nan"])
+        got, seen, trainer = greedysnake(GreedySnakeStrategy(auto=False, on_nonfinite=on_nonfinite), factor=FACTOR["nan"])
     text = " ".join(str(w.message) for w in said)
     assert ("loss scaler skips that step" in text) == (on_nonfinite == "warn") and "will be NaN" not in text
     assert trainer.precision_plugin.loss_scaler.skipped_steps == ref_skipped == [2]

@@ -40,8 +40,8 @@ def _fit(strategy: Any, empty_init: bool, callbacks: list | None = None) -> tupl
 def test_meta_model_initializes_like_the_eager_one_and_trains_identically(placement):
     offload = OffloadConfig.everywhere("host") if placement == "host" else None
     eager_init, meta_init = InitialWeights(), InitialWeights()
-    eager, _ = _fit(GreedySnakeStrategy(offload=offload), False, [eager_init])
-    meta, trainer = _fit(GreedySnakeStrategy(offload=offload), True, [meta_init])
+    eager, _ = _fit(GreedySnakeStrategy(auto=False, offload=offload), False, [eager_init])
+    meta, trainer = _fit(GreedySnakeStrategy(auto=False, offload=offload), True, [meta_init])
     assert eager_init.state.keys() == meta_init.state.keys()
     assert max_abs_diff(eager_init.state, meta_init.state) == 0
     assert trainer.global_step == 3
@@ -62,14 +62,14 @@ def test_only_one_unit_is_ever_materialized_at_once(monkeypatch):
         original(self, modules, generator)
 
     monkeypatch.setattr(GPT, "init_modules", spy)
-    _fit(GreedySnakeStrategy(), True)
+    _fit(GreedySnakeStrategy(auto=False), True)
     assert len(real_elements) == 3  # one call per unit
     assert real_elements == unit_sizes  # only the unit being initialized has memory
 
 
 def test_models_without_an_initializer_use_reset_parameters():
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(), 2, max_epochs=1)
+    trainer = make_trainer(GreedySnakeStrategy(auto=False), 2, max_epochs=1)
     with trainer.init_module(empty_init=True):
         module = SequentialModule(lr=1e-2)
     trainer.fit(module, regression_loader(4))
@@ -78,7 +78,7 @@ def test_models_without_an_initializer_use_reset_parameters():
 
 
 def test_meta_model_with_everything_on_the_device_is_refused():
-    strategy = GreedySnakeStrategy(offload=OffloadConfig.everywhere("device"))
+    strategy = GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("device"))
     trainer = make_trainer(strategy, 2, max_epochs=1)
     with torch.device("meta"):
         module = TinyGPTModule(n_layer=2)

@@ -47,14 +47,14 @@ def _fit(strategy: Any, module_cls: type = NaNLossAt, callbacks: list | None = N
 
 def test_warn_names_the_first_nonfinite_loss_and_trains_on_like_lightning():
     with pytest.warns(UserWarning, match=r"loss of micro-batch 1 of optimizer step 2 is nan.*on_nonfinite='warn'"):
-        module = _fit(GreedySnakeStrategy())
+        module = _fit(GreedySnakeStrategy(auto=False))
     assert all(torch.isnan(p).any() for p in module.parameters())  # as under strategy="auto"
 
 
 def test_raise_stops_at_the_first_nonfinite_loss_and_keeps_the_last_good_weights():
     L.seed_everything(0, verbose=False)
     module = NaNLossAt(lr=3e-3)
-    trainer = make_trainer(GreedySnakeStrategy(on_nonfinite="raise"), K, max_epochs=1)
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, on_nonfinite="raise"), K, max_epochs=1)
     with pytest.raises(NonFiniteError, match=r"loss of micro-batch 1 of optimizer step 2 is nan.*Fix"), \
             pytest.warns(UserWarning, match=r"global step 1"):
         trainer.fit(module, token_loader(9))
@@ -72,7 +72,7 @@ class DropStep(L.Callback):
 
 def test_skip_drops_the_windows_update_and_equals_lightning_with_that_step_dropped():
     with pytest.warns(UserWarning, match=r"optimizer step 2 is nan; on_nonfinite='skip' dropped"):
-        got = _fit(GreedySnakeStrategy(on_nonfinite="skip"))
+        got = _fit(GreedySnakeStrategy(auto=False, on_nonfinite="skip"))
     ref = _fit("auto", callbacks=[DropStep()])
     params = {n: p.detach() for n, p in got.named_parameters()}
     assert all(torch.isfinite(p).all() for p in params.values())
@@ -82,11 +82,11 @@ def test_skip_drops_the_windows_update_and_equals_lightning_with_that_step_dropp
 def test_a_nonfinite_gradient_under_a_finite_loss_is_named_by_unit():
     """(lag=0: every unit is stepped before the step ends, so the report comes with that step.)"""
     with pytest.warns(UserWarning, match=r"gradient of units \[0, 1, 2\] is not finite \(found by optimizer step 2"):
-        _fit(GreedySnakeStrategy(lag=0), NaNGradientAt)
+        _fit(GreedySnakeStrategy(auto=False, lag=0), NaNGradientAt)
     with pytest.raises(NonFiniteError, match=r"gradient of units \[0, 1, 2\] is not finite.*Fix"):
-        _fit(GreedySnakeStrategy(lag=0, on_nonfinite="raise"), NaNGradientAt)
+        _fit(GreedySnakeStrategy(auto=False, lag=0, on_nonfinite="raise"), NaNGradientAt)
 
 
 def test_a_bad_setting_is_refused():
     with pytest.raises(ValueError, match=r"on_nonfinite='ignore' is not valid.*Fix"):
-        GreedySnakeStrategy(on_nonfinite="ignore")
+        GreedySnakeStrategy(auto=False, on_nonfinite="ignore")

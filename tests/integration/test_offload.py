@@ -62,7 +62,7 @@ def test_weights_read_per_step_vertical_once_per_pass_horizontal_2k(k):
     per_step = {}
     for schedule in ("vertical", "horizontal"):
         snap = Snapshot()
-        _fit(GreedySnakeStrategy(schedule=schedule, alpha=0.0), k, callbacks=[snap])
+        _fit(GreedySnakeStrategy(auto=False, schedule=schedule, alpha=0.0), k, callbacks=[snap])
         assert snap.steps == 3
         w = snap.region_bytes["weights"]
         g = snap.region_bytes["gradients"]
@@ -99,7 +99,7 @@ def test_the_deferred_part_moves_only_its_own_bytes():
     gradient range goes to the gradients tier and back; nothing else changes."""
     snap = Snapshot()
     alpha = 0.5
-    _fit(GreedySnakeStrategy(alpha=alpha), 2, callbacks=[snap])
+    _fit(GreedySnakeStrategy(auto=False, alpha=alpha), 2, callbacks=[snap])
     manager = snap.manager
     from lightning_greedysnake.config import TensorKind
 
@@ -117,7 +117,7 @@ def test_the_deferred_part_moves_only_its_own_bytes():
 
 def test_offload_files_use_o_direct_and_owner_only_permissions(tmp_path):
     snap = Snapshot()
-    _fit(GreedySnakeStrategy(offload_dir=tmp_path / "off", offload={"keep_files": True}), 2, callbacks=[snap])
+    _fit(GreedySnakeStrategy(auto=False, offload_dir=tmp_path / "off", offload={"keep_files": True}), 2, callbacks=[snap])
     assert snap.direct and all(snap.direct.values()), snap.direct
     for path in snap.files:
         assert path.exists()
@@ -143,7 +143,7 @@ def _open_fds() -> set[str]:
 def test_teardown_removes_files_threads_descriptors_and_lock(tmp_path):
     fds_before = _open_fds()
     snap = Snapshot()
-    _fit(GreedySnakeStrategy(), 2, callbacks=[snap], default_root_dir=tmp_path)
+    _fit(GreedySnakeStrategy(auto=False), 2, callbacks=[snap], default_root_dir=tmp_path)
     assert snap.files and all(str(p).startswith(str(tmp_path)) for p in snap.files)
     assert not any(p.exists() for p in snap.files)
     assert not (tmp_path / "greedysnake_offload").exists()  # created by us, removed when empty
@@ -166,7 +166,7 @@ def test_a_crash_mid_training_cleans_up_too(tmp_path):
             return super().training_step(batch, batch_idx)
 
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(offload_dir=offload_dir), 2, max_epochs=1)
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, offload_dir=offload_dir), 2, max_epochs=1)
     with pytest.raises(Boom):
         trainer.fit(Crashing(lr=LR), token_loader(8))
     assert not offload_dir.exists()  # its files removed, and the directory greedysnake created
@@ -181,7 +181,7 @@ def test_a_crash_keeps_a_user_directory_and_releases_its_lock(tmp_path):
 
     (tmp_path / "mine.txt").write_text("user data")
     with pytest.raises(Boom):
-        make_trainer(GreedySnakeStrategy(offload_dir=tmp_path), 2, max_epochs=1).fit(Crashing(), token_loader(4))
+        make_trainer(GreedySnakeStrategy(auto=False, offload_dir=tmp_path), 2, max_epochs=1).fit(Crashing(), token_loader(4))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
     lock = OffloadDirLock(tmp_path)
     lock.acquire()  # the crashed run's lock was released
@@ -189,16 +189,16 @@ def test_a_crash_keeps_a_user_directory_and_releases_its_lock(tmp_path):
 
 
 def test_trained_weights_are_back_in_the_module_after_fit():
-    trainer, module = _fit(GreedySnakeStrategy(), 2)
+    trainer, module = _fit(GreedySnakeStrategy(auto=False), 2)
     for p in module.parameters():
         assert p.is_contiguous() and torch.isfinite(p).all()
-    ref_trainer, ref = _fit(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")), 2)
+    ref_trainer, ref = _fit(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("device")), 2)
     for (n, a), (_, b) in zip(module.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(a, b), n
 
 
 def test_return_weights_false_leaves_placeholders():
-    _, module = _fit(GreedySnakeStrategy(offload={"return_weights": False}), 2)
+    _, module = _fit(GreedySnakeStrategy(auto=False, offload={"return_weights": False}), 2)
     p = next(module.parameters())
     assert p.stride() == (0,) * p.dim() and torch.isnan(p).all()
 
@@ -217,7 +217,7 @@ def test_offload_dir_that_is_a_file_is_refused(tmp_path):
     target = tmp_path / "file"
     target.write_text("x")
     with pytest.raises(ValueError, match=r"offload_dir=.*is a file.*Fix"):
-        _fit_never(GreedySnakeStrategy(offload_dir=target))
+        _fit_never(GreedySnakeStrategy(auto=False, offload_dir=target))
 
 
 def test_offload_dir_in_use_by_another_run_is_refused(tmp_path):
@@ -225,14 +225,14 @@ def test_offload_dir_in_use_by_another_run_is_refused(tmp_path):
     other.acquire()
     try:
         with pytest.raises(ValueError, match=r"in use by another greedysnake run.*Fix"):
-            _fit_never(GreedySnakeStrategy(offload_dir=tmp_path))
+            _fit_never(GreedySnakeStrategy(auto=False, offload_dir=tmp_path))
     finally:
         other.release()
 
 
 def test_buffer_budget_below_one_unit_is_refused():
     with pytest.raises(ValueError, match=r"offload.buffer_budget_bytes=4096 is below the \d+ bytes.*Fix"):
-        _fit_never(GreedySnakeStrategy(offload={"buffer_budget_bytes": 4096}))
+        _fit_never(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": 4096}))
 
 
 def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
@@ -245,11 +245,11 @@ def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
 
     with mounted(tmp_path / "tiny", size="2M") as mount:
         with pytest.raises(ValueError, match=r"has .* free but this model and placement need"):
-            make_trainer(GreedySnakeStrategy(offload_dir=mount), 2, max_epochs=1).fit(Big(), token_loader(4))
+            make_trainer(GreedySnakeStrategy(auto=False, offload_dir=mount), 2, max_epochs=1).fit(Big(), token_loader(4))
         assert list(mount.iterdir()) == []
         # a directory preflight created for the run is gone again after the refusal
         with pytest.raises(ValueError, match=r"has .* free but this model and placement need"):
-            make_trainer(GreedySnakeStrategy(offload_dir=mount / "run"), 2, max_epochs=1).fit(Big(), token_loader(4))
+            make_trainer(GreedySnakeStrategy(auto=False, offload_dir=mount / "run"), 2, max_epochs=1).fit(Big(), token_loader(4))
         assert list(mount.iterdir()) == []
 
 
@@ -280,7 +280,7 @@ def test_leftovers_of_killed_runs_beside_the_offload_directory_are_removed_and_r
     (kept / "weights.bin").write_bytes(b"\0" * 8192)
     try:
         with caplog.at_level(logging.INFO):
-            _fit(GreedySnakeStrategy(), 2, steps=1, default_root_dir=root / "run-now")
+            _fit(GreedySnakeStrategy(auto=False), 2, steps=1, default_root_dir=root / "run-now")
     finally:
         held.release()
     assert not (root / "run-killed" / "greedysnake_offload").exists()
@@ -302,9 +302,9 @@ def test_the_smallest_budget_still_trains_exactly():
         def on_train_start(self, trainer: Any, module: Any) -> None:
             probe["min"] = trainer.strategy.tensor_manager.min_budget_bytes
 
-    _fit(GreedySnakeStrategy(), 2, callbacks=[Budget()])
-    ref_trainer, ref = _fit(GreedySnakeStrategy(), 2)
-    tight_trainer, tight = _fit(GreedySnakeStrategy(offload={"buffer_budget_bytes": probe["min"]}), 2)
+    _fit(GreedySnakeStrategy(auto=False), 2, callbacks=[Budget()])
+    ref_trainer, ref = _fit(GreedySnakeStrategy(auto=False), 2)
+    tight_trainer, tight = _fit(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": probe["min"]}), 2)
     for (n, a), (_, b) in zip(ref.named_parameters(), tight.named_parameters(), strict=True):
         assert torch.equal(a, b), n
 
@@ -322,7 +322,7 @@ def test_disk_full_during_training_names_the_file_and_cleans_up(tmp_path):
     with mounted(tmp_path / "tiny", size="4M") as mount:
         offload = dict(OffloadConfig.everywhere("host").__dict__, checkpoints="ssd", path=str(mount))
         L.seed_everything(0, verbose=False)
-        trainer = make_trainer(GreedySnakeStrategy(offload=offload), 4, max_epochs=1)
+        trainer = make_trainer(GreedySnakeStrategy(auto=False, offload=offload), 4, max_epochs=1)
         # at the window's first checkpoint, room for all of its checkpoints: K=4 x 2 units x 1 MiB
         with pytest.raises(OSError, match=rf"checkpoints\.bin to {8 << 20} bytes.*(No space|ENOSPC|space).*Fix"):
             trainer.fit(Wide(), token_loader(8, batch_size=64, seq=64))
@@ -341,7 +341,7 @@ def test_a_truncated_offload_file_is_a_named_error_not_garbage(tmp_path):
                 os.truncate(trainer.strategy.tensor_manager.offload_dir / "weights.bin", 0)
 
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(offload_dir=tmp_path), 2, max_epochs=1, callbacks=[Truncate()])
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, offload_dir=tmp_path), 2, max_epochs=1, callbacks=[Truncate()])
     with pytest.raises(Exception) as info:  # noqa: PT011 - the type depends on which thread reads first
         trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
     chain = [info.value, info.value.__cause__]
@@ -361,8 +361,8 @@ def test_ssd_checkpoints_are_read_ahead_and_stay_exact():
         def on_train_end(self, trainer: Any, module: Any) -> None:
             prefetches["n"] = trainer.strategy.tensor_manager.checkpoint_prefetches
 
-    _, got = _fit(GreedySnakeStrategy(offload={"checkpoints": "ssd"}), 4, callbacks=[Count()])
-    _, ref = _fit(GreedySnakeStrategy(offload=OffloadConfig.everywhere("device")), 4)
+    _, got = _fit(GreedySnakeStrategy(auto=False, offload={"checkpoints": "ssd"}), 4, callbacks=[Count()])
+    _, ref = _fit(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("device")), 4)
     assert prefetches["n"] > 0
     for (n, a), (_, b) in zip(got.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(a, b), n
@@ -379,11 +379,11 @@ def test_spare_budget_reads_the_windows_last_step_ahead_and_keeps_its_weights_ex
         def on_train_start(self, trainer: Any, module: Any) -> None:
             probe["min"] = trainer.strategy.tensor_manager.min_budget_bytes
 
-    _fit(GreedySnakeStrategy(), 2, callbacks=[Budget()], precision=precision)
+    _fit(GreedySnakeStrategy(auto=False), 2, callbacks=[Budget()], precision=precision)
     tight_snap, roomy_snap = Snapshot(), Snapshot()
-    _, tight = _fit(GreedySnakeStrategy(offload={"buffer_budget_bytes": probe["min"]}), 2,
+    _, tight = _fit(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": probe["min"]}), 2,
                     callbacks=[tight_snap], precision=precision)
-    _, roomy = _fit(GreedySnakeStrategy(offload={"buffer_budget_bytes": 64 << 20}), 2, callbacks=[roomy_snap],
+    _, roomy = _fit(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": 64 << 20}), 2, callbacks=[roomy_snap],
                     precision=precision)
     _, plain = _fit("auto", 2, precision=precision)
     steps = roomy_snap.steps
@@ -413,10 +413,10 @@ def test_ssd_checkpoints_are_read_back_just_in_time_within_the_documented_budget
             probe["peak_loaded"] = trainer.strategy.tensor_manager.activations.peak_loaded
 
     ssd = {"checkpoints": "ssd"}
-    _, roomy = _fit(GreedySnakeStrategy(offload=ssd), 8, steps=2, n_layer=6, callbacks=[Budget()])
+    _, roomy = _fit(GreedySnakeStrategy(auto=False, offload=ssd), 8, steps=2, n_layer=6, callbacks=[Budget()])
     checkpoint_bytes = 4096  # one unit input of one micro-batch: 2 x 8 x 16 fp32, page-aligned
     tight = {**ssd, "buffer_budget_bytes": probe["min"] + 2 * checkpoint_bytes}
-    _, got = _fit(GreedySnakeStrategy(offload=tight), 8, steps=2, n_layer=6, callbacks=[Budget()])
+    _, got = _fit(GreedySnakeStrategy(auto=False, offload=tight), 8, steps=2, n_layer=6, callbacks=[Budget()])
     assert probe["peak_loaded"] <= 2, probe  # the one in use and at most one read ahead
     for (n, a), (_, b) in zip(roomy.named_parameters(), got.named_parameters(), strict=True):
         assert torch.equal(a, b), n

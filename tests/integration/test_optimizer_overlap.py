@@ -40,14 +40,14 @@ def lightning_reference(clip: bool) -> dict[str, torch.Tensor]:
 
 @functools.lru_cache(maxsize=None)
 def resident_reference(clip: bool) -> dict[str, torch.Tensor]:
-    return _fit(GreedySnakeStrategy(offload=ON_DEVICE), clip)[0]
+    return _fit(GreedySnakeStrategy(auto=False, offload=ON_DEVICE), clip)[0]
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip-norm"])
 @pytest.mark.parametrize("lag", [0, 2])
 @pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
 def test_matches_lightning_for_every_alpha_and_lag(alpha, lag, clip):
-    got, _ = _fit(GreedySnakeStrategy(alpha=alpha, lag=lag), clip)
+    got, _ = _fit(GreedySnakeStrategy(auto=False, alpha=alpha, lag=lag), clip)
     assert max_abs_diff(got, lightning_reference(clip)) <= 1e-5
     # and bit for bit what the same schedule gives with every tensor resident
     assert max_abs_diff(got, resident_reference(clip)) == 0
@@ -64,8 +64,8 @@ def test_overlap_is_exact_on_every_tier_and_precision(placement, precision):
         make_trainer(strategy, 3, max_epochs=1, precision=precision).fit(module, token_loader(12))
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
-    synchronous = fit(GreedySnakeStrategy(alpha=0.0, lag=0, offload=offload))
-    overlapped = fit(GreedySnakeStrategy(alpha=0.5, lag=2, offload=offload))
+    synchronous = fit(GreedySnakeStrategy(auto=False, alpha=0.0, lag=0, offload=offload))
+    overlapped = fit(GreedySnakeStrategy(auto=False, alpha=0.5, lag=2, offload=offload))
     assert max_abs_diff(synchronous, overlapped) == 0
 
 
@@ -97,8 +97,8 @@ def _wide_loader() -> DataLoader:
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
 def test_no_forward_reads_a_stale_or_half_updated_unit(alpha):
-    ref, ref_log = _fit(GreedySnakeStrategy(offload=ON_DEVICE), False, WideEmbedding, _wide_loader(), k=2, epochs=1)
-    got, got_log = _fit(GreedySnakeStrategy(alpha=alpha, lag=2), False, WideEmbedding, _wide_loader(), k=2,
+    ref, ref_log = _fit(GreedySnakeStrategy(auto=False, offload=ON_DEVICE), False, WideEmbedding, _wide_loader(), k=2, epochs=1)
+    got, got_log = _fit(GreedySnakeStrategy(auto=False, alpha=alpha, lag=2), False, WideEmbedding, _wide_loader(), k=2,
                         epochs=1)
     assert got_log.series("train_loss") == ref_log.series("train_loss") != []
     assert max_abs_diff(got, ref) == 0
@@ -124,7 +124,7 @@ def test_a_failed_background_step_surfaces_in_the_training_thread(tmp_path):
                 os.truncate(trainer.strategy.tensor_manager.offload_dir / "optimizer_states.bin", 0)
 
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(offload_dir=tmp_path, lag=2), 2, max_epochs=1, callbacks=[Truncate()])
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, offload_dir=tmp_path, lag=2), 2, max_epochs=1, callbacks=[Truncate()])
     with pytest.raises(OptimizerLaneError) as info:
         trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
     assert isinstance(info.value.__cause__, ShortReadError)
@@ -142,13 +142,13 @@ def test_a_failed_background_step_surfaces_in_the_training_thread(tmp_path):
 ])
 def test_bad_alpha_and_lag(settings, words):
     with pytest.raises(ValueError) as info:
-        GreedySnakeStrategy(**settings)
+        GreedySnakeStrategy(auto=False, **settings)
     for w in words:
         assert w in str(info.value)
 
 
 def test_step_telemetry_accounts_for_every_step_and_byte():
-    strategy = GreedySnakeStrategy(alpha=0.25, lag=2)
+    strategy = GreedySnakeStrategy(auto=False, alpha=0.25, lag=2)
     L.seed_everything(0, verbose=False)
     trainer = make_trainer(strategy, 2, max_epochs=1)
     trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
@@ -165,7 +165,7 @@ def test_step_telemetry_accounts_for_every_step_and_byte():
 
 
 def test_synchronous_steps_count_as_unhidden_optimizer_time():
-    strategy = GreedySnakeStrategy(alpha=0.0, lag=0)
+    strategy = GreedySnakeStrategy(auto=False, alpha=0.0, lag=0)
     L.seed_everything(0, verbose=False)
     make_trainer(strategy, 2, max_epochs=1).fit(TinyGPTModule(lr=LR), token_loader(4))
     for e in strategy.step_telemetry:
@@ -190,7 +190,7 @@ def test_a_configure_gradient_clipping_override_through_clip_gradients_is_honour
 
     ref = fit("auto")
     with pytest.warns(UserWarning, match="configure_gradient_clipping.*param.grad is not populated"):
-        got = fit(GreedySnakeStrategy())
+        got = fit(GreedySnakeStrategy(auto=False))
     assert max_abs_diff(got, ref) <= 1e-5
     assert max_abs_diff(ref, lightning_reference(False)) > 1e-4  # the clipping was active
 
@@ -201,7 +201,7 @@ def test_step_telemetry_reaches_the_trainers_loggers(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(), 2, max_epochs=1, logger=CSVLogger(tmp_path, name="logs"),
+    trainer = make_trainer(GreedySnakeStrategy(auto=False), 2, max_epochs=1, logger=CSVLogger(tmp_path, name="logs"),
                            log_every_n_steps=1)
     trainer.fit(TinyGPTModule(lr=LR), token_loader(8))
     (path,) = list((tmp_path / "logs").rglob("metrics.csv"))
@@ -227,10 +227,10 @@ def test_the_automatic_budget_reads_the_last_step_ahead_from_what_the_minimum_re
                         slack=manager.pool.budget_bytes - manager.min_budget_bytes,
                         state=manager.region_bytes(TensorKind.OPTIMIZER_STATES, 0))
 
-    ref, _ = _fit(GreedySnakeStrategy(offload=ON_DEVICE), False, WideEmbedding, _wide_loader(), k=2, epochs=1)
+    ref, _ = _fit(GreedySnakeStrategy(auto=False, offload=ON_DEVICE), False, WideEmbedding, _wide_loader(), k=2, epochs=1)
     L.seed_everything(0, verbose=False)
     module = WideEmbedding()
-    make_trainer(GreedySnakeStrategy(alpha=0.0, lag=0), 2, max_epochs=1, callbacks=[Count()]).fit(
+    make_trainer(GreedySnakeStrategy(auto=False, alpha=0.0, lag=0), 2, max_epochs=1, callbacks=[Count()]).fit(
         module, _wide_loader())
     assert seen["state"] > seen["slack"]
     assert seen["ahead"] == seen["steps"] - 1 >= 3

@@ -36,7 +36,7 @@ def fit(offload: Any, schedule: str = "vertical", precision: str = "32-true") ->
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(n_layer=4, lr=3e-3)
     seen = Seen()
-    trainer = make_trainer(GreedySnakeStrategy(schedule=schedule, offload=offload, alpha=0.25, lag=1), K,
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, schedule=schedule, offload=offload, alpha=0.25, lag=1), K,
                            callbacks=[seen], max_epochs=1, precision=precision)
     trainer.fit(module, token_loader(K * STEPS))
     return {n: p.detach().clone() for n, p in module.named_parameters()}, seen
@@ -109,7 +109,7 @@ def test_several_offload_paths_stripe_every_kind_and_each_carries_traffic(tmp_pa
         module = TinyGPTModule(n_layer=4, lr=3e-3)
         seen = Seen()
         paths = [str(disk / "a"), str(ram / "b")]
-        strategy = GreedySnakeStrategy(offload={**OffloadConfig.everywhere("ssd").__dict__, "path": paths},
+        strategy = GreedySnakeStrategy(auto=False, offload={**OffloadConfig.everywhere("ssd").__dict__, "path": paths},
                                        alpha=0.25, lag=1)
         make_trainer(strategy, K, callbacks=[seen, Locks()], max_epochs=1).fit(module, token_loader(K * STEPS))
         got = {n: p.detach().clone() for n, p in module.named_parameters()}

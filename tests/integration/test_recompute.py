@@ -26,11 +26,11 @@ def train(strategy: Any, dropout: float, k: int = 3) -> dict:
 @pytest.mark.parametrize("layers_per_unit", [1, 2])
 def test_recomputed_dropout_masks_equal_the_forward(schedule, layers_per_unit):
     settings = {"schedule": schedule, "layers_per_unit": layers_per_unit}
-    kept = train(GreedySnakeStrategy(**KEEP_GRAPHS, **settings), dropout=0.3)
-    recomputed = train(GreedySnakeStrategy(recompute=True, **settings), dropout=0.3)  # offloaded to SSD
+    kept = train(GreedySnakeStrategy(auto=False, **KEEP_GRAPHS, **settings), dropout=0.3)
+    recomputed = train(GreedySnakeStrategy(auto=False, recompute=True, **settings), dropout=0.3)  # offloaded to SSD
     assert max_abs_diff(kept, recomputed) <= 1e-6
     # and dropout really was on: without it training lands elsewhere
-    assert max_abs_diff(recomputed, train(GreedySnakeStrategy(**settings), dropout=0.0)) > 1e-3
+    assert max_abs_diff(recomputed, train(GreedySnakeStrategy(auto=False, **settings), dropout=0.0)) > 1e-3
 
 
 def test_recompute_does_not_disturb_later_random_draws():
@@ -42,7 +42,7 @@ def test_recompute_does_not_disturb_later_random_draws():
     for settings in (KEEP_GRAPHS, {"recompute": True}):
         L.seed_everything(0, verbose=False)
         module = TinyGPTModule(n_layer=3, dropout=0.3)
-        make_trainer(GreedySnakeStrategy(**settings), 2, max_epochs=1).fit(module, token_loader(4))
+        make_trainer(GreedySnakeStrategy(auto=False, **settings), 2, max_epochs=1).fit(module, token_loader(4))
         states.append(torch.get_rng_state())
     assert torch.equal(states[0], states[1])
 
@@ -57,8 +57,8 @@ def test_kept_graphs_with_weights_on_ssd_equal_resident(settings):
     for a matmul), whose buffers the tensor manager hands to other units between a unit's forward and
     its backward. They are kept as references and rebuilt from the re-acquired weights; without that,
     the backward silently reads other units' weights (about 1e-2 off here)."""
-    resident = train(GreedySnakeStrategy(**KEEP_GRAPHS, **settings), dropout=0.2)
-    on_ssd = train(GreedySnakeStrategy(recompute=False, **settings), dropout=0.2)
+    resident = train(GreedySnakeStrategy(auto=False, **KEEP_GRAPHS, **settings), dropout=0.2)
+    on_ssd = train(GreedySnakeStrategy(auto=False, recompute=False, **settings), dropout=0.2)
     assert max_abs_diff(resident, on_ssd) == 0.0
     # and equal to recomputing from checkpoints, the same masks drawn once
-    assert max_abs_diff(on_ssd, train(GreedySnakeStrategy(recompute=True, **settings), dropout=0.2)) <= 1e-6
+    assert max_abs_diff(on_ssd, train(GreedySnakeStrategy(auto=False, recompute=True, **settings), dropout=0.2)) <= 1e-6

@@ -43,7 +43,7 @@ SPLIT = {kind: {"host": share, "ssd": 1 - share} for kind, share in
 def test_predicted_bytes_equal_the_counters(schedule, k, alpha, precision, clip, offload):
     counters = Counters()
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(schedule=schedule, alpha=alpha, offload=offload), k, max_epochs=1,
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, schedule=schedule, alpha=alpha, offload=offload), k, max_epochs=1,
                            precision=precision, callbacks=[counters],
                            **({"gradient_clip_val": 0.05} if clip else {}))
     trainer.fit(TinyGPTModule(n_layer=3, lr=1e-3), token_loader(STEPS * k))

@@ -34,7 +34,7 @@ CHILD = textwrap.dedent("""
                 print(f"STEP {trainer.global_step}", flush=True)
 
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(offload_dir=sys.argv[1]), 4, max_epochs=1000,
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, offload_dir=sys.argv[1]), 4, max_epochs=1000,
                            callbacks=[Progress()])
     trainer.fit(TinyGPTModule(lr=3e-3), token_loader(16))
     print("FIT RETURNED", flush=True)

@@ -39,7 +39,7 @@ def fit(dtype: str, steps: int, precision: str = "32-true", n_embd: int = 16,
         module.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=n_embd, vocab_size=32, block_size=8))
     seen = Seen()
     offload = {"optimizer_state_dtype": dtype, **settings.pop("offload", {})}
-    strategy = GreedySnakeStrategy(offload=offload, **{"alpha": 0.25, "lag": 1, **settings})
+    strategy = GreedySnakeStrategy(auto=False, offload=offload, **{"alpha": 0.25, "lag": 1, **settings})
     trainer = make_trainer(strategy, K, callbacks=[seen], max_steps=steps, precision=precision)
     trainer.fit(module, token_loader(K * steps))
     return {n: p.detach().clone() for n, p in module.named_parameters()}, seen
@@ -103,7 +103,7 @@ def test_a_resumed_run_rounds_as_the_uninterrupted_one(tmp_path: Path):
     def run(root: Path, steps: int, ckpt: str | None = None) -> dict[str, torch.Tensor]:
         L.seed_everything(0, verbose=False)
         module = TinyGPTModule(n_layer=3, lr=3e-3)
-        strategy = GreedySnakeStrategy(offload={"optimizer_state_dtype": "bfloat16"}, alpha=0.25, lag=1)
+        strategy = GreedySnakeStrategy(auto=False, offload={"optimizer_state_dtype": "bfloat16"}, alpha=0.25, lag=1)
         trainer = make_trainer(strategy, K, max_epochs=steps, enable_checkpointing=True, default_root_dir=root,
                                callbacks=[ModelCheckpoint(dirpath=root, save_last=True)])
         trainer.fit(module, token_loader(2 * K), ckpt_path=ckpt)
@@ -125,7 +125,7 @@ def _val_loss(dtype: str, root: Path, steps: int) -> float:
                         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=16, check_val_every_n_epoch=10**6,
                         num_sanity_val_steps=0, default_root_dir=root,
-                        strategy=GreedySnakeStrategy(offload={"optimizer_state_dtype": dtype}))
+                        strategy=GreedySnakeStrategy(auto=False, offload={"optimizer_state_dtype": dtype}))
     trainer.fit(module, data)
     return trainer.validate(module, data, verbose=False)[0]["val_loss"]
 

@@ -12,7 +12,7 @@ from tests.helpers import TinyGPTModule, make_trainer, token_loader
 
 
 def test_tokens_per_step_and_the_progress_bar():
-    strategy = GreedySnakeStrategy()
+    strategy = GreedySnakeStrategy(auto=False)
     L.seed_everything(0, verbose=False)
     trainer = make_trainer(strategy, 2, max_epochs=1)
     trainer.fit(TinyGPTModule(), token_loader(8, batch_size=2, seq=8))
@@ -23,7 +23,7 @@ def test_tokens_per_step_and_the_progress_bar():
 
 def test_trace_of_the_first_steps_is_a_chrome_trace(tmp_path):
     L.seed_everything(0, verbose=False)
-    trainer = make_trainer(GreedySnakeStrategy(trace_steps=2), 2, max_epochs=1, default_root_dir=tmp_path)
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, trace_steps=2), 2, max_epochs=1, default_root_dir=tmp_path)
     trainer.fit(TinyGPTModule(n_layer=3), token_loader(8))
     trace = json.loads((tmp_path / "greedysnake_trace.json").read_text())
     events = trace["traceEvents"]
@@ -41,4 +41,4 @@ def test_trace_of_the_first_steps_is_a_chrome_trace(tmp_path):
 @pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_bad_trace_steps(value):
     with pytest.raises(ValueError, match=r"trace_steps=.*Fix"):
-        GreedySnakeStrategy(trace_steps=value)
+        GreedySnakeStrategy(auto=False, trace_steps=value)

@@ -1,12 +1,22 @@
 import pytest
 
-from lightning_greedysnake import GPTConfig, GreedySnakeConfig, GreedySnakeStrategy, ScheduleKind
+from lightning_greedysnake import GPTConfig, GreedySnakeConfig, GreedySnakeStrategy, ScheduleKind, Tier
 
 
 def test_defaults():
     config = GreedySnakeConfig()
-    assert config.schedule is ScheduleKind.VERTICAL
-    assert config.layers_per_unit == 1 and config.recompute
+    assert config.schedule is ScheduleKind.VERTICAL and config.layers_per_unit == 1 and config.auto
+    # what the planner chooses is unset until setup; in effect before that: the fixed defaults
+    assert config.alpha is None and config.lag is None and config.recompute is None
+    assert config.offload.weights is None and config.offload.optimizer_states is None
+    fixed = config.resolved()
+    assert (fixed.alpha, fixed.lag, fixed.recompute) == (0.25, 2, True)
+    assert fixed.offload.weights is Tier.SSD and fixed.offload.checkpoints is Tier.HOST
+    assert config.unset() >= {"alpha", "lag", "recompute", "offload.weights", "offload.buffer_budget_bytes"}
+    assert not GreedySnakeConfig(alpha=0.0, lag=0, recompute=True,
+                                 offload={**{k: "host" for k in ("weights", "master_weights", "optimizer_states",
+                                                                 "gradients", "checkpoints")},
+                                          "buffer_budget_bytes": 1 << 20}).unset()
 
 
 def test_strings_become_enums():
@@ -59,7 +69,7 @@ def test_gpt_num_params_matches_the_model(bias):
 
 
 # -- offload settings ---------------------------------------------------------------------------------
-from lightning_greedysnake import OffloadConfig, TensorKind, Tier  # noqa: E402
+from lightning_greedysnake import OffloadConfig, TensorKind  # noqa: E402
 
 
 def test_default_placement_is_zero_infinity_s():

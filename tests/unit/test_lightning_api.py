@@ -40,7 +40,7 @@ def test_the_subprocess_launcher_is_built_as_ddp_builds_it():
 
 
 def test_the_protected_strategy_members_are_what_lightning_reads():
-    strategy = GreedySnakeStrategy()
+    strategy = GreedySnakeStrategy(auto=False)
     strategy._launcher = "marker"  # what _configure_launcher sets
     assert Strategy.launcher.fget(strategy) == "marker"  # type: ignore[attr-defined]
     plugin = Precision()
@@ -79,7 +79,7 @@ class _Recording(SequentialModule):
 
 def test_read_ahead_batches_get_the_datamodules_hook_and_batch_indices_match_lightnings():
     module = _Recording()
-    make_trainer(GreedySnakeStrategy(), 2, max_epochs=1).fit(module, datamodule=_DoublingData())
+    make_trainer(GreedySnakeStrategy(auto=False), 2, max_epochs=1).fit(module, datamodule=_DoublingData())
     expected = [float(2 * x.sum()) for x, _ in _DoublingData().train_dataloader()]
     assert [s for _, _, s in module.seen] == expected
     assert all(ours == lightnings for ours, lightnings, _ in module.seen)

@@ -1,0 +1,131 @@
+"""Placing the kinds the user left unset between host memory and SSD, within a host budget. Pure
+arithmetic over the tensor manager's region sizes and the roofline's traffic model (no torch).
+
+Every byte of a kind kept in RAM saves the SSD traffic that byte causes each step: a unit's compute
+weights are read twice (forward and the recomputing backward) and written once; master weights and
+optimizer state are read and written once; a gradient region moves only what waits on it (the
+deferred ``alpha`` range, every byte with norm clipping or the horizontal order). The plan keeps the
+kinds in RAM in decreasing order of bytes saved per byte of RAM, each kind by whole units from the
+first (the :class:`~lightning_greedysnake.config.Split` form: a prefix of units), until the next unit
+no longer fits. Weights save the most per byte whatever the disk's read and write speeds (three
+passes against two), so the order, and with it the plan, needs no bandwidth measurement; the
+bandwidths (measured after the first step) only turn the bytes that remain into seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from lightning_greedysnake.planner.roofline import ON_SSD, Traffic, UnitCost, traffic
+
+KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
+"""The kinds with a per-unit region, in the order of :data:`~lightning_greedysnake.planner.roofline.ON_SSD`."""
+
+
+@dataclass(frozen=True)
+class KindPlacement:
+    """One kind's plan: its first ``host_units`` units in RAM, the rest on SSD."""
+
+    host_units: int
+    num_units: int
+    host_bytes: int
+    """RAM the kind's host units take (what the tensor manager keeps: every slot, this rank's chunk)."""
+    total_bytes: int
+    """RAM the whole kind would take."""
+    planned: bool
+    """False: the user's own setting, kept as given."""
+
+    @property
+    def share(self) -> float:
+        """The kind's host share of its bytes (``Split.host``)."""
+        return self.host_bytes / self.total_bytes if self.total_bytes else 1.0
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    kinds: dict[str, KindPlacement]
+    budget_bytes: int
+    """The host budget, all of it."""
+    reserved_bytes: int
+    """What the budget keeps back for staging and activation checkpoints."""
+    traffic: Traffic
+    """SSD bytes of a steady-state step with this placement."""
+    all_ssd: Traffic
+    """The same with every kind on SSD (ZeRO-Infinity's placement), for comparison."""
+
+    @property
+    def host_bytes(self) -> int:
+        """RAM the kinds kept in memory take, plus the reserve."""
+        return self.reserved_bytes + sum(k.host_bytes for k in self.kinds.values())
+
+    def table(self) -> str:
+        rows = []
+        for name, k in self.kinds.items():
+            where = ("host" if k.host_units == k.num_units else "ssd" if k.host_units == 0
+                     else f"host {k.host_units}/{k.num_units} units, ssd the rest")
+            rows.append((f"{name}{'' if k.planned else ' (yours)'}", f"{where}, {k.host_bytes:,} B in RAM"))
+        moved = self.traffic.read_bytes + self.traffic.write_bytes
+        before = self.all_ssd.read_bytes + self.all_ssd.write_bytes
+        rows += [
+            ("host budget (bytes)", f"{self.budget_bytes:,}"),
+            ("  kept for staging etc.", f"{self.reserved_bytes:,}"),
+            ("SSD bytes per step", f"{moved:,} (all on SSD: {before:,})"),
+        ]
+        return "\n".join(f"{name:<26}{value:>48}" for name, value in rows)
+
+
+def host_units_within(sizes: list[int], room: int) -> int:
+    """How many of the first units fit in ``room`` bytes (a prefix)."""
+    used = n = 0
+    for size in sizes:
+        if used + size > room:
+            break
+        used, n = used + size, n + 1
+    return n
+
+
+def _placed(units: list[UnitCost], host_units: Mapping[str, int]) -> list[UnitCost]:
+    """``units`` with each kind's first ``host_units[kind]`` units off the SSD."""
+    return [replace(u, on_ssd=frozenset(kind for kind in ON_SSD if i >= host_units.get(kind, 0)))
+            for i, u in enumerate(units)]
+
+
+def plan_placement(units: list[UnitCost], kept: Mapping[str, list[int]], given: Mapping[str, int],
+                   budget_bytes: int, reserved_bytes: int, schedule: str, k: int,
+                   clip_norm: bool = False) -> PlacementPlan:
+    """Plan every kind not in ``given``.
+
+    ``units``: each unit's region sizes (as the traffic model takes them; times are not used);
+    ``kept``: per kind, each unit's RAM in the host tier; ``given``: the user's kinds, as the number of
+    first units they keep in RAM; ``reserved_bytes``: the part of ``budget_bytes`` kept back for
+    staging and activation checkpoints."""
+    n = len(units)
+    host_units = {kind: given.get(kind, 0) for kind in KINDS}
+
+    def ssd_bytes(placement: Mapping[str, int]) -> int:
+        t = traffic(_placed(units, placement), schedule, k, clip_norm=clip_norm)
+        return t.read_bytes + t.write_bytes
+
+    room = budget_bytes - reserved_bytes - sum(sum(kept[kind][:host_units[kind]]) for kind in given)
+    planned = [kind for kind in KINDS if kind not in given]
+    base = ssd_bytes(host_units)
+
+    def saved_per_byte(kind: str) -> float:
+        total = sum(kept[kind])
+        return (base - ssd_bytes({**host_units, kind: n})) / total if total else float("inf")
+
+    density = {kind: saved_per_byte(kind) for kind in planned}  # (each against the same base)
+    for kind in sorted(planned, key=density.__getitem__, reverse=True):
+        if not sum(kept[kind]):
+            host_units[kind] = n  # nothing to keep (master weights under 32-true): no file for it
+            continue
+        if density[kind] <= 0:
+            continue  # moves nothing (gradients with nothing waiting): RAM is better left alone
+        host_units[kind] = host_units_within(kept[kind], max(room, 0))
+        room -= sum(kept[kind][:host_units[kind]])
+    kinds = {kind: KindPlacement(host_units[kind], n, sum(kept[kind][:host_units[kind]]), sum(kept[kind]),
+                                 kind not in given) for kind in KINDS}
+    return PlacementPlan(kinds, budget_bytes, reserved_bytes,
+                         traffic(_placed(units, host_units), schedule, k, clip_norm=clip_norm),
+                         traffic(_placed(units, {}), schedule, k, clip_norm=clip_norm))

@@ -1,0 +1,119 @@
+"""``auto=True`` at setup: the kinds whose placement the user left unset are placed between host memory
+and SSD within the host budget (:mod:`lightning_greedysnake.planner.placement`); every rank applies
+rank 0's plan. Settings the user gave are kept as given."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Split, TensorKind, Tier
+from lightning_greedysnake.layout import StateLayout, unit_tiers
+from lightning_greedysnake.offload.staging import (
+    AUTO_BUDGET_EXTRA_BYTES,
+    REGION_KINDS,
+    SLOTTED,
+    min_budget_bytes,
+)
+from lightning_greedysnake.planner.placement import PlacementPlan, plan_placement
+from lightning_greedysnake.planner.roofline import UnitCost
+
+CHECKPOINT_SHARE = 8
+"""The placement leaves 1/8 of the host budget for activation checkpoints in host memory (their size
+depends on the batch, which setup does not see; the first-step plan counts them as measured)."""
+
+
+def available_memory_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` (free RAM plus what the kernel can reclaim), else all RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_budget_bytes(config: GreedySnakeConfig, local_processes: int) -> int:
+    """``auto_host_budget_bytes``, or half of the available memory shared by the node's processes."""
+    if config.auto_host_budget_bytes is not None:
+        return config.auto_host_budget_bytes
+    return available_memory_bytes() // 2 // max(1, local_processes)
+
+
+def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int) -> int:
+    """The staging budget the tensor manager will take: the user's, else the automatic one with every
+    planned kind on SSD (the most it can be: host-resident units need no staging)."""
+    if offload.buffer_budget_bytes is not None:
+        return offload.buffer_budget_bytes
+    weights = state.all_region_bytes(TensorKind.WEIGHTS)
+    return (min_budget_bytes(state, offload, lag) + max(weights, default=0) * max(1, offload.prefetch_units)
+            + AUTO_BUDGET_EXTRA_BYTES)
+
+
+def unit_costs_at_setup(state: StateLayout, alpha: float) -> list[UnitCost]:
+    """Region sizes per unit as the traffic model takes them; the deferred range about ``alpha`` of
+    every unit but the first (which is never deferred)."""
+    costs = []
+    for u, lay in enumerate(state.units):
+        sizes = {kind: state.region_bytes(kind, u) for kind in REGION_KINDS}
+        deferred = alpha if u > 0 and lay.trainable_numel else 0.0
+        costs.append(UnitCost(
+            0.0, 0.0, weight_bytes=sizes[TensorKind.WEIGHTS], grad_bytes=sizes[TensorKind.GRADIENTS],
+            master_bytes=sizes[TensorKind.MASTER_WEIGHTS], state_bytes=sizes[TensorKind.OPTIMIZER_STATES],
+            params=lay.trainable_numel, alpha_weight_bytes=int(deferred * sizes[TensorKind.WEIGHTS]),
+            alpha_grad_bytes=int(deferred * sizes[TensorKind.GRADIENTS])))
+    return costs
+
+
+def as_placement(sizes: list[int], host_units: int) -> Tier | Split:
+    """The config value that keeps the first ``host_units`` of units sized ``sizes`` in RAM and every
+    later unit that holds bytes on SSD (a unit of 0 bytes holds nothing, wherever it is counted)."""
+    later = [size for size in sizes[host_units:] if size]
+    if not later:
+        return Tier.HOST
+    if not sum(sizes[:host_units]):
+        return Tier.SSD
+    # halfway into the next unit with bytes: unit_tiers keeps the prefix and no more, whatever the rounding
+    share = (sum(sizes[:host_units]) + later[0] / 2) / sum(sizes)
+    placement = Split(share, 1.0 - share)
+    assert [t is Tier.HOST for t, size in zip(unit_tiers(sizes, placement), sizes) if size] == [
+        u < host_units for u, size in enumerate(sizes) if size]
+    return placement
+
+
+def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, speculative: bool,
+                  clip_norm: bool, local_processes: int, broadcast: Callable[[Any], Any],
+                  report: Callable[[str], None]) -> tuple[GreedySnakeConfig, PlacementPlan | None]:
+    """The settings in effect for this run, with the unset kinds placed (``auto=True``; else at their
+    fixed defaults), and the plan (None when nothing was planned), which goes to ``report`` as a table.
+    ``speculative``: fp16's two slots of the kinds a step rewrites."""
+    fixed = settings.resolved()
+    planned = settings.offload.unset() & set(REGION_KINDS)
+    if not settings.auto or not planned:
+        return fixed, None
+    every_ssd = fixed.offload.placed({kind: Tier.SSD for kind in planned})
+    n = state.num_units
+    kept = {kind.value: [state.kept_unit_bytes(kind, u) * (2 if speculative and kind in SLOTTED else 1)
+                         for u in range(n)] for kind in REGION_KINDS}
+    given = {kind.value: sum(t is not Tier.SSD
+                             for t in unit_tiers(state.all_region_bytes(kind), fixed.offload.tier(kind)))
+             for kind in REGION_KINDS if kind not in planned}
+    budget = host_budget_bytes(settings, local_processes)
+    if settings.lag is None:  # the first window's lag: the deepest whose staging fits (the plan may change it)
+        fits = [lag for lag in (2, 1, 0)
+                if staging_estimate(state, every_ssd, lag) + budget // CHECKPOINT_SHARE <= budget]
+        fixed = dataclasses.replace(fixed, lag=fits[0] if fits else 0)
+    reserved = staging_estimate(state, every_ssd, fixed.lag) + budget // CHECKPOINT_SHARE
+    schedule = fixed.schedule.value
+    plan = plan_placement(unit_costs_at_setup(state, fixed.alpha or 0.0), kept, given, budget, reserved,
+                          schedule, k, clip_norm=clip_norm and schedule == "vertical")
+    plan = broadcast(plan)  # every rank runs rank 0's placement
+    report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
+           + plan.table())
+    placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units)
+                 for kind in planned}
+    return dataclasses.replace(settings.resolved(placement), lag=fixed.lag), plan
