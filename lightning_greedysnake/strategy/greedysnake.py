@@ -60,7 +60,6 @@ from lightning_greedysnake.strategy.placement import PlacementPlan, plan_at_setu
 from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
 from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore, state_layout
 
-
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "greedysnake": ("GreedySnake vertical schedule", {"schedule": "vertical"}),
     "greedysnake_horizontal": (
