@@ -91,6 +91,9 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
                 return
             if trainer.strategy.plan_choice is not None:
                 extra["plan"] = dataclasses.asdict(trainer.strategy.plan_choice)
+            if trainer.strategy.placement_plan is not None:  # units of each kind in RAM / all units
+                extra["placement"] = {kind: f"{p.host_units}/{p.num_units}"
+                                      for kind, p in trainer.strategy.placement_plan.kinds.items()}
             manager.drain()
             fwd, bwd = unit_times(manager.stats.lanes.spans(self.steady_from, float("inf")), manager.num_units)
             machine = Machine(args.read_bps, args.write_bps, args.opt_rate)

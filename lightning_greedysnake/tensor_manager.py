@@ -159,6 +159,7 @@ class TieredTensorStore(_StateBetweenWindows):
         clipping defers the steps, each unit is stepped speculatively as its gradient completes, into
         a second slot of its regions, and a window found to hold an inf or NaN is undone
         (:meth:`finish_step`)."""
+        config = config.placed()  # (a kind left unset: its fixed default; the strategy plans them before)
         self.config = config
         self.optimizer = optimizer
         self.compute_dtype = compute_dtype
