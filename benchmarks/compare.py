@@ -279,7 +279,7 @@ def main() -> None:
     add_machine_args(parser)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args)))
+        print("RESULT " + json.dumps(child(args), default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
         return
     from _common import (
         MODEL_FLAGS,
@@ -299,7 +299,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         measure_machine(args, tmp)
         baseline = baseline_tree(args.baseline, tmp) if args.baseline else None
-        flags = [*MODEL_FLAGS, "steps", "precision", "read_bps", "write_bps", "opt_rate", "budget_gb"]
+        flags = [*MODEL_FLAGS, "steps", "precision", "read_bps", "write_bps", "opt_rate", "budget_gb", "host_budget_gb"]
         try:
             for k in args.ks:
                 for round_ in range(args.rounds):

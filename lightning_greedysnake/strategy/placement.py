@@ -54,6 +54,25 @@ def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int) -> in
             + AUTO_BUDGET_EXTRA_BYTES)
 
 
+def budget_error(settings: GreedySnakeConfig, budget: int, staging: int, lag: int) -> str:
+    """Why the host budget cannot be kept: the tensor manager's staging alone exceeds it."""
+    if settings.auto_host_budget_bytes is None:
+        given = f"the default host budget (half of the available memory: {budget:,} bytes)"
+        fix = "free memory, set auto_host_budget_bytes higher, or auto=False (the fixed defaults, no budget)"
+    else:
+        given = f"auto_host_budget_bytes={budget:,}"
+        fix = f"raise auto_host_budget_bytes to at least {staging:,}"
+    what = (f"offload.buffer_budget_bytes={settings.offload.buffer_budget_bytes:,}"
+            if settings.offload.buffer_budget_bytes is not None else
+            f"the staging the tensor manager needs at lag {lag} ({staging:,} bytes: one unit's working set"
+            " on SSD, the queued steps' weights and gradients, one prefetch)")
+    if settings.offload.buffer_budget_bytes is not None:
+        fix += " or lower offload.buffer_budget_bytes"
+    else:
+        fix += ", or lower layers_per_unit (smaller units stage less)"
+    return f"{given} cannot hold {what}. Fix: {fix}."
+
+
 def unit_costs_at_setup(state: StateLayout, alpha: float) -> list[UnitCost]:
     """Region sizes per unit as the traffic model takes them; the deferred range about ``alpha`` of
     every unit but the first (which is never deferred)."""
@@ -107,7 +126,10 @@ def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, sp
         fits = [lag for lag in (2, 1, 0)
                 if staging_estimate(state, every_ssd, lag) + budget // CHECKPOINT_SHARE <= budget]
         fixed = dataclasses.replace(fixed, lag=fits[0] if fits else 0)
-    reserved = staging_estimate(state, every_ssd, fixed.lag) + budget // CHECKPOINT_SHARE
+    staging = staging_estimate(state, every_ssd, fixed.lag)
+    if staging > budget:
+        raise ValueError(budget_error(settings, budget, staging, fixed.lag))
+    reserved = staging + budget // CHECKPOINT_SHARE
     schedule = fixed.schedule.value
     plan = plan_placement(unit_costs_at_setup(state, fixed.alpha or 0.0), kept, given, budget, reserved,
                           schedule, k, clip_norm=clip_norm and schedule == "vertical")

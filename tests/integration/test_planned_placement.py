@@ -88,10 +88,23 @@ def test_the_users_placements_are_kept_and_the_rest_planned():
     assert not plan.kinds["optimizer_states"].planned and plan.kinds["gradients"].planned
 
 
-def test_a_budget_below_the_staging_keeps_everything_on_ssd():
+def test_a_budget_with_room_for_the_staging_only_keeps_everything_on_ssd():
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=STAGING, offload={"buffer_budget_bytes": STAGING})
     _, seen = fit(strategy)
     assert all(t is Tier.SSD for kind in ("weights", "optimizer_states", "gradients") for t in seen.tiers[kind])
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"auto_host_budget_bytes": STAGING - 1, "offload": {"buffer_budget_bytes": STAGING}},
+     [f"auto_host_budget_bytes={STAGING - 1:,}", f"offload.buffer_budget_bytes={STAGING:,}", "Fix"]),
+    ({"auto_host_budget_bytes": 1 << 20}, ["auto_host_budget_bytes=1,048,576", "staging", "lag 0", "Fix"]),
+])
+def test_a_budget_below_the_staging_is_refused_before_any_work(settings, words, tmp_path):
+    with pytest.raises(ValueError) as info:
+        fit(GreedySnakeStrategy(offload_dir=tmp_path / "off", **settings))
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert not (tmp_path / "off").exists()  # nothing was created
 
 
 CHILD = textwrap.dedent("""
