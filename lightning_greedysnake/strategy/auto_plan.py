@@ -69,14 +69,17 @@ class FirstStepPlan:
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
             lags = tuple(lag for lag in lags if min_budget_bytes(manager.state, manager.config, lag) <= explicit_budget)
         try:
-            choice = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
-                          alphas=tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
-                          lags=lags or (config.lag,), recompute=(True, False) if "recompute" in unset else (config.recompute,),
-                          checkpoint_placements=("ssd" if config.offload.checkpoints is Tier.SSD else "host",))
+            choice: Choice | str = plan(
+                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
+                alphas=tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
+                lags=lags or (config.lag,), recompute=(True, False) if "recompute" in unset else (config.recompute,),
+                checkpoint_placements=("ssd" if config.offload.checkpoints is Tier.SSD else "host",))
         except PlanError as e:
-            report(f"greedysnake auto plan: keeping the settings in effect ({e})")
+            choice = str(e)
+        choice = broadcast(choice)  # rank 0's, a choice or why there is none: every rank does the same
+        if isinstance(choice, str):
+            report(f"greedysnake auto plan: keeping the settings in effect ({choice})")
             return config
-        choice = broadcast(choice)
         self.choice = choice
         staging = explicit_budget if explicit_budget is not None else choice.buffer_budget_bytes
         manager.reconfigure(choice.alpha, choice.lag, staging)

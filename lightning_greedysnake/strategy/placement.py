@@ -121,7 +121,7 @@ def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, sp
     given = {kind.value: sum(t is not Tier.SSD
                              for t in unit_tiers(state.all_region_bytes(kind), fixed.offload.tier(kind)))
              for kind in REGION_KINDS if kind not in planned}
-    budget = host_budget_bytes(settings, local_processes)
+    budget = broadcast(host_budget_bytes(settings, local_processes))  # rank 0's: every rank decides alike
     if settings.lag is None:  # the first window's lag: the deepest whose staging fits (the plan may change it)
         fits = [lag for lag in (2, 1, 0)
                 if staging_estimate(state, every_ssd, lag) + budget // CHECKPOINT_SHARE <= budget]
@@ -133,7 +133,7 @@ def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, sp
     schedule = fixed.schedule.value
     plan = plan_placement(unit_costs_at_setup(state, fixed.alpha or 0.0), kept, given, budget, reserved,
                           schedule, k, clip_norm=clip_norm and schedule == "vertical")
-    plan = broadcast(plan)  # every rank runs rank 0's placement
+    plan = broadcast(plan)  # every rank runs rank 0's placement (the same one: the same budget and sizes)
     report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
            + plan.table())
     placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units)

@@ -88,10 +88,14 @@ def test_the_users_placements_are_kept_and_the_rest_planned():
     assert not plan.kinds["optimizer_states"].planned and plan.kinds["gradients"].planned
 
 
-def test_a_budget_with_room_for_the_staging_only_keeps_everything_on_ssd():
+def test_a_budget_with_room_for_the_staging_only_keeps_everything_on_ssd(caplog):
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=STAGING, offload={"buffer_budget_bytes": STAGING})
-    _, seen = fit(strategy)
+    with caplog.at_level("INFO"):
+        _, seen = fit(strategy)
     assert all(t is Tier.SSD for kind in ("weights", "optimizer_states", "gradients") for t in seen.tiers[kind])
+    # nor is there room for the first-step plan's staging: the settings in effect stay, and it says why
+    assert strategy.plan_choice is None and "keeping the settings in effect" in caplog.text
+    assert "no configuration fits a host memory budget" in caplog.text
 
 
 @pytest.mark.parametrize("settings, words", [
