@@ -162,11 +162,16 @@ PLACEMENTS = {
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("placement", [*PLACEMENTS, "planned"])
 def test_matches_auto_on_cuda(placement, precision):
-    # "planned": the defaults (auto=True) with a host budget that splits the kinds between RAM and SSD
-    settings = {"auto_host_budget_bytes": 18 << 20} if placement == "planned" else {
-        "auto": False, "offload": PLACEMENTS[placement]}
-    got = fit(GreedySnakeStrategy(**settings), precision, callbacks=(DeviceTierSeen(),))
+    # "planned": the defaults (auto=True) with a host budget of 8 MiB of staging and 3 MiB of room for the
+    # kinds (a 0.8 MB block's weights each in fp32): the planner splits them between RAM and SSD
+    planned = {"auto_host_budget_bytes": ((8 << 20) + (3 << 20)) * 8 // 7 + 8, "offload": {"buffer_budget_bytes": 8 << 20}}
+    strategy = GreedySnakeStrategy(**planned) if placement == "planned" else GreedySnakeStrategy(
+        auto=False, offload=PLACEMENTS[placement])
+    got = fit(strategy, precision, callbacks=(DeviceTierSeen(),))
     assert_matches(got, reference(precision), precision)
+    if placement == "planned":
+        kinds = strategy.placement_plan.kinds.values()
+        assert any(k.host_units for k in kinds) and any(k.host_units < k.num_units for k in kinds)
 
 
 @pytest.mark.parametrize(("alpha", "lag", "schedule"), [(0.0, 0, "vertical"), (0.5, 2, "vertical"),
