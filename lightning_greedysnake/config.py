@@ -63,14 +63,14 @@ def _directory(value: Any, whole: Any) -> str:
 
 def _placement(setting: str, value: Any) -> Tier | Split:
     """A kind's placement from a tier name or a ``{host: f, ssd: g}`` mapping (shares summing to 1)."""
-    if isinstance(value, Split):
-        return value
-    if not isinstance(value, Mapping):
+    if not isinstance(value, (Mapping, Split)):
         return _enum_value(Tier, setting, value)
     name = setting.split(".")[-1]
     fix = f"Fix: e.g. {setting}={{host: 0.6, ssd: 0.4}} (shares of the kind's bytes, summing to 1)."
     if name not in SPLIT_KINDS:
-        raise ValueError(f"{setting}={dict(value)!r}: only {', '.join(SPLIT_KINDS)} can be split. Fix: one tier.")
+        raise ValueError(f"{setting}={value!r}: only {', '.join(SPLIT_KINDS)} can be split. Fix: one tier.")
+    if isinstance(value, Split):
+        return value
     keys = {str(getattr(k, "value", k)) for k in value}
     if not keys <= {"host", "ssd"}:
         raise ValueError(f"{setting}={dict(value)!r} may only split between 'host' and 'ssd'. {fix}")
@@ -193,8 +193,6 @@ class OffloadConfig:
         for kind in TensorKind:
             if getattr(self, kind.value) is not None:
                 setattr(self, kind.value, _placement(f"offload.{kind.value}", getattr(self, kind.value)))
-        if isinstance(self.checkpoints, Split):
-            raise ValueError(f"offload.checkpoints={self.checkpoints}: checkpoints go to one tier. Fix: 'host' or 'ssd'.")
         self.optimizer_state_dtype = _state_dtype(self.optimizer_state_dtype)
         if self.optimizer_state_dtype != "float32" and not self.uses_tensor_manager:
             raise ValueError(

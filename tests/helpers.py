@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import subprocess
 from collections.abc import Iterator
@@ -236,3 +237,11 @@ def mounted(path: Path, fstype: str = "tmpfs", size: str | None = None) -> Itera
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=False)
+
+
+def mixed_policy_start(module: Any, dtype: torch.dtype) -> tuple[Any, Any, list[nn.Parameter], nn.Module]:
+    """The start of a plain-PyTorch mixed-precision reference loop: the module's optimizer and LR
+    scheduler, its fp32 parameters (the master weights) and a ``dtype`` copy of its model to compute with."""
+    config = module.configure_optimizers()
+    master = list(module.model.parameters())
+    return config["optimizer"], config["lr_scheduler"]["scheduler"], master, copy.deepcopy(module.model).to(dtype)

@@ -279,6 +279,11 @@ class StagingArena:
                 * (self.slots if kind in SLOTTED else 1) for kind in REGION_KINDS}
         return {kind: n for kind, n in kept.items() if n}
 
+    def host_bytes(self) -> int:
+        """RAM the host-tier regions take (every slot; this rank's chunk of partitioned kinds)."""
+        return sum(self.state.kept_unit_bytes(kind, u) * (self.slots if kind in SLOTTED else 1)
+                   for kind in REGION_KINDS for u, d in enumerate(self._directory[kind]) if d is None)
+
     def open_files(self) -> list[OffloadFile]:
         return [r.file for r in self._all_ssd()]
 

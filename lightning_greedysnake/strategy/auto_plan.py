@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_greedysnake.config import GreedySnakeConfig, Tier
-from lightning_greedysnake.offload.staging import REGION_KINDS, SLOTTED, min_budget_bytes
+from lightning_greedysnake.offload.staging import min_budget_bytes
 from lightning_greedysnake.planner import Choice, Machine, PlanError, plan, predict
 from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate, unit_costs, unit_times
 from lightning_greedysnake.strategy.placement import host_budget_bytes
@@ -18,13 +18,6 @@ from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_budget_bytes"})
 """What the first-step plan chooses when the user left it unset."""
-
-
-def host_region_bytes(manager: TieredTensorStore) -> int:
-    """RAM the kinds in the host tier take (every slot; this rank's chunk of partitioned kinds)."""
-    arena = manager.arena
-    return sum(manager.state.kept_unit_bytes(kind, u) * (arena.slots if kind in SLOTTED else 1)
-               for kind in REGION_KINDS for u, tier in enumerate(arena.unit_tiers[kind]) if tier is not Tier.SSD)
 
 
 def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Machine, str]:
@@ -63,7 +56,7 @@ class FirstStepPlan:
         machine, disks = measured_machine(manager, default_root)
         fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
         costs = unit_costs(manager, fwd, bwd, activation_bytes)
-        budget = host_budget_bytes(self.settings, self.local_processes) - host_region_bytes(manager)
+        budget = host_budget_bytes(self.settings, self.local_processes) - manager.arena.host_bytes()
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
         lags = (0, 1, 2) if "lag" in unset else (config.lag,)
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given

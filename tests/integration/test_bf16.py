@@ -3,7 +3,6 @@ gradient accumulation; against a plain-PyTorch loop with the same precision poli
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import lightning as L
@@ -12,7 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from lightning_greedysnake import GreedySnakeStrategy, OffloadConfig
-from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, max_abs_diff, token_loader
+from tests.helpers import (
+    TinyGPTModule,
+    UnitGradients,
+    make_trainer,
+    max_abs_diff,
+    mixed_policy_start,
+    token_loader,
+)
 
 LR = 3e-3
 K = 3
@@ -30,10 +36,7 @@ def policy_reference() -> dict[str, torch.Tensor]:
     POLICY_GRADS.clear()
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(n_layer=3, lr=LR)
-    config = module.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    master = list(module.model.parameters())
-    compute = copy.deepcopy(module.model).to(torch.bfloat16)
+    optimizer, scheduler, master, compute = mixed_policy_start(module, torch.bfloat16)
     batches = list(token_loader(NUM_BATCHES))
     for _ in range(EPOCHS):
         for start in range(0, len(batches), K):

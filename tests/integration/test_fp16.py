@@ -4,7 +4,6 @@ loss scaling with torch.amp.GradScaler's semantics; against a plain-PyTorch loop
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,14 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_greedysnake import GreedySnakePrecision, GreedySnakeStrategy, OffloadConfig
-from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, max_abs_diff, token_loader
+from tests.helpers import (
+    TinyGPTModule,
+    UnitGradients,
+    make_trainer,
+    max_abs_diff,
+    mixed_policy_start,
+    token_loader,
+)
 
 LR = 3e-3
 K = 3
@@ -45,10 +51,7 @@ def reference(clip: tuple[str, float] | None = None,
     unscaled, clipped and stepped, and the scale grows every ``growth_interval`` good windows."""
     L.seed_everything(0, verbose=False)
     module = HugeLoss(n_layer=3, lr=LR)
-    config = module.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    master = list(module.model.parameters())
-    compute = copy.deepcopy(module.model).to(torch.float16)
+    optimizer, scheduler, master, compute = mixed_policy_start(module, torch.float16)
     batches = list(token_loader(NUM_BATCHES))
     scale, tracker = SCALER["init_scale"], 0
     scales, skipped, grads = [], [], []

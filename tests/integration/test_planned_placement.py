@@ -19,7 +19,6 @@ from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, Split, Tier
 from lightning_greedysnake.offload.device import simulate_device_enabled
 from lightning_greedysnake.offload.staging import REGION_KINDS
-from lightning_greedysnake.strategy.auto_plan import host_region_bytes
 from lightning_greedysnake.strategy.placement import CHECKPOINT_SHARE
 from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
 
@@ -38,7 +37,8 @@ class Seen(UnitGradients):
         manager = trainer.strategy.tensor_manager
         manager.drain()
         self.tiers = {kind.value: list(manager.arena.unit_tiers[kind]) for kind in REGION_KINDS}
-        self.host_bytes = host_region_bytes(manager) + manager.pool.budget_bytes
+        self.regions_in_ram = manager.arena.host_bytes()
+        self.host_bytes = self.regions_in_ram + manager.pool.budget_bytes
         self.read = sum(v for k, v in manager.stats.flat().items() if k.startswith("ssd/") and k.endswith("bytes_read"))
 
 
@@ -65,6 +65,7 @@ def test_the_default_plan_splits_a_small_budget_and_trains_bit_identically(preci
     assert seen.host_bytes <= budget - budget // CHECKPOINT_SHARE  # what the tensor manager really holds
     on_host = {kind: sum(t is Tier.HOST for t in tiers) for kind, tiers in seen.tiers.items()}
     assert on_host == {kind: p.host_units for kind, p in plan.kinds.items()}
+    assert seen.regions_in_ram == sum(p.host_bytes for p in plan.kinds.values())  # what the plan counted
     assert 0 < on_host["weights"] and seen.read > 0  # some of it in RAM, some on SSD
     assert any(0 < n < len(seen.tiers[k]) for k, n in on_host.items() if k != "master_weights") or (
         0 < sum(on_host.values()) < sum(len(t) for t in seen.tiers.values()))
