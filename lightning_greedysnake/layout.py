@@ -10,6 +10,7 @@ optimizer's vector kernels).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lightning_greedysnake.config import Split, TensorKind, Tier
@@ -52,14 +53,16 @@ class UnitLayout:
         return sum(p.numel for p in self.params if p.group is not None)
 
 
-def build_unit_layout(unit: int, params: list[tuple[str, tuple[int, ...], int | None]]) -> UnitLayout:
-    """Lay ``(name, shape, group)`` entries out one after another, each on a 64-element boundary."""
+def build_unit_layout(unit: int, params: list[tuple[str, tuple[int, ...], int | None]],
+                      align: int = PARAM_ALIGN_NUMEL) -> UnitLayout:
+    """Lay ``(name, shape, group)`` entries out one after another, each on an ``align``-element boundary
+    (64; quantized optimizer state: a multiple of its block, so a parameter's blocks are the unit's)."""
     slots = []
     offset = 0
     for name, shape, group in params:
         slot = ParamSlot(name, tuple(shape), offset, group)
         slots.append(slot)
-        offset = align_up(offset + slot.numel, PARAM_ALIGN_NUMEL)
+        offset = align_up(offset + slot.numel, align)
     return UnitLayout(unit, tuple(slots), offset)
 
 
@@ -116,6 +119,38 @@ class StateLayout:
     """``(rank, world)`` with partitioned state: this rank keeps and steps only its chunk of every unit."""
     state_itemsize: int = 4
     """Bytes per element of every optimizer-state slot (``offload.optimizer_state_dtype``)."""
+    state_codec: tuple[tuple[int, int], ...] = ()
+    """Quantized state (a tensor subclass, :mod:`~lightning_greedysnake.optim.subclass_state`): per
+    component, ``(elements per entry, bytes per entry)``; each slot holds every component's entries for
+    the whole unit, one 4 KiB-aligned run after another. Empty: one run of ``state_itemsize`` bytes per
+    element."""
+
+    @property
+    def _components(self) -> tuple[tuple[int, int], ...]:
+        return self.state_codec or ((1, self.state_itemsize),)
+
+    def _component_bytes(self, lay: UnitLayout, per: int, isz: int) -> int:
+        return align_up(max(-(-lay.numel // per), 1) * isz)
+
+    def _slot_bytes(self, lay: UnitLayout) -> int:
+        return sum(self._component_bytes(lay, per, isz) for per, isz in self._components)
+
+    def component_offset_bytes(self, u: int, k: int, c: int) -> int:
+        """Where component ``c`` of optimizer-state slot ``k`` starts in unit ``u``'s state region."""
+        lay = self.units[u]
+        return self.slot_offset_bytes(u, k) + sum(self._component_bytes(lay, per, isz)
+                                                  for per, isz in self._components[:c])
+
+    @property
+    def split_align_numel(self) -> int:
+        """Element ranges that split a unit start on a multiple of this: ``SPLIT_ALIGN_NUMEL``, or where
+        quantized state has fewer bytes per element, enough elements that every component's bytes
+        start on 4 KiB."""
+        align = SPLIT_ALIGN_NUMEL
+        for per, isz in self.state_codec:
+            need = per * (4096 // math.gcd(4096, isz))
+            align = align * need // math.gcd(align, need)
+        return align
 
     @property
     def num_units(self) -> int:
@@ -129,7 +164,7 @@ class StateLayout:
         if kind is TensorKind.MASTER_WEIGHTS:
             return lay.nbytes(4) if self.separate_master and trainable else 0
         if kind is TensorKind.OPTIMIZER_STATES:
-            return lay.nbytes(self.state_itemsize) * self.num_slots if trainable else 0
+            return self._slot_bytes(lay) * self.num_slots if trainable else 0
         if kind is TensorKind.GRADIENTS:
             return lay.nbytes(4) if trainable else 0
         raise ValueError(f"{kind} has no per-unit region")
@@ -138,21 +173,26 @@ class StateLayout:
         return [self.region_bytes(kind, u) for u in range(self.num_units)]
 
     def byte_ranges(self, kind: TensorKind, u: int, lo: int, hi: int) -> list[tuple[int, int]]:
-        """Byte ranges of elements ``[lo, hi)`` of unit ``u`` in ``kind``'s region (one per state slot);
-        a range reaching the unit's end runs to the region's (aligned) end."""
+        """Byte ranges of elements ``[lo, hi)`` of unit ``u`` in ``kind``'s region (one per state slot and
+        component); a range reaching the unit's end runs to the region's (aligned) end."""
         lay = self.units[u]
         if kind is TensorKind.OPTIMIZER_STATES:
-            isz = self.state_itemsize
-            region, copies = lay.nbytes(isz), self.num_slots
-        else:
-            isz = self.compute_itemsize if kind is TensorKind.WEIGHTS else 4
-            region, copies = lay.nbytes(isz), 1
+            out = []
+            for k in range(self.num_slots):
+                at = self.slot_offset_bytes(u, k)
+                for per, isz in self._components:
+                    size = self._component_bytes(lay, per, isz)
+                    out.append((at + lo // per * isz, at + (size if hi >= lay.numel else -(-hi // per) * isz)))
+                    at += size
+            return out
+        isz = self.compute_itemsize if kind is TensorKind.WEIGHTS else 4
+        region, copies = lay.nbytes(isz), 1
         end = region if hi >= lay.numel else hi * isz
         return [(k * region + lo * isz, k * region + end) for k in range(copies)]
 
     def slot_offset_bytes(self, u: int, k: int) -> int:
         """Where optimizer-state slot ``k`` starts in unit ``u``'s state region."""
-        return k * self.units[u].nbytes(self.state_itemsize)
+        return k * self._slot_bytes(self.units[u])
 
     def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]:
         """The element range of unit ``u`` that ``rank`` (default: this process) steps."""

@@ -33,7 +33,7 @@ from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import OffloadConfig, TensorKind
 from lightning_greedysnake.io import IOConfig, IOEngine, OffloadFile, default_engine
 from lightning_greedysnake.io.heap import trim_heap
-from lightning_greedysnake.layout import StateLayout, UnitLayout, build_unit_layout
+from lightning_greedysnake.layout import PARAM_ALIGN_NUMEL, StateLayout, UnitLayout, build_unit_layout
 from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload import unit_values
 from lightning_greedysnake.offload.activations import ActivationStore
@@ -44,7 +44,7 @@ from lightning_greedysnake.offload.residency import UpdateGate, WeightsResidency
 from lightning_greedysnake.offload.staging import StagingArena
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper, discover_slots
-from lightning_greedysnake.optim.state_format import STATE_DTYPES, StateFormat
+from lightning_greedysnake.optim.state_format import StateFormat, state_format_for
 
 __all__ = ["ClipPolicy", "TieredTensorStore"]
 
@@ -65,6 +65,7 @@ class _StateBetweenWindows:
     grads: GradientAccumulator
     weights: WeightsResidency
     slots: tuple[str, ...]
+    state_format: StateFormat
     num_units: int
     unit_optimizers: list[UnitOptimizer | None]
     drain: Callable[[], None]
@@ -94,14 +95,16 @@ class _StateBetweenWindows:
         assert self.optimizer is not None
         self.drain()
         self.stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
-        return opt_state.unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u)
+        return opt_state.unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u,
+                                             self.state_format.codec)
 
     def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
         """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
         assert self.optimizer is not None
         self.drain()
         self.stepper.parts.drop_read_ahead(u)  # read before this new state
-        opt_state.load_unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u, entries)
+        opt_state.load_unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u, entries,
+                                            self.state_format.codec)
 
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
         """The optimizer's per-parameter state in ``torch.optim`` form (the ``state`` entry of
@@ -120,23 +123,27 @@ class _StateBetweenWindows:
 
 def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
                  config: OffloadConfig, compute_dtype: torch.dtype, shard: tuple[int, int] | None = None,
-                 slots: tuple[str, ...] | None = None) -> StateLayout:
+                 slots: tuple[str, ...] | None = None, state_format: StateFormat | None = None) -> StateLayout:
     """How :class:`TieredTensorStore` lays ``units`` out (every region's size), without building one: what
-    the placement plan is computed from. ``slots``: the optimizer's, if already discovered."""
+    the placement plan is computed from. ``slots``/``state_format``: the optimizer's, if already known."""
+    if slots is None:
+        slots = discover_slots(optimizer) if optimizer is not None else ()
+    if state_format is None:
+        state_format = state_format_for(optimizer, slots, config.optimizer_state_dtype, shard)
+    codec = state_format.codec
+    align = PARAM_ALIGN_NUMEL if codec is None else max(PARAM_ALIGN_NUMEL, codec.align_numel)
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
     layouts = [
         build_unit_layout(unit.index, [
             (param_names.get(id(p), f"unit{unit.index}.{i}"), tuple(p.shape),
              group_of.get(id(p)) if p.requires_grad else None)
             for i, p in enumerate(unit.parameters())
-        ])
+        ], align)
         for unit in units
     ]
-    if slots is None:
-        slots = discover_slots(optimizer) if optimizer is not None else ()
     return StateLayout(tuple(layouts), _itemsize(compute_dtype), len(slots),
                        separate_master=compute_dtype != torch.float32, shard=shard,
-                       state_itemsize=StateFormat(STATE_DTYPES[config.optimizer_state_dtype]).itemsize)
+                       state_itemsize=state_format.itemsize, state_codec=codec.layout if codec else ())
 
 
 class TieredTensorStore(_StateBetweenWindows):
@@ -171,8 +178,9 @@ class TieredTensorStore(_StateBetweenWindows):
         self._closed = False
         self.params: list[list[nn.Parameter]] = [unit.parameters() for unit in units]
         self.slots: tuple[str, ...] = discover_slots(optimizer) if optimizer is not None else ()
-        self.state_format = StateFormat(STATE_DTYPES[config.optimizer_state_dtype])
-        self.state = state_layout(units, param_names, optimizer, config, compute_dtype, shard, self.slots)
+        self.state_format = state_format_for(optimizer, self.slots, config.optimizer_state_dtype, shard)
+        self.state = state_layout(units, param_names, optimizer, config, compute_dtype, shard, self.slots,
+                                  self.state_format)
         self.speculative = loss_scaler is not None and not self.clip.defer
         self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1)
         self.copies = copies

@@ -1,8 +1,9 @@
 """The optimizer's state as checkpoints see it, in and out of the tensor manager, one unit at a time.
 
 Per-element state (Adam's moments) lives in each unit's flat ``optimizer_states`` region, one slot after
-another (fp32, or bf16 with ``offload.optimizer_state_dtype``: checkpoints always see fp32, so they load
-into any strategy, and loading narrows to nearest); scalar state (step counters) lives in the unit's :class:`UnitOptimizer`. These functions
+another (fp32, or bf16 with ``offload.optimizer_state_dtype``, or the optimizer's own quantized format:
+checkpoints always see fp32, so they load into any strategy, and loading narrows to nearest or
+quantizes); scalar state (step counters) lives in the unit's :class:`UnitOptimizer`. These functions
 turn them into ``torch.optim``'s per-parameter entries and back; the caller drains pending steps first
 (:meth:`TieredTensorStore.drain`), so nothing steps while they run (training thread).
 """
@@ -18,6 +19,8 @@ from torch import Tensor, nn
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import ParamSlot, StateLayout
 from lightning_greedysnake.optim.protocols import StagedBuffer, Staging
+from lightning_greedysnake.optim.state_format import StateFormat
+from lightning_greedysnake.optim.subclass_state import SubclassCodec, SubclassState
 from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer
 
 Entries = dict[int, dict[str, Any]]
@@ -40,8 +43,50 @@ def _slot_view(held: StagedBuffer, state: StateLayout, u: int, k: int, slot: Par
     return flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)
 
 
-def unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots: tuple[str, ...], u: int) -> Entries:
-    """Unit ``u``'s optimizer state as new tensors (parameters not stepped yet are absent)."""
+def _quantized(staging: Staging, codec: SubclassCodec | None, slots: tuple[str, ...], u: int,
+               held: StagedBuffer | None) -> SubclassState | None:
+    if codec is None or held is None:
+        return None
+    return StateFormat(torch.float32, codec).open(held, staging.state, u, slots, 0, 0)  # type: ignore[return-value]
+
+
+def _read_quantized(access: SubclassState, opt: UnitOptimizer, j: int, name: str, slot: ParamSlot,
+                    entry: dict[str, Any]) -> None:
+    """Parameter j's slot ``name`` dequantized to fp32 into ``entry[name]``, piece by piece (a piece the
+    optimizer keeps in fp32 from its host copy), and where every piece is quantized its components as
+    they are (``entry["<name>.<component>"]``, whole blocks of the parameter: a resume reads them)."""
+    out = torch.empty(slot.numel, dtype=torch.float32)
+    raws: list[dict[str, Tensor] | None] = []
+    for scalars, lo, hi, group in opt.pieces_of(j):
+        value = scalars.get(name)
+        raws.append(None if value is not None else access.raw(name, lo, hi, group))
+        if value is None:
+            value = access.read(name, lo, hi, group)
+        out[lo - slot.offset_numel : hi - slot.offset_numel].copy_(value.reshape(-1))
+    entry[name] = out.view(slot.shape)
+    if raws and all(r is not None for r in raws):
+        for c in access.codec.components:
+            entry[f"{name}.{c.name}"] = torch.cat([r[c.name] for r in raws if r is not None])
+
+
+def _write_quantized(access: SubclassState, opt: UnitOptimizer, j: int, name: str, slot: ParamSlot,
+                     value: Tensor, raw: dict[str, Tensor]) -> None:
+    flat = value.reshape(-1).to(torch.float32)
+    for scalars, lo, hi, group in opt.pieces_of(j):
+        a, b = lo - slot.offset_numel, hi - slot.offset_numel
+        if raw and all(a % c.per == 0 and b % c.per == 0 for c in access.codec.components):
+            piece_raw = {c.name: raw[c.name][a // c.per : -(-b // c.per)] for c in access.codec.components
+                         if c.name in raw}
+            if len(piece_raw) == len(access.codec.components) and access.write_raw(name, lo, hi, piece_raw, group):
+                continue  # the saved codes and scales as they were
+        if not access.write(name, lo, hi, flat[a:b], group):
+            scalars[name] = flat[a:b].clone()  # kept in fp32 by the optimizer: on the host, as it would
+
+
+def unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots: tuple[str, ...], u: int,
+                         codec: SubclassCodec | None = None) -> Entries:
+    """Unit ``u``'s optimizer state as new tensors (parameters not stepped yet are absent). ``codec``: the
+    state is the optimizer's quantized subclass (checkpoints see it dequantized to fp32)."""
     if opt is None or not opt.has_trainable:
         return {}
     state = staging.state
@@ -49,16 +94,21 @@ def unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots: tup
     if not any(opt.param_initialized(j) for j in tindex.values()):
         return {}
     held = staging.stage(TensorKind.OPTIMIZER_STATES, u, read=True) if slots else None
+    quantized = _quantized(staging, codec, slots, u, held)
     try:
         entries: Entries = {}
         for i, j in tindex.items():
             if not opt.param_initialized(j):
                 continue
-            entry = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.param_scalar_state(j).items()}
+            entry = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.param_scalar_state(j).items()
+                     if k not in slots}
             if held is not None:
                 for k, name in enumerate(slots):
-                    view = _slot_view(held, state, u, k, state.units[u].params[i])
-                    entry[name] = view.to(torch.float32, copy=True)
+                    slot = state.units[u].params[i]
+                    if quantized is not None:
+                        _read_quantized(quantized, opt, j, name, slot, entry)
+                    else:
+                        entry[name] = _slot_view(held, state, u, k, slot).to(torch.float32, copy=True)
             entries[i] = entry
         return entries
     finally:
@@ -67,7 +117,7 @@ def unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots: tup
 
 
 def load_unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots: tuple[str, ...], u: int,
-                              entries: Entries) -> None:
+                              entries: Entries, codec: SubclassCodec | None = None) -> None:
     """Inverse of :func:`unit_optimizer_state`."""
     assert opt is not None
     state = staging.state
@@ -78,16 +128,25 @@ def load_unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots
             raise ValueError(f"optimizer state for {lay.params[i].name} (unit {u}), which the optimizer "
                              "does not train")
     held = staging.stage(TensorKind.OPTIMIZER_STATES, u, read=True) if slots else None
+    quantized = _quantized(staging, codec, slots, u, held)
     try:
         for i, entry in entries.items():
-            scalars = {}
+            scalars, per_element, raw = {}, {}, {}
             for name, value in entry.items():
                 if name in slots and isinstance(value, Tensor) and value.shape == lay.params[i].shape:
-                    assert held is not None
-                    _slot_view(held, state, u, slots.index(name), lay.params[i]).copy_(value)
+                    per_element[name] = value
+                elif quantized is not None and name.partition(".")[0] in slots and isinstance(value, Tensor):
+                    slot_name, _, component = name.partition(".")
+                    raw.setdefault(slot_name, {})[component] = value  # (the quantized state as saved)
                 else:
                     scalars[name] = value
             opt.set_param_scalar_state(tindex[i], scalars)
+            for name, value in per_element.items():
+                assert held is not None
+                if quantized is not None:
+                    _write_quantized(quantized, opt, tindex[i], name, lay.params[i], value, raw.get(name, {}))
+                else:
+                    _slot_view(held, state, u, slots.index(name), lay.params[i]).copy_(value)
     except BaseException:
         if held is not None:
             held.release()

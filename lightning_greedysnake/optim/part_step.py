@@ -178,14 +178,10 @@ class PartStepper:
             if weights_held is not None:
                 weights_held.wait_io()  # changed in place below: its last write-behind must be done
             mflat = master.view(torch.float32, lay.numel)
-            state_views = {
-                name: states.view(self._format.dtype, lay.numel, offset_bytes=state.slot_offset_bytes(unit, k))
-                for k, name in enumerate(self._slots)
-            } if states is not None else {}
-            wide, base = self._format.widen(state_views, lo, hi)  # (bf16 state: fp32 scratch of the range)
-            opt.step(mflat, grad, wide, has_grad, part, hyper, state_base=base)
-            self._format.narrow(wide, state_views, lo, hi, seed=mix(unit, opt.step_number(part)))
-            del wide
+            access = self._format.open(states, state, unit, self._slots, lo, hi)
+            opt.step(mflat, grad, access, has_grad, part, hyper)
+            self._format.close(access, seed=mix(unit, opt.step_number(part)))
+            del access
         except BaseException:
             for held in owned:
                 held.release()

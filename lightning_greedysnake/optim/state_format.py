@@ -26,9 +26,14 @@ reused by its next step.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.optim.subclass_state import SubclassCodec, SubclassState, subclass_codec
+from lightning_greedysnake.optim.unit_optimizer import FlatState, PieceState
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``offload.optimizer_state_dtype`` (canonical names, see :mod:`lightning_greedysnake.config`) -> dtype."""
@@ -80,13 +85,36 @@ def stochastic_round_(src: Tensor, dst: Tensor, seed: int, start: int = 0) -> No
     dst.copy_(src)
 
 
+def state_format_for(optimizer: torch.optim.Optimizer | None, slots: tuple[str, ...], dtype_name: str,
+                     shard: tuple[int, int] | None = None) -> StateFormat:
+    """The state format for ``optimizer`` (its per-element ``slots`` known) under
+    ``offload.optimizer_state_dtype=dtype_name``: plain or narrowed tensors, or the optimizer's own
+    quantized subclass. Raises a clear error for the combinations that cannot work."""
+    codec = subclass_codec(optimizer, slots) if optimizer is not None else None
+    if codec is not None:
+        name = type(optimizer).__name__
+        if dtype_name != "float32":
+            raise ValueError(
+                f"offload.optimizer_state_dtype={dtype_name!r} with {name}, which keeps its state quantized "
+                f"already ({codec.subclass.__name__ if codec.subclass else 'a tensor subclass'}). Fix: leave "
+                "offload.optimizer_state_dtype at float32 (the state is streamed in the optimizer's own format).")
+        if shard is not None:
+            raise ValueError(
+                f"shard_state=True (partitioned optimizer state) with {name}, whose quantized state greedysnake "
+                "streams only whole per rank. Fix: set shard_state=False, or use torch.optim.AdamW.")
+    return StateFormat(STATE_DTYPES[dtype_name], codec)
+
+
 class StateFormat:
     """How one unit's state views are given to its optimizer and taken back (the thread running a step)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, codec: SubclassCodec | None = None) -> None:
+        """``codec``: the optimizer keeps its state as a tensor subclass (torchao's quantized state),
+        streamed as is (``dtype`` is then float32: nothing is narrowed)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"optimizer state dtype {dtype} is not supported (float32 or bfloat16)")
         self.dtype = dtype
+        self.codec = codec
         self._scratch = threading.local()
         """Per stepping thread: the fp32 scratch its last step widened into, kept for the next step (a
         fresh allocation of this size costs a page fault per 4 KiB, more than the conversion itself).
@@ -99,6 +127,30 @@ class StateFormat:
     @property
     def narrowed(self) -> bool:
         return self.dtype != torch.float32
+
+    def open(self, held: Any, state: StateLayout, unit: int, slots: tuple[str, ...], lo: int,
+             hi: int) -> PieceState:
+        """The state of elements ``[lo, hi)`` of ``unit`` as :meth:`UnitOptimizer.step` takes it, over the
+        staged state region ``held`` (None: no per-element state). Give it to :meth:`close` after."""
+        if held is None:
+            return FlatState({})
+        numel = state.units[unit].numel
+        if self.codec is not None:
+            return SubclassState(self.codec, {
+                name: [held.view(c.dtype, c.entries(numel), offset_bytes=state.component_offset_bytes(unit, k, ci))
+                       for ci, c in enumerate(self.codec.components)]
+                for k, name in enumerate(slots)})
+        views = {name: held.view(self.dtype, numel, offset_bytes=state.slot_offset_bytes(unit, k))
+                 for k, name in enumerate(slots)}
+        wide, base = self.widen(views, lo, hi)  # (bf16 state: fp32 scratch of the range)
+        return _Widened(wide, base, views, lo, hi)
+
+    def close(self, access: PieceState, seed: int) -> None:
+        """After the step: narrow widened state back into its staged views (``seed``: the unit's and the
+        step's), or nothing where the optimizer stepped the staged buffer itself."""
+        if isinstance(access, _Widened):
+            self.narrow(access.buffers, access.views, access.lo, access.hi, seed)
+            access.buffers = {}
 
     def widen(self, views: dict[str, Tensor], lo: int, hi: int) -> tuple[dict[str, Tensor], int]:
         """fp32 tensors covering elements ``[lo, hi)`` of each slot, and the element they start at. fp32
@@ -133,3 +185,11 @@ class StateFormat:
             return
         for k, (name, view) in enumerate(views.items()):
             stochastic_round_(wide[name], view[lo:hi], mix(seed, k), start=lo)
+
+
+class _Widened(FlatState):
+    """fp32 scratch of a range of narrowed state, with the staged views it is narrowed back into."""
+
+    def __init__(self, buffers: dict[str, Tensor], base: int, views: dict[str, Tensor], lo: int, hi: int) -> None:
+        super().__init__(buffers, base)
+        self.views, self.lo, self.hi = views, lo, hi

@@ -105,7 +105,8 @@ class UnitStepper:
         if self.optimizer is None:
             return None
         lay = self.state.units[u]
-        return UnitOptimizer(self.optimizer, lay, self.slots, split_numel(lay, self.alpha_of(u), self.state.bounds(u)),
+        return UnitOptimizer(self.optimizer, lay, self.slots,
+                             split_numel(lay, self.alpha_of(u), self.state.bounds(u), self.state.split_align_numel),
                              self.state.bounds(u))
 
     # -- the split --------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ class UnitStepper:
         ranks = range(self.state.shard[1]) if self.state.shard is not None else [None]
         for r in ranks:
             lo, hi = self.state.bounds(unit, r)
-            if split_numel(self.state.units[unit], self.alpha_of(unit), (lo, hi)) < hi:
+            if split_numel(self.state.units[unit], self.alpha_of(unit), (lo, hi), self.state.split_align_numel) < hi:
                 return True
         return False
 

@@ -10,7 +10,7 @@ optimizer is copied over before each step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -32,7 +32,9 @@ def _construct(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -
 def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     """Names of the optimizer's per-element state, found by stepping a probe parameter once per group.
 
-    Per-element state (a tensor shaped like the parameter) is what streams through the state tier; scalar
+    Per-element state (a tensor shaped like the parameter, or a tensor subclass of that shape that
+    flattens into inner tensors, as torchao's quantized state does: see
+    :mod:`~lightning_greedysnake.optim.subclass_state`) is what streams through the state tier; scalar
     state (step counters) stays in host memory. Anything else (factored second moments, say) cannot be
     split per unit and is refused.
     """
@@ -59,11 +61,15 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
             )
         for name, value in shadow.state[probe].items():
             if isinstance(value, Tensor) and type(value) is not Tensor:
+                if value.shape == probe.shape and hasattr(value, "__tensor_flatten__"):
+                    if name not in slots:
+                        slots.append(name)  # quantized state (torchao): streamed by its components
+                    continue
                 raise UnsupportedOptimizerError(
-                    f"{cls.__name__} keeps state {name!r} as a {type(value).__name__} (a tensor subclass, such as "
-                    "torchao's quantized 8-bit and 4-bit optimizer state), whose layout greedysnake cannot stream "
-                    "per unit. Fix: use torch.optim.AdamW with offload.optimizer_state_dtype=bfloat16 (half the "
-                    "state bytes, stochastically rounded), or plain fp32 state."
+                    f"{cls.__name__} keeps state {name!r} as a {type(value).__name__} of shape "
+                    f"{tuple(value.shape)}, a tensor subclass greedysnake cannot flatten per element, so it "
+                    "cannot be streamed per unit. Fix: use torch.optim.AdamW (offload.optimizer_state_dtype="
+                    "bfloat16 halves the state bytes) or torchao's AdamW8bit/AdamW4bit."
                 )
             if isinstance(value, Tensor) and value.shape == probe.shape:
                 if value.dtype != torch.float32:
@@ -82,16 +88,18 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return tuple(slots)
 
 
-def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None = None) -> int:
+def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None = None,
+                align: int = SPLIT_ALIGN_NUMEL) -> int:
     """First element of the forward (alpha) part of a unit's flat buffers: ``[lo, split)`` is stepped when
     the unit's gradient completes, ``[split, hi)`` is deferred into the next iteration's forward.
-    ``bounds``: the element range this process steps (its shard; default the whole unit)."""
+    ``bounds``: the element range this process steps (its shard; default the whole unit); ``align``: the
+    split falls on a multiple of it (:attr:`StateLayout.split_align_numel`)."""
     lo, hi = bounds if bounds is not None else (0, layout.numel)
     if alpha <= 0.0:
         return hi
     if alpha >= 1.0:
         return lo
-    cut = lo + int((hi - lo) * (1.0 - alpha)) // SPLIT_ALIGN_NUMEL * SPLIT_ALIGN_NUMEL
+    cut = lo + int((hi - lo) * (1.0 - alpha)) // align * align
     return min(max(cut, lo), hi)
 
 
@@ -174,6 +182,11 @@ class UnitOptimizer:
                     return scalars
         return {}
 
+    def pieces_of(self, j: int) -> list[tuple[dict[str, Any], int, int, int]]:
+        """Trainable parameter j's pieces: (its scalar state, unit element range ``[lo, hi)``, group)."""
+        return [(part.scalar_state[k], lo, hi, slot.group or 0)
+                for part in self.parts for k, (pj, slot, lo, hi) in enumerate(part.pieces) if pj == j]
+
     def set_param_scalar_state(self, j: int, scalars: dict[str, Any]) -> None:
         for part in self.parts:
             for k, (pj, *_) in enumerate(part.pieces):
@@ -195,20 +208,18 @@ class UnitOptimizer:
         self,
         master: Tensor,
         grad: Tensor,
-        state: dict[str, Tensor],
+        state: PieceState,
         has_grad: list[bool],
         part: int = 0,
         hyper: list[dict[str, Any]] | None = None,
-        state_base: int = 0,
     ) -> None:
         """Step part ``part`` of this unit.
 
         ``master``/``grad``: the unit's flat fp32 buffers (``layout.numel`` elements; only the part's
-        range is read); ``state``: one flat fp32 buffer per slot; ``has_grad[j]``: whether trainable
-        parameter j got a gradient in this window (torch skips parameters without one, and so do we);
-        ``hyper``: the user's param-group hyperparameters as they were when Lightning would have
-        stepped (default: as they are now); ``state_base``: the unit element ``state``'s buffers start at
-        (fp32 scratch covering only the part's range, when the state is kept narrower).
+        range is read); ``state``: the part's per-element state, piece by piece; ``has_grad[j]``: whether
+        trainable parameter j got a gradient in this window (torch skips parameters without one, and so
+        do we); ``hyper``: the user's param-group hyperparameters as they were when Lightning would have
+        stepped (default: as they are now).
         """
         p = self.parts[part]
         shadow = p.shadow
@@ -219,25 +230,23 @@ class UnitOptimizer:
         ]
         for shadow_group, gi in zip(shadow.param_groups, p.group_index):
             shadow_group.update(groups[gi])  # the LR in force at this step, as the LR scheduler left it
-        for k, (sp, (j, _, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
+        for k, (sp, (j, slot, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
             sp.data = master[lo:hi]
             sp.grad = grad[lo:hi] if has_grad[j] else None
             if p.initialized[k]:
-                shadow.state[sp] = {**p.scalar_state[k],
-                                    **{name: buf[lo - state_base : hi - state_base] for name, buf in state.items()}}
+                kept = p.scalar_state[k]  # (and a slot the optimizer keeps in plain fp32 for this piece)
+                pieces = {name: state.piece(name, lo, hi, slot.group) for name in state.names if name not in kept}
+                shadow.state[sp] = {**kept, **{name: v for name, v in pieces.items() if v is not None}}
         try:
             shadow.step()
-            for k, (sp, (_, _, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
+            for k, (sp, (_, slot, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
                 st = shadow.state.get(sp)
                 if not st:
                     continue
                 scalars = {}
                 for name, value in st.items():
-                    if name in state:
-                        view = state[name][lo - state_base : hi - state_base]
-                        if value is not view:  # created on the first step, or replaced: keep it in our buffer
-                            view.copy_(value)
-                    else:
+                    # created on the first step, or replaced: keep it in our buffer where it fits there
+                    if not (name in state.names and state.keep(name, lo, hi, value, slot.group)):
                         scalars[name] = value
                 p.scalar_state[k] = scalars
                 p.initialized[k] = True
@@ -248,3 +257,36 @@ class UnitOptimizer:
             for sp in p.shadow_params:
                 sp.grad = None
                 sp.data = torch.zeros(1)
+
+
+class PieceState(Protocol):
+    """One part's per-element optimizer state as :meth:`UnitOptimizer.step` reads and keeps it, piece by
+    piece (``[lo, hi)``: unit elements of one parameter of param group ``group``)."""
+
+    names: tuple[str, ...]
+
+    def piece(self, name: str, lo: int, hi: int, group: int = 0) -> Tensor | None:
+        """The state the optimizer is given (None: it keeps this piece's ``name`` itself, on the host)."""
+        ...
+
+    def keep(self, name: str, lo: int, hi: int, value: Tensor, group: int = 0) -> bool:
+        """Store the stepped ``value`` (False: it does not belong here; the caller keeps it)."""
+        ...
+
+
+class FlatState:
+    """fp32 state in flat per-slot buffers starting at unit element ``base``: a piece is a slice."""
+
+    def __init__(self, buffers: dict[str, Tensor], base: int = 0) -> None:
+        self.buffers = buffers
+        self.base = base
+        self.names = tuple(buffers)
+
+    def piece(self, name: str, lo: int, hi: int, group: int = 0) -> Tensor:
+        return self.buffers[name][lo - self.base : hi - self.base]
+
+    def keep(self, name: str, lo: int, hi: int, value: Tensor, group: int = 0) -> bool:
+        view = self.piece(name, lo, hi)
+        if value is not view:  # created on the first step, or replaced by the optimizer
+            view.copy_(value)
+        return True

@@ -12,6 +12,9 @@ from torchmetrics.text import Perplexity
 
 from lightning_greedysnake.models import GPT, GPTConfig
 
+OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
+"""``module.optimizer`` -> the class (torch.optim's AdamW, or torchao.optim's low-bit AdamW)."""
+
 
 class GPTLightningModule(L.LightningModule):
     def __init__(
@@ -23,8 +26,15 @@ class GPTLightningModule(L.LightningModule):
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
         fused: bool | None = None,
+        optimizer: str = "adamw",
     ) -> None:
+        """``optimizer``: ``adamw`` (torch's), or torchao's ``adamw8bit`` / ``adamw4bit`` (quantized
+        state: a quarter or an eighth of the state bytes; needs ``pip install torchao``)."""
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"module.optimizer={optimizer!r} is not one of {sorted(OPTIMIZERS)}. Fix: use 'adamw', "
+                             "or torchao's 'adamw8bit' / 'adamw4bit'.")
+        self.optimizer_name = optimizer
         config = model if isinstance(model, GPTConfig) else GPTConfig(**(model or {}))
         if lr <= 0:
             raise ValueError(f"lr={lr} must be positive.")
@@ -63,8 +73,17 @@ class GPTLightningModule(L.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         # fused AdamW is several times faster than foreach on CPU as well
-        fused = self.fused if self.fused is not None else True
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, fused=fused)
+        if self.optimizer_name == "adamw":
+            fused = self.fused if self.fused is not None else True
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, fused=fused)
+        else:
+            try:
+                import torchao.optim
+            except ImportError as e:
+                raise ImportError(f"module.optimizer={self.optimizer_name!r} needs torchao. Fix: pip install torchao, "
+                                  "or use module.optimizer=adamw.") from e
+            cls = getattr(torchao.optim, OPTIMIZERS[self.optimizer_name])
+            optimizer = cls(groups, lr=self.lr, betas=self.betas)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup, floor = self.warmup_steps, self.min_lr_ratio
 

@@ -66,6 +66,9 @@ def return_optimizer_state(manager: TieredTensorStore, optimizer: Any, unit_stat
     """The per-parameter state of every unit (``unit_state(u)``: the manager's own, or gathered over
     the ranks) into the user's optimizer, as ``torch.optim`` keeps it."""
     state = opt_state.optimizer_state(optimizer, manager.grads.where, manager.num_units, unit_state)
+    for entry in state.values():  # quantized state comes back dequantized, as plain tensors (not its codes)
+        for key in [k for k in entry if k.partition(".")[0] in manager.slots and "." in k]:
+            del entry[key]
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 

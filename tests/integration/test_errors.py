@@ -200,17 +200,35 @@ def test_state_in_a_tensor_subclass_is_refused_naming_the_bf16_alternative():
         fit(WithPackedState())
 
 
-def test_torchao_low_bit_adamw_is_refused_rather_than_silently_stepped_in_fp32():
-    """torchao quantizes only parameters of 4096 elements or more: a small probe would see fp32 state and
-    the unit steps would silently keep fp32 moments."""
-    optim = pytest.importorskip("torchao.optim")
+class _Opaque(torch.Tensor):
+    """A tensor subclass without ``__tensor_flatten__``: its layout is invisible from outside."""
 
-    class With8bit(TinyGPTModule):
+
+def test_state_in_a_tensor_subclass_that_does_not_flatten_is_refused():
+    """State kept as a tensor subclass is streamed by the inner tensors it flattens into (torchao's
+    quantized state, tests/integration/test_quantized_state.py); one that does not flatten is refused."""
+
+    class OpaqueMomentum(torch.optim.Optimizer):
+        def __init__(self, params: Any, lr: float = 0.1) -> None:
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        state = self.state[p]
+                        if "buf" not in state:
+                            state["buf"] = torch.zeros_like(p).as_subclass(_Opaque)
+                        state["buf"].mul_(0.9).add_(p.grad)
+                        p.add_(state["buf"], alpha=-group["lr"])
+
+    class WithOpaqueState(TinyGPTModule):
         def configure_optimizers(self) -> Any:
-            return optim.AdamW8bit(self.parameters(), lr=1e-3)
+            return OpaqueMomentum(self.parameters())
 
-    with pytest.raises(ValueError, match=r"AdamW8bit keeps state 'exp_avg' as a OptimState8bit"):
-        fit(With8bit())
+    with pytest.raises(ValueError, match=r"OpaqueMomentum keeps state 'buf' as a _Opaque.*cannot flatten.*Fix:"):
+        fit(WithOpaqueState())
 
 
 def test_layered_model_protocol_on_the_lightning_module_itself():

@@ -1,0 +1,240 @@
+"""Optimizer state kept as a tensor subclass (torchao's 8-bit and 4-bit AdamW), streamed per unit.
+
+torchao's low-bit optimizers keep each moment as a tensor subclass holding quantized ``codes`` (one or
+half a byte per element), a per-block fp32 ``scale`` and a constant code book (``qmap``), and step it
+with ``copy_`` (quantize into ``codes``/``scale`` in place) and ``float()`` (dequantize). Both are
+what any PT2 tensor subclass exposes through ``__tensor_flatten__`` / ``__tensor_unflatten__``, so
+greedysnake streams such state without knowing torchao:
+
+- At setup a probe steps the optimizer on two parameter sizes and flattens the state it created: the
+  inner tensors whose size follows the parameter's are *components* (``codes``: 1 element per entry,
+  or 2 when packed; ``scale``: one entry per block), the others are constants kept once in memory. A
+  unit's state region holds, per slot, each component's entries for the whole unit, one after another.
+- A step builds each piece's subclass tensor over views into the staged region (``__tensor_unflatten__``
+  with the inner tensors and context the probe found for that piece's size), so the optimizer's own
+  ``copy_`` quantizes straight into the buffer that is written back to the tier: nothing is widened.
+- A piece the optimizer keeps in plain fp32 (torchao: parameters under 4096 elements, or not a whole
+  number of blocks) keeps it in host memory beside the step counter, as the optimizer itself would; its
+  region bytes stay unused.
+
+Threads: probes run on whichever thread first needs a size, under a lock; a :class:`SubclassState` is
+the stepping thread's, over buffers it holds for the duration of the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class UnstreamableStateError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Component:
+    """One inner tensor of the state subclass that scales with the parameter: ``per`` elements of the
+    parameter per entry (codes: 1, or 2 when packed; scales: the block size), entries of ``dtype``."""
+
+    name: str
+    per: int
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def entries(self, numel: int) -> int:
+        return -(-numel // self.per)
+
+
+@dataclass(frozen=True)
+class PieceFormat:
+    """How the optimizer keeps the state of a ``numel``-element piece: per slot, the subclass's context
+    (``None``: plain fp32, kept in host memory)."""
+
+    contexts: dict[str, Any]
+
+
+def _flatten(value: Tensor) -> tuple[dict[str, Tensor], Any]:
+    names, ctx = value.__tensor_flatten__()  # type: ignore[attr-defined]
+    return {n: getattr(value, n) for n in names}, ctx
+
+
+def _probe(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], numel: int) -> dict[str, Tensor]:
+    p = torch.zeros(numel, dtype=torch.float32, requires_grad=True)
+    shadow = cls([{**hyper, "params": [p]}])
+    p.grad = torch.zeros_like(p)
+    shadow.step()
+    return dict(shadow.state[p])
+
+
+class SubclassCodec:
+    """What a tensor-subclass optimizer state looks like, found by probing the user's optimizer."""
+
+    PROBE_SIZES = (1 << 16, 1 << 17)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, slots: tuple[str, ...]) -> None:
+        self.cls = type(optimizer)
+        self.slots = slots
+        self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        small, large = (_probe(self.cls, self.hyper[0], n) for n in self.PROBE_SIZES)
+        self.subclass: type[Tensor] | None = None
+        comps: list[Component] | None = None
+        self.constants: dict[str, dict[str, Tensor]] = {}
+        """Per slot: the inner tensors that do not scale with the parameter (the code book)."""
+        for name in slots:
+            a, b = small[name], large[name]
+            if type(a) is Tensor:
+                raise UnstreamableStateError(
+                    f"{self.cls.__name__} keeps state {name!r} as a plain tensor at {self.PROBE_SIZES[0]} "
+                    "elements but another as a subclass: greedysnake streams one layout per optimizer")
+            if not hasattr(a, "__tensor_flatten__") or self.subclass not in (None, type(a)):
+                raise UnstreamableStateError(
+                    f"{self.cls.__name__} keeps state {name!r} as a {type(a).__name__} without "
+                    "__tensor_flatten__: greedysnake cannot see its layout to stream it per unit")
+            self.subclass = type(a)
+            (ia, _), (ib, _) = _flatten(a), _flatten(b)
+            found, consts = [], {}
+            for inner, ta in ia.items():
+                tb = ib[inner]
+                if ta.numel() == tb.numel():
+                    consts[inner] = ta.clone()
+                    continue
+                per = self.PROBE_SIZES[0] // max(ta.numel(), 1)
+                if tb.numel() != 2 * ta.numel() or per * ta.numel() != self.PROBE_SIZES[0] or ta.dtype != tb.dtype:
+                    raise UnstreamableStateError(
+                        f"{self.cls.__name__}'s state {name!r} has an inner tensor {inner!r} of "
+                        f"{ta.numel()} entries for {self.PROBE_SIZES[0]} elements: not a whole number of "
+                        "elements per entry, so greedysnake cannot lay it out per unit")
+                found.append(Component(inner, per, ta.dtype))
+            if comps is not None and comps != found:
+                raise UnstreamableStateError(
+                    f"{self.cls.__name__}'s state slots differ in layout ({comps} vs {found})")
+            comps = found
+            self.constants[name] = consts
+        self.components: tuple[Component, ...] = tuple(comps or ())
+        self._pieces: dict[tuple[int, int], PieceFormat] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def layout(self) -> tuple[tuple[int, int], ...]:
+        """``(per, itemsize)`` per component: what :class:`StateLayout` sizes the regions by."""
+        return tuple((c.per, c.itemsize) for c in self.components)
+
+    @property
+    def align_numel(self) -> int:
+        """Elements a piece boundary must fall on so that every component's entries split there."""
+        return max(c.per for c in self.components)
+
+    def piece_format(self, group: int, numel: int) -> PieceFormat:
+        """How the optimizer keeps a ``numel``-element piece's state (probed once per size and group)."""
+        key = (group, numel)
+        with self._lock:
+            found = self._pieces.get(key)
+            if found is None:
+                state = _probe(self.cls, self.hyper[group], numel)
+                contexts = {}
+                for name in self.slots:
+                    value = state[name]
+                    if type(value) is Tensor:
+                        contexts[name] = None
+                        continue
+                    inner, ctx = _flatten(value)
+                    for c in self.components:
+                        if inner[c.name].numel() != c.entries(numel):
+                            raise UnstreamableStateError(
+                                f"{self.cls.__name__} gives a {numel}-element parameter {inner[c.name].numel()} "
+                                f"{c.name!r} entries where {c.entries(numel)} were laid out")
+                    contexts[name] = ctx
+                found = self._pieces[key] = PieceFormat(contexts)
+            return found
+
+
+class SubclassState:
+    """The state of one part of one unit as the optimizer sees it: per piece, a subclass tensor over
+    views into the staged state region (or the piece's host fp32 tensor, which the caller holds)."""
+
+    def __init__(self, codec: SubclassCodec, views: dict[str, list[Tensor]]) -> None:
+        """``views``: per slot, each component's entries for the whole unit."""
+        self.codec = codec
+        self.views = views
+        self.names = tuple(views)
+
+    def _inner(self, name: str, lo: int, hi: int) -> dict[str, Tensor]:
+        inner = dict(self.codec.constants[name])
+        for c, view in zip(self.codec.components, self.views[name]):
+            start = lo // c.per
+            inner[c.name] = view[start : start + c.entries(hi - lo)]
+        return inner
+
+    def piece(self, name: str, lo: int, hi: int, group: int = 0) -> Tensor | None:
+        """Elements ``[lo, hi)`` (a piece of a parameter of param group ``group``) of slot ``name`` as the
+        optimizer keeps them; None where it keeps them in plain fp32 (host memory, not here)."""
+        ctx = self.codec.piece_format(group, hi - lo).contexts[name]
+        if ctx is None:
+            return None
+        n = hi - lo
+        return self.codec.subclass.__tensor_unflatten__(  # type: ignore[union-attr]
+            self._inner(name, lo, hi), ctx, torch.Size([n]), (1,))
+
+    def keep(self, name: str, lo: int, hi: int, value: Tensor, group: int = 0) -> bool:
+        """Store a stepped piece's state here (False: a plain tensor, which the caller keeps)."""
+        if type(value) is Tensor:
+            return False
+        target = self._inner(name, lo, hi)
+        for c in self.codec.components:
+            src = getattr(value, c.name)
+            if src.data_ptr() != target[c.name].data_ptr():  # created by the optimizer on its first step
+                target[c.name].copy_(src)
+        return True
+
+    def read(self, name: str, lo: int, hi: int, group: int = 0) -> Tensor | None:
+        """Elements ``[lo, hi)`` dequantized into a new fp32 tensor (checkpoints); None: kept in fp32."""
+        piece = self.piece(name, lo, hi, group)
+        return None if piece is None else torch.empty(hi - lo, dtype=torch.float32).copy_(piece)
+
+    def raw(self, name: str, lo: int, hi: int, group: int = 0) -> dict[str, Tensor] | None:
+        """Elements ``[lo, hi)``'s components as new tensors (None: kept in fp32): what checkpoints keep
+        beside the dequantized values, so a resume continues bit for bit (quantizing dequantized values
+        again may move a code)."""
+        if self.piece(name, lo, hi, group) is None:
+            return None
+        inner = self._inner(name, lo, hi)
+        return {c.name: inner[c.name].clone() for c in self.codec.components}
+
+    def write_raw(self, name: str, lo: int, hi: int, raw: dict[str, Tensor], group: int = 0) -> bool:
+        """Inverse of :meth:`raw` (False where this piece is kept in fp32, or ``raw`` does not fit it)."""
+        if self.piece(name, lo, hi, group) is None:
+            return False
+        inner = self._inner(name, lo, hi)
+        if any(raw[c.name].shape != inner[c.name].shape or raw[c.name].dtype != inner[c.name].dtype
+               for c in self.codec.components):
+            return False
+        for c in self.codec.components:
+            inner[c.name].copy_(raw[c.name])
+        return True
+
+    def write(self, name: str, lo: int, hi: int, value: Tensor, group: int = 0) -> bool:
+        """Quantize fp32 ``value`` into elements ``[lo, hi)`` (loading a checkpoint); False where the
+        optimizer keeps this piece in fp32 (the caller keeps it)."""
+        piece = self.piece(name, lo, hi, group)
+        if piece is None:
+            return False
+        piece.copy_(value.reshape(-1).to(torch.float32))
+        return True
+
+
+def subclass_codec(optimizer: torch.optim.Optimizer, slots: tuple[str, ...]) -> SubclassCodec | None:
+    """The codec of ``optimizer``'s state where it keeps it as a tensor subclass (None: plain tensors)."""
+    if not slots:
+        return None
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    state = _probe(type(optimizer), hyper, SubclassCodec.PROBE_SIZES[0])
+    if all(type(state[name]) is Tensor for name in slots):
+        return None
+    return SubclassCodec(optimizer, slots)
