@@ -21,6 +21,7 @@ transfer on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,11 +86,45 @@ class ActivationStore:
         self.files: list[Path] = []
         self._window_counts: list[int] = []
         """Per scratch file, the checkpoints a window saves there (K micro-batches x its units)."""
+        self._window: tuple[int, int] = (0, 0)
+        """The window's (micro-batches, units), from :meth:`begin_window`."""
         self._reserved = False
+        self.tier: Tier = config.tier(TensorKind.CHECKPOINTS)  # type: ignore[assignment]
+        """Where checkpoints go (host, SSD or device); planned at the first save with :meth:`plan_tier`."""
+        self._plan: tuple[int, Callable[[str], None]] | None = None
+        self._offload: tuple[list[Path], list[IOEngine]] = ([], [])
+
+    def plan_tier(self, host_share_bytes: int, report: Callable[[str], None]) -> None:
+        """``auto=True`` with ``offload.checkpoints`` unset: the first save, which knows the checkpoints'
+        size, keeps a window's checkpoints in host memory if they fit ``host_share_bytes`` (their share of
+        the host budget), else puts them on SSD (where the run has an offload directory), and says so."""
+        self._plan = (host_share_bytes, report)
+
+    def _decide(self, nbytes: int) -> None:
+        assert self._plan is not None
+        (share, report), self._plan = self._plan, None
+        count = self._window[0] * max(0, self._window[1] - 1)
+        need = count * nbytes
+        if need <= share:
+            report(f"greedysnake: activation checkpoints in host memory ({count} of {nbytes:,} bytes a window: "
+                   f"{need:,} bytes, within their share of the host budget, {share:,})")
+            return
+        dirs, engines = self._offload
+        if not dirs:
+            report(f"greedysnake: activation checkpoints stay in host memory, {need:,} bytes a window, over their "
+                   f"share of the host budget ({share:,}): this run has no offload directory (nothing else is on "
+                   "SSD). Fix: offload.checkpoints=ssd with offload.path, or a smaller micro-batch.")
+            return
+        self.tier = Tier.SSD
+        self.open(dirs, engines)
+        self.begin_window(*self._window)
+        report(f"greedysnake: activation checkpoints on SSD ({count} of {nbytes:,} bytes a window: {need:,} bytes, "
+               f"over their share of the host budget, {share:,}; set offload.checkpoints to fix it)")
 
     def open(self, offload_dirs: list[Path], engines: list[IOEngine]) -> None:
         """On the SSD tier: a scratch file in each offload directory (checkpoints striped by unit)."""
-        if self._config.checkpoints is Tier.SSD:
+        self._offload = (offload_dirs, engines)
+        if self.tier is Tier.SSD:
             assert offload_dirs and len(engines) == len(offload_dirs), "SSD checkpoints need an offload directory"
             for directory, engine in zip(offload_dirs, engines, strict=True):
                 path = directory / FILE_NAMES[TensorKind.CHECKPOINTS]
@@ -113,6 +148,7 @@ class ActivationStore:
         """A window of ``num_microbatches`` begins (checkpoints: the input of every unit but the first):
         at its first save, when their size is known, each scratch file gets room for all of its
         checkpoints at once (a disk too small fails there, with the fix)."""
+        self._window = (num_microbatches, num_units)
         n = max(1, len(self._scratches))
         self._window_counts = [num_microbatches * sum(1 for u in range(1, num_units) if u % n == d) for d in range(n)]
         self._reserved = False
@@ -121,9 +157,11 @@ class ActivationStore:
         key = (unit, microbatch)
         nbytes = hidden.numel() * hidden.element_size()
         self.checkpoint_bytes = max(self.checkpoint_bytes, nbytes)
+        if self._plan is not None:
+            self._decide(nbytes)
         assert key not in self._host and key not in self._ssd and key not in self._copied, f"checkpoint {key} twice"
         if self._scratch is None:
-            if self._copies is not None and self._config.checkpoints is Tier.HOST:
+            if self._copies is not None and self.tier is Tier.HOST:
                 host = self._copies.empty_host(hidden.numel(), hidden.dtype)
                 # the device tensor stays for the next unit's forward (no wait for the copy there);
                 # released after it, read back for backward

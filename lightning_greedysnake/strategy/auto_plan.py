@@ -66,7 +66,7 @@ class FirstStepPlan:
                 costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
                 alphas=tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
                 lags=lags or (config.lag,), recompute=(True, False) if "recompute" in unset else (config.recompute,),
-                checkpoint_placements=("ssd" if config.offload.checkpoints is Tier.SSD else "host",))
+                checkpoint_placements=("ssd" if manager.activations.tier is Tier.SSD else "host",))
         except PlanError as e:
             choice = str(e)
         choice = broadcast(choice)  # rank 0's, a choice or why there is none: every rank does the same

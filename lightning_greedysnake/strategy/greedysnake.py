@@ -56,7 +56,7 @@ from lightning_greedysnake.strategy.manager_setup import (
 )
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.strategy.placement import PlacementPlan, plan_at_setup
+from lightning_greedysnake.strategy.placement import PlacementPlan, plan_at_setup, plan_checkpoints
 from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
 from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore, state_layout
 
@@ -253,6 +253,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             clip_norm=clip.defer, local_processes=self.num_processes, broadcast=self.broadcast, report=rank_zero_info)
         manager = new_tensor_manager(units, module, optimizer, self.config, dtype, self.root_device, clip=clip,
                                      shard=shard, loss_scaler=scaler)
+        plan_checkpoints(manager.activations, self.settings, self.num_processes, rank_zero_info)
         self.connect_collectives(manager)
         self._dir = OffloadDirectories(self.config.offload)
         open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),
@@ -289,9 +290,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
                     self._dir.cleanup(manager.files if manager is not None else [])
                     self._dir = None
                 self.precision_plugin.attach(None)
-                self._engine = None
-                self._store = None
-                self._inputs = None
+                self._engine = self._store = self._inputs = None
                 super().teardown()
 
     def _warn_once(self, key: str, message: str) -> None:

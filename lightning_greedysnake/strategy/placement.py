@@ -22,7 +22,8 @@ from lightning_greedysnake.planner.roofline import UnitCost
 
 CHECKPOINT_SHARE = 8
 """The placement leaves 1/8 of the host budget for activation checkpoints in host memory (their size
-depends on the batch, which setup does not see; the first-step plan counts them as measured)."""
+depends on the batch, which setup does not see: with ``offload.checkpoints`` unset the first save puts
+them on SSD when a window's exceed it, and the first-step plan counts them as measured)."""
 
 
 def available_memory_bytes() -> int:
@@ -42,6 +43,15 @@ def host_budget_bytes(config: GreedySnakeConfig, local_processes: int) -> int:
     if config.auto_host_budget_bytes is not None:
         return config.auto_host_budget_bytes
     return available_memory_bytes() // 2 // max(1, local_processes)
+
+
+def plan_checkpoints(activations: Any, settings: GreedySnakeConfig, local_processes: int,
+                     report: Callable[[str], None]) -> None:
+    """``auto=True`` with ``offload.checkpoints`` unset: the first save (which knows their size) keeps
+    the activation checkpoints in host memory while a window's fit their share of the host budget
+    (1/:data:`CHECKPOINT_SHARE`), else puts them on SSD (:meth:`ActivationStore.plan_tier`)."""
+    if settings.auto and settings.offload.checkpoints is None:
+        activations.plan_tier(host_budget_bytes(settings, local_processes) // CHECKPOINT_SHARE, report)
 
 
 def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int) -> int:

@@ -185,3 +185,49 @@ def test_peak_memory_stays_within_a_small_host_budget(tmp_path):
     assert growth <= budget + overhead, (growth >> 20, budget >> 20)
     everything = _peak(tmp_path, budget, "host")
     assert everything["peak"] - everything["before"] > budget + overhead  # the test would see a planner ignoring it
+
+
+class CheckpointsSeen(UnitGradients):
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        manager = trainer.strategy.tensor_manager
+        manager.drain()
+        self.tier = manager.activations.tier
+        self.written = manager.stats.bytes_written("checkpoints")
+        self.checkpoint_bytes = manager.activations.checkpoint_bytes
+        self.num_units = manager.num_units
+
+
+def fit_wide_batches(strategy: GreedySnakeStrategy) -> tuple[dict[str, torch.Tensor], CheckpointsSeen]:
+    """Micro-batches of 64 sequences: each unit input (a checkpoint) is 32 KiB, a window's 15 of them
+    480 KiB."""
+    L.seed_everything(0, verbose=False)
+    module = TinyGPTModule(n_layer=4, lr=3e-3)
+    seen = CheckpointsSeen()
+    make_trainer(strategy, K, callbacks=[seen], max_epochs=1).fit(module, token_loader(2 * K, batch_size=64))
+    return {n: p.detach().clone() for n, p in module.named_parameters()}, seen
+
+
+@pytest.mark.parametrize("share_kib, tier", [(256, Tier.SSD), (1024, Tier.HOST)])
+def test_checkpoints_left_unset_go_to_ssd_when_a_window_of_them_exceeds_their_share(share_kib, tier, caplog):
+    """The first save knows the checkpoints' size: over their share of the host budget they go to SSD
+    (where the run has an offload directory), within it they stay in RAM; the math is unchanged."""
+    budget = share_kib * 1024 * CHECKPOINT_SHARE
+    resident, ref = fit_wide_batches(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("host")))
+    settings = {"auto_host_budget_bytes": budget, "offload": {"weights": "ssd", "buffer_budget_bytes": STAGING}}
+    with caplog.at_level("INFO"):
+        got, seen = fit_wide_batches(GreedySnakeStrategy(**settings))
+    window = K * (seen.num_units - 1) * seen.checkpoint_bytes  # (every unit's input but the first's)
+    assert (window > share_kib * 1024) == (tier is Tier.SSD)
+    assert seen.tier is tier
+    assert (seen.written > 0) == (tier is Tier.SSD)
+    said = "activation checkpoints on SSD" if tier is Tier.SSD else "activation checkpoints in host memory"
+    assert said in caplog.text
+    for name, value in resident.items():
+        assert torch.equal(got[name], value), name
+    for window_grads, ref_window in zip(seen.windows(), ref.windows(), strict=True):
+        for name, grad in ref_window.items():
+            assert torch.equal(window_grads[name], grad), name
+    # what the user sets is kept: checkpoints in RAM even over their share
+    _, kept = fit_wide_batches(GreedySnakeStrategy(**{**settings, "offload": {**settings["offload"],
+                                                                                  "checkpoints": "host"}}))
+    assert kept.tier is Tier.HOST and kept.written == 0
