@@ -11,8 +11,9 @@ import sys
 from typing import Any
 
 
-def gpt_module(n_embd: int, n_layer: int, n_head: int, vocab: int, seq: int) -> Any:
-    """A LightningModule around the package GPT with fused AdamW (built lazily: imports torch)."""
+def gpt_module(n_embd: int, n_layer: int, n_head: int, vocab: int, seq: int, optimizer: str = "AdamW") -> Any:
+    """A LightningModule around the package GPT with fused AdamW, or torchao's ``AdamW8bit`` /
+    ``AdamW4bit`` (``optimizer``), built lazily (imports torch)."""
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -32,6 +33,10 @@ def gpt_module(n_embd: int, n_layer: int, n_head: int, vocab: int, seq: int) -> 
             return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
 
         def configure_optimizers(self) -> Any:
+            if optimizer != "AdamW":
+                import torchao.optim
+
+                return getattr(torchao.optim, optimizer)(self.parameters(), lr=1e-4)
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
 
     return Module, config

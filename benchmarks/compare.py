@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_default", "gs_cpu", "gs_bf16_state", "gs_horizontal",
-           "lightning_auto", "deepspeed"]
+SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
+           "gs_horizontal", "lightning_auto", "deepspeed"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_planned``: it with the planner's choice, planned
 from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
@@ -41,7 +41,8 @@ from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``g
 ``gs_cpu``: the ``greedysnake_cpu`` preset (every kind in RAM; its step time is what ``gs_auto`` and
 ``gs_default`` are given relative to, ``time_vs_cpu``); ``gs_bf16_state``: ``gs_vertical`` with the
 optimizer state kept in bf16 (``offload.optimizer_state_dtype=bfloat16``; its SSD bytes and step time
-are given relative to ``gs_vertical``'s in the same round)."""
+are given relative to ``gs_vertical``'s in the same round); ``gs_8bit_state``: ``gs_vertical`` with
+torchao's ``AdamW8bit`` (quantized state streamed as it is; likewise relative to ``gs_vertical``)."""
 
 
 def _ssd_bytes(trainer: Any) -> int:
@@ -63,7 +64,8 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     from lightning_greedysnake.planner import Machine, predict
     from lightning_greedysnake.planner.measure import unit_costs, unit_times
 
-    Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
+    Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq,
+                           optimizer="AdamW8bit" if system == "gs_8bit_state" else "AdamW")
     times: list[float] = []
     extra: dict[str, Any] = {}
 
@@ -331,7 +333,7 @@ def main() -> None:
         if base is not None:
             row["vs_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
         vertical = same_k.get("gs_vertical")
-        if row["system"] == "gs_bf16_state" and vertical is not None and vertical.get("ssd_GB_per_step"):
+        if row["system"] in ("gs_bf16_state", "gs_8bit_state") and vertical is not None and vertical.get("ssd_GB_per_step"):
             row["bytes_vs_vertical"] = round(row["ssd_GB_per_step"] / vertical["ssd_GB_per_step"], 3)
             row["time_vs_vertical"] = round(row["step_s"] / vertical["step_s"], 3)
         cpu = same_k.get("gs_cpu")

@@ -146,7 +146,8 @@ class OffloadConfig:
     :mod:`lightning_greedysnake.planner.placement`), or ``ssd`` (ZeRO-Infinity's placement) with
     ``auto=False``."""
     checkpoints: Tier | None = None
-    """``None`` (unset): ``host``."""
+    """``None`` (unset): with ``auto=True`` decided at the first save (``host`` while a window's
+    checkpoints fit 1/8 of the host budget, else ``ssd``); with ``auto=False`` ``host``."""
 
     optimizer_state_dtype: str = "float32"
     """The dtype the optimizer's per-element state is kept in between steps (on its tier and on the way
@@ -359,9 +360,10 @@ class GreedySnakeConfig:
     disks (each path) and the optimizer, take each unit's compute time from that step, and apply the
     planner's alpha, lag, staging budget and recompute (printed as a table with the predicted step time
     and the binding resource). ``False``: every unset setting takes its fixed default (ZeRO-Infinity's
-    placement, alpha 0.25, lag 2, recompute, the minimum staging budget). ``layers_per_unit`` and
-    checkpoint placement are not planned in a run (``python -m lightning_greedysnake.plan`` plans
-    them before one)."""
+    placement, alpha 0.25, lag 2, recompute, the minimum staging budget). Unset checkpoint placement
+    is decided at the first save (RAM while a window's checkpoints fit their share of the host budget,
+    else SSD). ``layers_per_unit`` is not planned in a run (``python -m lightning_greedysnake.plan``
+    plans it before one)."""
 
     auto_host_budget_bytes: int | None = None
     """Host memory the planner may use, per process, for the tensor manager: the kinds it keeps in RAM,
