@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import subprocess
 from collections.abc import Iterator
@@ -245,3 +246,27 @@ def mixed_policy_start(module: Any, dtype: torch.dtype) -> tuple[Any, Any, list[
     config = module.configure_optimizers()
     master = list(module.model.parameters())
     return config["optimizer"], config["lr_scheduler"]["scheduler"], master, copy.deepcopy(module.model).to(dtype)
+
+
+@functools.cache
+def example_val_loss(optimizer: str = "adamw", state_dtype: str = "float32", steps: int = 200) -> float:
+    """The example's GPT and data on a small config, trained ``steps`` optimizer steps with greedysnake's
+    fixed defaults and ``optimizer`` / ``offload.optimizer_state_dtype``: the validation loss after it
+    (cached: the fp32 reference is shared by the tests of every state format)."""
+    import tempfile
+
+    from lightning_greedysnake import GreedySnakeStrategy
+    from lightning_greedysnake.recipes import GPTLightningModule, StdlibBytesDataModule
+
+    L.seed_everything(0, verbose=False)
+    module = GPTLightningModule(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=64),
+                                warmup_steps=10, optimizer=optimizer)
+    data = StdlibBytesDataModule(block_size=64, batch_size=8, max_bytes=300_000, seed=0)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=2,
+                            gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=16,
+                            check_val_every_n_epoch=10**6, num_sanity_val_steps=0, default_root_dir=root,
+                            strategy=GreedySnakeStrategy(auto=False, offload={"optimizer_state_dtype": state_dtype}))
+        trainer.fit(module, data)
+        return trainer.validate(module, data, verbose=False)[0]["val_loss"]

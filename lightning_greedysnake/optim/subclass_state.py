@@ -10,15 +10,19 @@ greedysnake streams such state without knowing torchao:
   inner tensors whose size follows the parameter's are *components* (``codes``: 1 element per entry,
   or 2 when packed; ``scale``: one entry per block), the others are constants kept once in memory. A
   unit's state region holds, per slot, each component's entries for the whole unit, one after another.
-- A step builds each piece's subclass tensor over views into the staged region (``__tensor_unflatten__``
-  with the inner tensors and context the probe found for that piece's size), so the optimizer's own
-  ``copy_`` quantizes straight into the buffer that is written back to the tier: nothing is widened.
+- A piece's first step lets the optimizer create its state, which is copied into the staged region and
+  whose context (``__tensor_flatten__``'s metadata) is remembered per piece size. Every later step
+  builds the piece's subclass tensor over views into the staged region (``__tensor_unflatten__``), so
+  the optimizer's own ``copy_`` quantizes straight into the buffer that is written back to the tier:
+  nothing is widened. Only loading a checkpoint before any step of a size probes that size (a
+  transient zero parameter of it).
 - A piece the optimizer keeps in plain fp32 (torchao: parameters under 4096 elements, or not a whole
   number of blocks) keeps it in host memory beside the step counter, as the optimizer itself would; its
   region bytes stay unused.
 
-Threads: probes run on whichever thread first needs a size, under a lock; a :class:`SubclassState` is
-the stepping thread's, over buffers it holds for the duration of the step.
+Threads: the per-size contexts are learned and probed under a lock (the optimizer lane steps, the
+training thread loads checkpoints); a :class:`SubclassState` is the stepping thread's, over buffers it
+holds for the duration of the step.
 """
 
 from __future__ import annotations
@@ -120,6 +124,8 @@ class SubclassCodec:
         self.components: tuple[Component, ...] = tuple(comps or ())
         self._pieces: dict[tuple[int, int], PieceFormat] = {}
         self._lock = threading.Lock()
+        self.probes = 0
+        """Probe steps since setup, beyond the two of it (each a transient parameter of a piece's size)."""
 
     @property
     def layout(self) -> tuple[tuple[int, int], ...]:
@@ -131,27 +137,39 @@ class SubclassCodec:
         """Elements a piece boundary must fall on so that every component's entries split there."""
         return max(c.per for c in self.components)
 
+    def _context(self, name: str, value: Tensor, numel: int) -> Any:
+        """``value``'s context for ``__tensor_unflatten__`` (None: a plain tensor), checked against the
+        layout."""
+        if type(value) is Tensor:
+            return None
+        inner, ctx = _flatten(value)
+        for c in self.components:
+            if inner[c.name].numel() != c.entries(numel):
+                raise UnstreamableStateError(
+                    f"{self.cls.__name__} gives a {numel}-element parameter {inner[c.name].numel()} "
+                    f"{c.name!r} entries where {c.entries(numel)} were laid out")
+        return ctx
+
+    def learn(self, group: int, numel: int, state: dict[str, Tensor]) -> None:
+        """Remember how the optimizer keeps a ``numel``-element piece (its first step created ``state``)."""
+        with self._lock:
+            contexts = self._pieces.setdefault((group, numel), PieceFormat({})).contexts
+            for name, value in state.items():
+                if name not in contexts:
+                    contexts[name] = self._context(name, value, numel)
+
     def piece_format(self, group: int, numel: int) -> PieceFormat:
-        """How the optimizer keeps a ``numel``-element piece's state (probed once per size and group)."""
+        """How the optimizer keeps a ``numel``-element piece's state: as its first step of that size
+        created it (:meth:`learn`), or, before one (loading a checkpoint), as a probe step creates it (a
+        transient zero parameter, gradient and state of that size, once per size and group)."""
         key = (group, numel)
         with self._lock:
             found = self._pieces.get(key)
-            if found is None:
+            if found is None or any(name not in found.contexts for name in self.slots):
+                self.probes += 1
                 state = _probe(self.cls, self.hyper[group], numel)
-                contexts = {}
-                for name in self.slots:
-                    value = state[name]
-                    if type(value) is Tensor:
-                        contexts[name] = None
-                        continue
-                    inner, ctx = _flatten(value)
-                    for c in self.components:
-                        if inner[c.name].numel() != c.entries(numel):
-                            raise UnstreamableStateError(
-                                f"{self.cls.__name__} gives a {numel}-element parameter {inner[c.name].numel()} "
-                                f"{c.name!r} entries where {c.entries(numel)} were laid out")
-                    contexts[name] = ctx
-                found = self._pieces[key] = PieceFormat(contexts)
+                found = self._pieces[key] = PieceFormat(
+                    {name: self._context(name, state[name], numel) for name in self.slots})
             return found
 
 
@@ -184,6 +202,7 @@ class SubclassState:
 
     def keep(self, name: str, lo: int, hi: int, value: Tensor, group: int = 0) -> bool:
         """Store a stepped piece's state here (False: a plain tensor, which the caller keeps)."""
+        self.codec.learn(group, hi - lo, {name: value})
         if type(value) is Tensor:
             return False
         target = self._inner(name, lo, hi)

@@ -14,8 +14,7 @@ import torch
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.models import GPT, GPTConfig
-from lightning_greedysnake.recipes import GPTLightningModule, StdlibBytesDataModule
-from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
+from tests.helpers import TinyGPTModule, UnitGradients, example_val_loss, make_trainer, token_loader
 
 K = 3
 
@@ -116,23 +115,9 @@ def test_a_resumed_run_rounds_as_the_uninterrupted_one(tmp_path: Path):
         assert torch.equal(resumed[name], value), name
 
 
-def _val_loss(dtype: str, root: Path, steps: int) -> float:
-    L.seed_everything(0, verbose=False)
-    module = GPTLightningModule(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=64),
-                                warmup_steps=10)
-    data = StdlibBytesDataModule(block_size=64, batch_size=8, max_bytes=300_000, seed=0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=2,
-                        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=16, check_val_every_n_epoch=10**6,
-                        num_sanity_val_steps=0, default_root_dir=root,
-                        strategy=GreedySnakeStrategy(auto=False, offload={"optimizer_state_dtype": dtype}))
-    trainer.fit(module, data)
-    return trainer.validate(module, data, verbose=False)[0]["val_loss"]
-
-
-def test_the_example_gpt_trains_as_well_with_bf16_state(tmp_path: Path):
+def test_the_example_gpt_trains_as_well_with_bf16_state():
     """The example's GPT and data (a small config): validation loss within 2% of fp32 state."""
-    fp32 = _val_loss("float32", tmp_path / "fp32", 200)
-    bf16 = _val_loss("bfloat16", tmp_path / "bf16", 200)
+    fp32 = example_val_loss()
+    bf16 = example_val_loss(state_dtype="bfloat16")
     assert fp32 < 2.5  # it learned something (the byte-level entropy of random text is 5.5)
     assert bf16 == pytest.approx(fp32, rel=0.02)
