@@ -22,10 +22,11 @@ FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_bu
 
 def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Machine, str]:
     """The offload disks' O_DIRECT bandwidth (each path; units are striped round robin over them, so the
-    slowest binds, once per path) and the host optimizer's element rate. The probes are small (at most
-    16 MiB of file and buffer, 1M optimizer elements: 16 MiB) so that they fit the host budget too."""
+    slowest binds, once per path) and the element rate of the user's optimizer on the host. The probes
+    are small (at most 16 MiB of file and buffer, 1M optimizer elements: 16 MiB) so that they fit the
+    host budget too."""
     params = sum(lay.trainable_numel for lay in manager.layouts)
-    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)))
+    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=manager.optimizer)
     if not manager.config.uses_ssd:
         return Machine(math.inf, math.inf, rate), "no SSD tier"
     probe = 16 << 20
