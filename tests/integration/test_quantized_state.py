@@ -17,7 +17,14 @@ from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.models import GPT, GPTConfig
 from lightning_greedysnake.optim.state_format import state_format_for
 from lightning_greedysnake.optim.unit_optimizer import discover_slots
-from tests.helpers import TinyGPTModule, example_val_loss, make_trainer, token_loader, warmup_scheduler
+from tests.helpers import (
+    TinyGPTModule,
+    example_val_loss,
+    make_trainer,
+    mixed_policy_start,
+    token_loader,
+    warmup_scheduler,
+)
 from tests.integration.test_equivalence import GradRecorder
 
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -87,6 +94,47 @@ def test_bit_identical_to_the_same_optimizer_under_lightning(case):
     for name, value in ref_params.items():
         assert torch.equal(params[name], value), name
     assert seen.lrs == ref.lrs
+
+
+def test_bf16_mixed_matches_the_mixed_precision_policy_with_the_same_optimizer():
+    """Under bf16-mixed: bit-identical to the plain-PyTorch loop of the same policy (bf16 copies of the
+    fp32 master weights compute under autocast, each micro-batch's gradient accumulates in fp32) with
+    the same torchao optimizer stepping the master weights."""
+    import torch.nn.functional as F
+
+    L.seed_everything(0, verbose=False)
+    module = QuantizedGPT("AdamW8bit", 64)
+    optimizer, scheduler, master, compute = mixed_policy_start(module, torch.bfloat16)
+    batches, ref_grads = list(token_loader(K * 4)), []
+    for start in range(0, len(batches), K):
+        with torch.no_grad():
+            for c, m in zip(compute.parameters(), master, strict=True):
+                c.copy_(m)
+        acc = [torch.zeros_like(m) for m in master]
+        for x, y in batches[start : start + K]:
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                logits = compute(x)
+                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            (loss / K).backward()
+            for a, c in zip(acc, compute.parameters(), strict=True):
+                a += c.grad
+                c.grad = None
+        for m, a in zip(master, acc, strict=True):
+            m.grad = a
+        ref_grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    L.seed_everything(0, verbose=False)
+    got, seen = QuantizedGPT("AdamW8bit", 64), Seen()
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, alpha=0.0, lag=2), K, callbacks=[seen], max_steps=4,
+                           precision="bf16-mixed")
+    trainer.fit(got, token_loader(K * 4))
+    for step, (g, r) in enumerate(zip(seen.grads, ref_grads, strict=True)):
+        for name, grad in r.items():
+            assert torch.equal(g[name], grad), (step, name)
+    for name, value in module.named_parameters():
+        assert torch.equal(dict(got.named_parameters())[name], value), name
 
 
 def test_state_bytes_shrink_to_the_quantized_size():
