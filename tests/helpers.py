@@ -7,7 +7,7 @@ import copy
 import functools
 import math
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +246,44 @@ def mixed_policy_start(module: Any, dtype: torch.dtype) -> tuple[Any, Any, list[
     config = module.configure_optimizers()
     master = list(module.model.parameters())
     return config["optimizer"], config["lr_scheduler"]["scheduler"], master, copy.deepcopy(module.model).to(dtype)
+
+
+def policy_window(compute: nn.Module, master: list[nn.Parameter], window: list[Any], dtype: torch.dtype,
+                  backward_of: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """One window of a plain-PyTorch mixed-precision reference: the ``dtype`` ``compute`` copy takes the
+    fp32 ``master`` weights, each micro-batch ``i`` runs under autocast and ``backward_of(i, loss)`` is
+    backpropagated, and the ``dtype`` gradients are accumulated in fp32: the sums, per master weight."""
+    with torch.no_grad():
+        for c, m in zip(compute.parameters(), master, strict=True):
+            c.copy_(m)
+    acc = [torch.zeros_like(m) for m in master]
+    for i, (x, y) in enumerate(window):
+        with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+            logits = compute(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        backward_of(i, loss).backward()
+        for a, c in zip(acc, compute.parameters(), strict=True):
+            a += c.grad
+            c.grad = None
+    return acc
+
+
+def bf16_policy_run(module: Any, batches: list[Any], k: int, epochs: int = 1) -> list[dict[str, torch.Tensor]]:
+    """The plain-PyTorch bf16-mixed reference policy over ``batches`` in windows of ``k``
+    (:func:`policy_window`, the loss over ``k``); the module's own optimizer and LR scheduler step the
+    fp32 master weights. Returns every window's accumulated gradient (the module ends trained)."""
+    optimizer, scheduler, master, compute = mixed_policy_start(module, torch.bfloat16)
+    grads = []
+    for _ in range(epochs):
+        for start in range(0, len(batches), k):
+            sums = policy_window(compute, master, batches[start : start + k], torch.bfloat16, lambda i, loss: loss / k)
+            for m, a in zip(master, sums, strict=True):
+                m.grad = a
+            grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    return grads
 
 
 @functools.cache

@@ -8,15 +8,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lightning_greedysnake import GreedySnakeStrategy, OffloadConfig
 from tests.helpers import (
     TinyGPTModule,
     UnitGradients,
+    bf16_policy_run,
     make_trainer,
     max_abs_diff,
-    mixed_policy_start,
     token_loader,
 )
 
@@ -36,29 +35,7 @@ def policy_reference() -> dict[str, torch.Tensor]:
     POLICY_GRADS.clear()
     L.seed_everything(0, verbose=False)
     module = TinyGPTModule(n_layer=3, lr=LR)
-    optimizer, scheduler, master, compute = mixed_policy_start(module, torch.bfloat16)
-    batches = list(token_loader(NUM_BATCHES))
-    for _ in range(EPOCHS):
-        for start in range(0, len(batches), K):
-            window = batches[start : start + K]
-            with torch.no_grad():
-                for c, m in zip(compute.parameters(), master, strict=True):
-                    c.copy_(m)
-            acc = [torch.zeros_like(m) for m in master]
-            for x, y in window:
-                with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-                    logits = compute(x)
-                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-                (loss / K).backward()
-                for a, c in zip(acc, compute.parameters(), strict=True):
-                    a += c.grad
-                    c.grad = None
-            for m, a in zip(master, acc, strict=True):
-                m.grad = a
-            POLICY_GRADS.append({n: p.grad.clone() for n, p in module.named_parameters()})
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
+    POLICY_GRADS.extend(bf16_policy_run(module, list(token_loader(NUM_BATCHES)), K, EPOCHS))
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_greedysnake import GreedySnakePrecision, GreedySnakeStrategy, OffloadConfig
@@ -20,6 +19,7 @@ from tests.helpers import (
     make_trainer,
     max_abs_diff,
     mixed_policy_start,
+    policy_window,
     token_loader,
 )
 
@@ -58,20 +58,13 @@ def reference(clip: tuple[str, float] | None = None,
     step = 0
     for epoch in range(EPOCHS):
         for start in range(0, len(batches), K):
-            with torch.no_grad():
-                for c, m in zip(compute.parameters(), master, strict=True):
-                    c.copy_(m)
-            acc = [torch.zeros_like(m) for m in master]
-            for i, (x, y) in enumerate(batches[start : start + K]):
-                with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
-                    logits = compute(x)
-                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-                if epoch * NUM_BATCHES + start + i in HUGE:
+            def backward_of(i: int, loss: torch.Tensor, first: int = epoch * NUM_BATCHES + start,
+                            scale: float = scale) -> torch.Tensor:
+                if first + i in HUGE:
                     loss = loss * factor
-                ((loss / K) * scale).backward()
-                for a, c in zip(acc, compute.parameters(), strict=True):
-                    a += c.grad
-                    c.grad = None
+                return (loss / K) * scale
+
+            acc = policy_window(compute, master, batches[start : start + K], torch.float16, backward_of)
             step += 1
             if not all(bool(torch.isfinite(a).all()) for a in acc):
                 skipped.append(step)

@@ -19,9 +19,9 @@ from lightning_greedysnake.optim.state_format import state_format_for
 from lightning_greedysnake.optim.unit_optimizer import discover_slots
 from tests.helpers import (
     TinyGPTModule,
+    bf16_policy_run,
     example_val_loss,
     make_trainer,
-    mixed_policy_start,
     token_loader,
     warmup_scheduler,
 )
@@ -100,31 +100,9 @@ def test_bf16_mixed_matches_the_mixed_precision_policy_with_the_same_optimizer()
     """Under bf16-mixed: bit-identical to the plain-PyTorch loop of the same policy (bf16 copies of the
     fp32 master weights compute under autocast, each micro-batch's gradient accumulates in fp32) with
     the same torchao optimizer stepping the master weights."""
-    import torch.nn.functional as F
-
     L.seed_everything(0, verbose=False)
     module = QuantizedGPT("AdamW8bit", 64)
-    optimizer, scheduler, master, compute = mixed_policy_start(module, torch.bfloat16)
-    batches, ref_grads = list(token_loader(K * 4)), []
-    for start in range(0, len(batches), K):
-        with torch.no_grad():
-            for c, m in zip(compute.parameters(), master, strict=True):
-                c.copy_(m)
-        acc = [torch.zeros_like(m) for m in master]
-        for x, y in batches[start : start + K]:
-            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-                logits = compute(x)
-                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-            (loss / K).backward()
-            for a, c in zip(acc, compute.parameters(), strict=True):
-                a += c.grad
-                c.grad = None
-        for m, a in zip(master, acc, strict=True):
-            m.grad = a
-        ref_grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
+    ref_grads = bf16_policy_run(module, list(token_loader(K * 4)), K)
     L.seed_everything(0, verbose=False)
     got, seen = QuantizedGPT("AdamW8bit", 64), Seen()
     trainer = make_trainer(GreedySnakeStrategy(auto=False, alpha=0.0, lag=2), K, callbacks=[seen], max_steps=4,
