@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import ParamSlot, StateLayout
 from lightning_greedysnake.optim.protocols import StagedBuffer, Staging
-from lightning_greedysnake.optim.state_format import StateFormat
 from lightning_greedysnake.optim.subclass_state import SubclassCodec, SubclassState
 from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer
 
@@ -47,7 +46,7 @@ def _quantized(staging: Staging, codec: SubclassCodec | None, slots: tuple[str, 
                held: StagedBuffer | None) -> SubclassState | None:
     if codec is None or held is None:
         return None
-    return StateFormat(torch.float32, codec).open(held, staging.state, u, slots, 0, 0)  # type: ignore[return-value]
+    return SubclassState.over(codec, held, staging.state, u, slots)
 
 
 def _read_quantized(access: SubclassState, opt: UnitOptimizer, j: int, name: str, slot: ParamSlot,

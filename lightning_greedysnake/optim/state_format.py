@@ -134,12 +134,9 @@ class StateFormat:
         staged state region ``held`` (None: no per-element state). Give it to :meth:`close` after."""
         if held is None:
             return FlatState({})
-        numel = state.units[unit].numel
         if self.codec is not None:
-            return SubclassState(self.codec, {
-                name: [held.view(c.dtype, c.entries(numel), offset_bytes=state.component_offset_bytes(unit, k, ci))
-                       for ci, c in enumerate(self.codec.components)]
-                for k, name in enumerate(slots)})
+            return SubclassState.over(self.codec, held, state, unit, slots)
+        numel = state.units[unit].numel
         views = {name: held.view(self.dtype, numel, offset_bytes=state.slot_offset_bytes(unit, k))
                  for k, name in enumerate(slots)}
         wide, base = self.widen(views, lo, hi)  # (bf16 state: fp32 scratch of the range)

@@ -34,9 +34,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_greedysnake.layout import StateLayout
+
 
 class UnstreamableStateError(ValueError):
     pass
+
+
+_FIX = (" Fix: use torch.optim.AdamW (offload.optimizer_state_dtype=bfloat16 halves its state bytes) or "
+        "torchao's AdamW8bit/AdamW4bit.")
 
 
 @dataclass(frozen=True)
@@ -82,11 +88,15 @@ class SubclassCodec:
 
     PROBE_SIZES = (1 << 16, 1 << 17)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, slots: tuple[str, ...]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, slots: tuple[str, ...],
+                 small: dict[str, Tensor] | None = None) -> None:
+        """``small``: the state a probe step at ``PROBE_SIZES[0]`` created, if the caller has it."""
         self.cls = type(optimizer)
         self.slots = slots
         self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        small, large = (_probe(self.cls, self.hyper[0], n) for n in self.PROBE_SIZES)
+        if small is None:
+            small = _probe(self.cls, self.hyper[0], self.PROBE_SIZES[0])
+        large = _probe(self.cls, self.hyper[0], self.PROBE_SIZES[1])
         self.subclass: type[Tensor] | None = None
         comps: list[Component] | None = None
         self.constants: dict[str, dict[str, Tensor]] = {}
@@ -96,11 +106,11 @@ class SubclassCodec:
             if type(a) is Tensor:
                 raise UnstreamableStateError(
                     f"{self.cls.__name__} keeps state {name!r} as a plain tensor at {self.PROBE_SIZES[0]} "
-                    "elements but another as a subclass: greedysnake streams one layout per optimizer")
+                    "elements but another as a subclass: greedysnake streams one layout per optimizer." + _FIX)
             if not hasattr(a, "__tensor_flatten__") or self.subclass not in (None, type(a)):
                 raise UnstreamableStateError(
                     f"{self.cls.__name__} keeps state {name!r} as a {type(a).__name__} without "
-                    "__tensor_flatten__: greedysnake cannot see its layout to stream it per unit")
+                    "__tensor_flatten__: greedysnake cannot see its layout to stream it per unit." + _FIX)
             self.subclass = type(a)
             (ia, _), (ib, _) = _flatten(a), _flatten(b)
             found, consts = [], {}
@@ -114,11 +124,12 @@ class SubclassCodec:
                     raise UnstreamableStateError(
                         f"{self.cls.__name__}'s state {name!r} has an inner tensor {inner!r} of "
                         f"{ta.numel()} entries for {self.PROBE_SIZES[0]} elements: not a whole number of "
-                        "elements per entry, so greedysnake cannot lay it out per unit")
+                        "elements per entry, so greedysnake cannot lay it out per unit." + _FIX)
                 found.append(Component(inner, per, ta.dtype))
             if comps is not None and comps != found:
                 raise UnstreamableStateError(
-                    f"{self.cls.__name__}'s state slots differ in layout ({comps} vs {found})")
+                    f"{self.cls.__name__}'s state slots differ in layout ({comps} vs {found}): greedysnake lays "
+                    "every slot out alike." + _FIX)
             comps = found
             self.constants[name] = consts
         self.components: tuple[Component, ...] = tuple(comps or ())
@@ -147,7 +158,8 @@ class SubclassCodec:
             if inner[c.name].numel() != c.entries(numel):
                 raise UnstreamableStateError(
                     f"{self.cls.__name__} gives a {numel}-element parameter {inner[c.name].numel()} "
-                    f"{c.name!r} entries where {c.entries(numel)} were laid out")
+                    f"{c.name!r} entries where {c.entries(numel)} were laid out (its layout is not linear in the "
+                    "parameter's size)." + _FIX)
         return ctx
 
     def learn(self, group: int, numel: int, state: dict[str, Tensor]) -> None:
@@ -182,6 +194,16 @@ class SubclassState:
         self.codec = codec
         self.views = views
         self.names = tuple(views)
+
+    @classmethod
+    def over(cls, codec: SubclassCodec, held: Any, state: StateLayout, unit: int,
+             slots: tuple[str, ...]) -> SubclassState:
+        """Views of unit ``unit``'s staged state region ``held`` (a :class:`StagedBuffer`)."""
+        numel = state.units[unit].numel
+        return cls(codec, {
+            name: [held.view(c.dtype, c.entries(numel), offset_bytes=state.component_offset_bytes(unit, k, ci))
+                   for ci, c in enumerate(codec.components)]
+            for k, name in enumerate(slots)})
 
     def _inner(self, name: str, lo: int, hi: int) -> dict[str, Tensor]:
         inner = dict(self.codec.constants[name])
@@ -256,4 +278,4 @@ def subclass_codec(optimizer: torch.optim.Optimizer, slots: tuple[str, ...]) -> 
     state = _probe(type(optimizer), hyper, SubclassCodec.PROBE_SIZES[0])
     if all(type(state[name]) is Tensor for name in slots):
         return None
-    return SubclassCodec(optimizer, slots)
+    return SubclassCodec(optimizer, slots, small=state)

@@ -83,7 +83,8 @@ def disk_bandwidth(directory: Path, nbytes: int = 256 << 20, chunk_bytes: int = 
 def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None) -> float:
     """Elements per second of one step of ``optimizer``'s class (with its first param group's settings)
     on the host, as the optimizer lane runs it; default: fused AdamW. torchao's 8-bit AdamW, say, steps
-    some 25x fewer elements per second on a CPU than fused AdamW: the plan must see the user's own."""
+    some 20x fewer elements per second on a CPU than fused AdamW (``benchmarks/optimizer_rate.py``):
+    the plan must see the user's own."""
     import torch
 
     p = torch.zeros(numel, requires_grad=True)

@@ -199,7 +199,7 @@ def test_the_planner_buys_read_ahead_with_spare_memory_and_does_without_when_tig
 
 def test_the_optimizer_rate_is_measured_on_the_users_own_optimizer():
     """The plan's optimizer rate is the user's optimizer class with its settings (torchao's 8-bit AdamW
-    steps some 25x fewer elements per second than fused AdamW on a CPU), not a stand-in."""
+    steps some 20x fewer elements per second than fused AdamW on a CPU), not a stand-in."""
     from lightning_greedysnake.planner.measure import optimizer_rate
 
     stepped: list[float] = []
