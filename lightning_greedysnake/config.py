@@ -304,8 +304,9 @@ class OffloadConfig:
         raise ValueError(f"offload={value!r} must be an OffloadConfig, a mapping of its fields, or None.")
 
 
-FIXED_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "lag": 2, "recompute": True}
-"""What unset ``alpha``, ``lag`` and ``recompute`` are until (with ``auto=True``) the first-step plan."""
+FIXED_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "lag": 2, "recompute": True, "layers_per_unit": 1}
+"""What unset ``alpha``, ``lag`` and ``recompute`` are until (with ``auto=True``) the first-step plan, and
+unset ``layers_per_unit`` until (with ``auto=True``) setup plans it; with ``auto=False``, for the run."""
 
 
 @dataclass
@@ -317,9 +318,12 @@ class GreedySnakeConfig:
     GreedySnake order); ``horizontal``: each micro-batch through all units (the ZeRO-Infinity order, the
     baseline for comparisons)."""
 
-    layers_per_unit: int = 1
+    layers_per_unit: int | None = None
     """Blocks per unit. A unit is what is loaded, checkpointed and recomputed as one piece: only each
-    unit's input is kept per micro-batch, so larger units keep fewer checkpoints but recompute more."""
+    unit's input is kept per micro-batch, so larger units keep fewer checkpoints, make larger SSD
+    requests and stage more host memory. ``None`` (unset): 1, and with ``auto=True`` chosen at setup
+    among 1, 2, 4 and 8 from the offload disks' bandwidth at each size's requests, each size's
+    placement within the host budget and the optimizer's rate (printed as a table)."""
 
     recompute: bool | None = None
     """Backward recomputes each unit from its checkpointed input (RNG restored so dropout masks match).
@@ -354,7 +358,7 @@ class GreedySnakeConfig:
 
     auto: bool = True
     """Plan every setting left unset (``None``) from this machine and this run; what you set is kept.
-    At setup: each unset kind's placement (weights, master weights, optimizer state, gradients,
+    At setup: ``layers_per_unit`` and each unset kind's placement (weights, master weights, optimizer state, gradients,
     fractionally by units) within the host budget, in order of the SSD bytes a step saves per byte of
     RAM, printed with the SSD traffic it leaves. After the first optimizer step: measure the offload
     disks (each path) and the optimizer, take each unit's compute time from that step, and apply the
@@ -362,8 +366,7 @@ class GreedySnakeConfig:
     and the binding resource). ``False``: every unset setting takes its fixed default (ZeRO-Infinity's
     placement, alpha 0.25, lag 2, recompute, the minimum staging budget). Unset checkpoint placement
     is decided at the first save (RAM while a window's checkpoints fit their share of the host budget,
-    else SSD). ``layers_per_unit`` is not planned in a run (``python -m lightning_greedysnake.plan``
-    plans it before one)."""
+    else SSD). Unset ``layers_per_unit`` is chosen at setup (see its field)."""
 
     auto_host_budget_bytes: int | None = None
     """Host memory the planner may use, per process, for the tensor manager: the kinds it keeps in RAM,
@@ -405,12 +408,14 @@ class GreedySnakeConfig:
                 "Fix: e.g. trace_steps=3, or 0 for no trace."
             )
         self.schedule = _enum_value(ScheduleKind, "schedule", self.schedule)
-        if isinstance(self.layers_per_unit, bool) or not isinstance(self.layers_per_unit, int):
+        if self.layers_per_unit is None:
+            pass
+        elif isinstance(self.layers_per_unit, bool) or not isinstance(self.layers_per_unit, int):
             raise ValueError(
                 f"layers_per_unit={self.layers_per_unit!r} must be a positive integer (blocks per unit). "
                 "Fix: e.g. layers_per_unit=1."
             )
-        if self.layers_per_unit < 1:
+        elif self.layers_per_unit < 1:
             raise ValueError(
                 f"layers_per_unit={self.layers_per_unit} must be >= 1 (blocks per unit). Fix: e.g. "
                 "layers_per_unit=1."

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,6 +79,73 @@ def disk_bandwidth(directory: Path, nbytes: int = 256 << 20, chunk_bytes: int = 
     finally:
         path.unlink(missing_ok=True)
     return nbytes / read_s, nbytes / write_s
+
+
+PROBE_SIZES = tuple(64 << 10 << (2 * i) for i in range(6))
+"""The request sizes :func:`request_bandwidth` may measure: 64 KiB to 64 MiB, in steps of 4x (beyond
+the I/O threads times the chunk size a request is as fast as the disk)."""
+
+
+def probe_sizes(requests: Sequence[int]) -> list[int]:
+    """The points of :data:`PROBE_SIZES` that bracket ``requests`` (at least one)."""
+    low, high = min(requests, default=PROBE_SIZES[0]), max(requests, default=PROBE_SIZES[0])
+    below = [s for s in PROBE_SIZES if s <= low][-1:] or [PROBE_SIZES[0]]
+    above = [s for s in PROBE_SIZES if s >= high][:1] or [PROBE_SIZES[-1]]
+    return [s for s in PROBE_SIZES if below[0] <= s <= above[0]]
+
+
+def request_bandwidth(directory: Path, sizes: Sequence[int], threads: int = 4, chunk_bytes: int = 16 << 20,
+                      direct: bool = True, min_probe_bytes: int = 8 << 20) -> dict[int, tuple[float, float]]:
+    """O_DIRECT (read, write) bytes/s of ``directory``'s filesystem for requests of each of ``sizes``
+    (4 KiB multiples), through the tensor manager's own I/O engine and its settings: requests one at a
+    time, each split into ``chunk_bytes`` chunks over ``threads`` (as a lane waiting on one region sees
+    the disk), at least ``min_probe_bytes`` and two requests per size, on a scratch file removed
+    afterwards. Small requests pay the disk's latency per request: what a small unit costs."""
+    from lightning_greedysnake.io import AlignedBuffer, IOConfig, ThreadedIOEngine
+
+    path = Path(directory) / ".greedysnake-request-bandwidth.bin"
+    largest = max(sizes)
+    file_bytes = max(min_probe_bytes, 2 * largest)
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        with ThreadedIOEngine(IOConfig(threads, chunk_bytes, direct)) as engine, AlignedBuffer(largest) as buf:
+            file = engine.open(path, file_bytes)
+            buf.tensor.fill_(1)
+            for size in sorted(set(sizes)):
+                offsets = range(0, file_bytes - size + 1, size)
+                t0 = time.perf_counter()
+                for offset in offsets:
+                    engine.write(file, offset, buf, 0, size)
+                os.fsync(file.fd) if file.fd is not None else None
+                write_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for offset in offsets:
+                    engine.read(file, offset, buf, 0, size)
+                read_s = time.perf_counter() - t0
+                moved = len(offsets) * size
+                out[size] = (moved / read_s, moved / write_s)
+    finally:
+        path.unlink(missing_ok=True)
+    return out
+
+
+def interpolate(measured: dict[int, tuple[float, float]]) -> Callable[[int], tuple[float, float]]:
+    """``bandwidth(request_bytes)`` from :func:`request_bandwidth`'s points: linear in log2 of the size
+    between two points, the nearest point's outside them."""
+    import math
+
+    points = sorted(measured.items())
+
+    def bandwidth(size: int) -> tuple[float, float]:
+        if size <= points[0][0]:
+            return points[0][1]
+        for (s0, (r0, w0)), (s1, (r1, w1)) in itertools.pairwise(points):
+            if size <= s1:
+                f = (math.log2(size) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+                return r0 + f * (r1 - r0), w0 + f * (w1 - w0)
+        return points[-1][1]
+
+    return bandwidth
 
 
 def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None) -> float:

@@ -66,15 +66,20 @@ class PlanError(ValueError):
 
 
 def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
-    """Costs of units made of ``layers_per_unit`` consecutive ones (times and bytes add)."""
+    """Costs of units made of ``layers_per_unit`` consecutive ones (times and bytes add). The last unit
+    is fused (its backward follows its forward per micro-batch, on the kept graph): none of its layers
+    recomputes."""
     out = []
-    for i in range(0, len(units), layers_per_unit):
+    starts = range(0, len(units), layers_per_unit)
+    for i in starts:
         group = units[i : i + layers_per_unit]
+        fused = i == starts[-1]
         out.append(UnitCost(
-            forward_s=sum(u.forward_s for u in group), backward_s=sum(u.backward_s for u in group),
+            forward_s=sum(u.forward_s for u in group),
+            backward_s=sum(u.backward_s - (u.recompute_s if fused else 0.0) for u in group),
             weight_bytes=sum(u.weight_bytes for u in group), grad_bytes=sum(u.grad_bytes for u in group),
             master_bytes=sum(u.master_bytes for u in group), state_bytes=sum(u.state_bytes for u in group),
-            params=sum(u.params for u in group), recompute_s=sum(u.recompute_s for u in group),
+            params=sum(u.params for u in group), recompute_s=0.0 if fused else sum(u.recompute_s for u in group),
             activation_bytes=sum(u.activation_bytes for u in group),
         ))
     return out

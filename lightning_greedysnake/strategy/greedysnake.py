@@ -56,9 +56,10 @@ from lightning_greedysnake.strategy.manager_setup import (
 )
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.strategy.placement import PlacementPlan, plan_at_setup, plan_checkpoints
+from lightning_greedysnake.strategy.placement import PlacementPlan, plan_checkpoints
+from lightning_greedysnake.strategy.unit_plan import plan_setup
 from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
-from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore, state_layout
+from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "greedysnake": ("GreedySnake vertical schedule", {"schedule": "vertical"}),
@@ -212,7 +213,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         self._inputs = WindowInputs(layered, path)
         self._guard = NonFiniteGuard(self.config.on_nonfinite, self._warn_once, self.precision_plugin.loss_scaler)
         if self.config.offload.uses_tensor_manager:
-            manager = self._open_tensor_manager(trainer, module, units, fitting, layered if on_meta else None)
+            manager, units = self._open_tensor_manager(trainer, module, chain, units, fitting, layered if on_meta else None)
             self._store = manager
             self._telemetry = StepRecorder(manager)
             if fitting and self.config.trace_steps:
@@ -241,16 +242,15 @@ class GreedySnakeStrategy(DataParallelStrategy):
             with super().tensor_init_context(empty_init):
                 yield
 
-    def _open_tensor_manager(self, trainer: Any, module: Any, units: list, fitting: bool,
-                             meta_model: nn.Module | None) -> TieredTensorStore:
+    def _open_tensor_manager(self, trainer: Any, module: Any, chain: Any, units: list, fitting: bool,
+                             meta_model: nn.Module | None) -> tuple[TieredTensorStore, list]:
         optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
         clip = checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy()
         shard = (self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None
         scaler, dtype = self.precision_plugin.loss_scaler, self.precision_plugin.compute_dtype
-        self.config, self.placement_plan = plan_at_setup(
-            self.settings, state_layout(units, {}, optimizer, self.config.offload, dtype, shard),
-            trainer.accumulate_grad_batches, speculative=scaler is not None and not clip.defer,
-            clip_norm=clip.defer, local_processes=self.num_processes, broadcast=self.broadcast, report=rank_zero_info)
+        self.config, self.placement_plan, units = plan_setup(  # (units_stay_on_host: the same parameters)
+            self, trainer, chain, units, optimizer, dtype, shard, speculative=scaler is not None and not clip.defer,
+            clip_norm=clip.defer, report=rank_zero_info)
         manager = new_tensor_manager(units, module, optimizer, self.config, dtype, self.root_device, clip=clip,
                                      shard=shard, loss_scaler=scaler)
         plan_checkpoints(manager.activations, self.settings, self.num_processes, rank_zero_info)
@@ -259,7 +259,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),
                             (self.global_rank, self.local_rank, self.is_distributed), units,
                             self.broadcast_parameters, meta_model, rank_zero_info)
-        return manager
+        return manager, units
 
     @override
     def on_exception(self, exception: BaseException) -> None:

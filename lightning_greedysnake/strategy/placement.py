@@ -114,16 +114,13 @@ def as_placement(sizes: list[int], host_units: int) -> Tier | Split:
     return placement
 
 
-def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, speculative: bool,
-                  clip_norm: bool, local_processes: int, broadcast: Callable[[Any], Any],
-                  report: Callable[[str], None]) -> tuple[GreedySnakeConfig, PlacementPlan | None]:
-    """The settings in effect for this run, with the unset kinds placed (``auto=True``; else at their
-    fixed defaults), and the plan (None when nothing was planned), which goes to ``report`` as a table.
-    ``speculative``: fp16's two slots of the kinds a step rewrites."""
+def place_kinds(settings: GreedySnakeConfig, state: StateLayout, k: int, budget: int, *, speculative: bool,
+                clip_norm: bool) -> tuple[int, PlacementPlan]:
+    """The first window's lag and the placement plan of the kinds ``settings`` leave unset (``auto=True``
+    with at least one), within ``budget``: pure, every rank computes the same from the same inputs.
+    Raises ``ValueError`` when the staging alone exceeds the budget."""
     fixed = settings.resolved()
     planned = settings.offload.unset() & set(REGION_KINDS)
-    if not settings.auto or not planned:
-        return fixed, None
     every_ssd = fixed.offload.placed({kind: Tier.SSD for kind in planned})
     n = state.num_units
     kept = {kind.value: [state.kept_unit_bytes(kind, u) * (2 if speculative and kind in SLOTTED else 1)
@@ -131,21 +128,38 @@ def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, sp
     given = {kind.value: sum(t is not Tier.SSD
                              for t in unit_tiers(state.all_region_bytes(kind), fixed.offload.tier(kind)))
              for kind in REGION_KINDS if kind not in planned}
-    budget = broadcast(host_budget_bytes(settings, local_processes))  # rank 0's: every rank decides alike
+    lag = fixed.lag
     if settings.lag is None:  # the first window's lag: the deepest whose staging fits (the plan may change it)
         fits = [lag for lag in (2, 1, 0)
                 if staging_estimate(state, every_ssd, lag) + budget // CHECKPOINT_SHARE <= budget]
-        fixed = dataclasses.replace(fixed, lag=fits[0] if fits else 0)
-    staging = staging_estimate(state, every_ssd, fixed.lag)
+        lag = fits[0] if fits else 0
+    staging = staging_estimate(state, every_ssd, lag)
     if staging > budget:
-        raise ValueError(budget_error(settings, budget, staging, fixed.lag))
+        raise ValueError(budget_error(settings, budget, staging, lag))
     reserved = staging + budget // CHECKPOINT_SHARE
     schedule = fixed.schedule.value
-    plan = plan_placement(unit_costs_at_setup(state, fixed.alpha or 0.0), kept, given, budget, reserved,
-                          schedule, k, clip_norm=clip_norm and schedule == "vertical")
+    return lag, plan_placement(unit_costs_at_setup(state, fixed.alpha or 0.0), kept, given, budget, reserved,
+                               schedule, k, clip_norm=clip_norm and schedule == "vertical")
+
+
+def placed_config(settings: GreedySnakeConfig, state: StateLayout, lag: int, plan: PlacementPlan) -> GreedySnakeConfig:
+    """The settings in effect with ``plan``'s placement of the unset kinds and the first window's ``lag``."""
+    placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units)
+                 for kind in settings.offload.unset() & set(REGION_KINDS)}
+    return dataclasses.replace(settings.resolved(placement), lag=lag)
+
+
+def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, speculative: bool,
+                  clip_norm: bool, local_processes: int, broadcast: Callable[[Any], Any],
+                  report: Callable[[str], None]) -> tuple[GreedySnakeConfig, PlacementPlan | None]:
+    """The settings in effect for this run, with the unset kinds placed (``auto=True``; else at their
+    fixed defaults), and the plan (None when nothing was planned), which goes to ``report`` as a table.
+    ``speculative``: fp16's two slots of the kinds a step rewrites."""
+    if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
+        return settings.resolved(), None
+    budget = broadcast(host_budget_bytes(settings, local_processes))  # rank 0's: every rank decides alike
+    lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm)
     plan = broadcast(plan)  # every rank runs rank 0's placement (the same one: the same budget and sizes)
     report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
            + plan.table())
-    placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units)
-                 for kind in planned}
-    return dataclasses.replace(settings.resolved(placement), lag=fixed.lag), plan
+    return placed_config(settings, state, lag, plan), plan

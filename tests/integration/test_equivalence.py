@@ -147,7 +147,9 @@ def test_offloaded_equals_in_memory_exactly(model, schedule, placement, clipping
     """The tensor manager steps the user's optimizer class unit by unit over streamed state: bit for bit
     what Lightning's step on resident parameters gives, for every placement and clipping mode."""
     ref = on_device(model, schedule, clipping)
-    planned = {"auto_host_budget_bytes": PLANNED_BUDGET} if placement == "planned" else {"auto": False}
+    # (one block per unit, as the in-memory run: the planned unit size is tested in test_unit_plan.py)
+    planned = ({"auto_host_budget_bytes": PLANNED_BUDGET, "layers_per_unit": 1} if placement == "planned"
+               else {"auto": False})
     strategy = GreedySnakeStrategy(schedule=schedule, offload=PLACEMENTS[placement], **planned)
     got = run(strategy, model, 3, trainer_kwargs=CLIPPING[clipping])
     if placement == "planned":

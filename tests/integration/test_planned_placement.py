@@ -213,7 +213,8 @@ def test_checkpoints_left_unset_go_to_ssd_when_a_window_of_them_exceeds_their_sh
     (where the run has an offload directory), within it they stay in RAM; the math is unchanged."""
     budget = share_kib * 1024 * CHECKPOINT_SHARE
     resident, ref = fit_wide_batches(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("host")))
-    settings = {"auto_host_budget_bytes": budget, "offload": {"weights": "ssd", "buffer_budget_bytes": STAGING}}
+    settings = {"auto_host_budget_bytes": budget, "layers_per_unit": 1,
+                "offload": {"weights": "ssd", "buffer_budget_bytes": STAGING}}
     with caplog.at_level("INFO"):
         got, seen = fit_wide_batches(GreedySnakeStrategy(**settings))
     window = K * (seen.num_units - 1) * seen.checkpoint_bytes  # (every unit's input but the first's)

@@ -1,0 +1,102 @@
+"""Is the unit size chosen at setup a good one? The planned ``layers_per_unit`` (unset, ``auto=True``)
+side by side with each fixed size, on the same model, data, K and placement, alternating in fresh
+processes, rounds apart.
+
+    python benchmarks/unit_size.py                                    # GPT 512 x 8, seq 32, K=8, on SSD
+    python benchmarks/unit_size.py --n-embd 1024 --n-layer 12 --seq 128 --placement ssd --rounds 2
+
+Every kind is on SSD (``--placement ssd``; ``host``: in RAM), alpha 0.25, lag 2 and recompute fixed so
+that only the unit size differs (the staging budget is the automatic one). Reports each system's step
+time (the median of steps 2..N, rounds' median), its ratio to the fastest fixed size, and the size the
+planner chose. Prints a table and writes JSON (default ``benchmarks/results/unit_size.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SIZES = [1, 2, 4, 8]
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from _common import gpt_module, token_loader
+
+    from lightning_greedysnake import GreedySnakeStrategy
+
+    Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
+    torch.manual_seed(0)
+    module = Module()
+    marks: list[float] = []
+
+    class Timer(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step > len(marks):
+                marks.append(time.perf_counter())
+
+    placement = {k: args.placement for k in ("weights", "master_weights", "optimizer_states", "gradients")}
+    lpu = None if args.child == "planned" else int(args.child.split("_")[1])
+    with tempfile.TemporaryDirectory(dir=args.offload_dir) as d:
+        strategy = GreedySnakeStrategy(layers_per_unit=lpu, alpha=0.25, lag=2, recompute=True,
+                                       offload=dict(placement, path=d, checkpoints="host"))
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=False,
+                            accumulate_grad_batches=args.k, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[Timer()])
+        trainer.fit(module, token_loader(args.vocab, args.seq, args.k * args.steps))
+    steps = [b - a for a, b in itertools.pairwise(marks)]
+    return {"system": args.child, "layers_per_unit": strategy.config.layers_per_unit,
+            "step_s": statistics.median(steps)}
+
+
+def main() -> None:
+    from _common import add_model_args
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser, n_layer=8, seq=32)
+    parser.set_defaults(n_embd=512, n_head=8, vocab=8192)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--placement", choices=["ssd", "host"], default="ssd")
+    parser.add_argument("--offload-dir", default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "unit_size.json"))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)))
+        return
+    from _common import MODEL_FLAGS, print_table, run_child, write_result
+
+    systems = ["planned"] + [f"fixed_{s}" for s in SIZES if s <= args.n_layer]
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory(dir=args.offload_dir or None) as d:
+        args.offload_dir = d
+        for r in range(args.rounds):
+            for system in systems:
+                row = run_child(__file__, system, args, [*MODEL_FLAGS, "k", "steps", "placement", "offload_dir"], [])
+                runs[system].append(row)
+                print(f"  round {r} {system}: layers_per_unit {row['layers_per_unit']}, {row['step_s']:.3f} s",
+                      file=sys.stderr)
+    rows = []
+    for system, got in runs.items():
+        rows.append({"system": system, "layers_per_unit": "/".join(str(g["layers_per_unit"]) for g in got),
+                     "step_s": round(statistics.median(g["step_s"] for g in got), 3),
+                     "per_round": [round(g["step_s"], 3) for g in got]})
+    fastest = min(r["step_s"] for r in rows if r["system"] != "planned")
+    for r in rows:
+        r["vs_fastest_fixed"] = round(r["step_s"] / fastest, 3)
+    print_table(rows, ["system", "layers_per_unit", "step_s", "vs_fastest_fixed", "per_round"])
+    write_result(args.out, args, [*MODEL_FLAGS, "k", "steps", "rounds", "placement"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""``auto=True`` with ``layers_per_unit`` unset: choose it at setup, before any file is shaped by it
+(:mod:`lightning_greedysnake.planner.unit_size`). Each candidate gets its own placement plan within
+the host budget; rank 0 measures the offload disks at the candidates' request sizes (at most 64 MiB of
+scratch file) and the optimizer's rate, scores them and every rank takes its choice."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_greedysnake.config import GreedySnakeConfig, Tier
+from lightning_greedysnake.layout import StateLayout, unit_tiers
+from lightning_greedysnake.models import LayerChain, make_units
+from lightning_greedysnake.offload.staging import REGION_KINDS
+from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, probe_sizes, request_bandwidth
+from lightning_greedysnake.planner.roofline import traffic
+from lightning_greedysnake.planner.unit_size import (
+    UnitSizeScore,
+    choose_unit_size,
+    requests,
+    score_unit_size,
+    table,
+)
+from lightning_greedysnake.strategy.placement import (
+    PlacementPlan,
+    host_budget_bytes,
+    place_kinds,
+    placed_config,
+    plan_at_setup,
+    staging_estimate,
+    unit_costs_at_setup,
+)
+from lightning_greedysnake.tensor_manager import discover_slots, state_format_for, state_layout
+
+CANDIDATES = (1, 2, 4, 8)
+"""The unit sizes considered (blocks per unit; those up to the model's number of blocks)."""
+
+
+def probe_directory(setting: str | None, default_root: Path) -> Path:
+    """Where to measure the disk of an offload path before it exists: its nearest existing ancestor
+    (a directory about to be created lives on that one's filesystem)."""
+    path = Path(setting.format(rank=0, local_rank=0)) if setting else default_root / "greedysnake_offload"
+    for candidate in (path, *path.parents):
+        if candidate.is_dir():
+            return candidate
+    return Path.cwd()
+
+
+def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer: torch.optim.Optimizer | None,
+                      dtype: torch.dtype, shard: tuple[int, int] | None) -> dict[int, StateLayout]:
+    """Each candidate's state layout (the optimizer's slots and state format found once)."""
+    slots = discover_slots(optimizer) if optimizer is not None else ()
+    fmt = state_format_for(optimizer, slots, settings.offload.optimizer_state_dtype, shard)
+    sizes = [c for c in CANDIDATES if c <= len(chain.blocks)]
+    return {c: state_layout(make_units(chain, c), {}, optimizer, settings.offload, dtype, shard, slots, fmt)
+            for c in sizes}
+
+
+def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any, k: int, budget: int,
+               *, speculative: bool, clip_norm: bool, default_root: Path) -> dict[int, UnitSizeScore]:
+    placed: dict[int, tuple[list, Any, int]] = {}
+    for lpu, state in layouts.items():
+        try:
+            if settings.offload.unset() & set(REGION_KINDS):
+                lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm)
+                config = placed_config(settings, state, lag, plan)
+            else:  # every kind placed by the user: the budget still bounds a larger unit's staging
+                config = settings.resolved()
+                if lpu > 1 and staging_estimate(state, config.offload, config.lag) > budget:
+                    continue
+        except ValueError:
+            continue  # its staging alone exceeds the budget
+        costs = unit_costs_at_setup(state, config.alpha or 0.0)
+        tiers = {kind: unit_tiers(state.all_region_bytes(kind), config.offload.tier(kind)) for kind in REGION_KINDS}
+        costs = [dataclasses.replace(c, on_ssd=frozenset(kind.value for kind in REGION_KINDS
+                                                         if tiers[kind][u] is Tier.SSD))
+                 for u, c in enumerate(costs)]
+        schedule = config.schedule.value
+        placed[lpu] = (costs, traffic(costs, schedule, k, clip_norm=clip_norm and schedule == "vertical"),
+                       state.num_slots)
+    if not placed:
+        return {}
+    if any(t.read_bytes + t.write_bytes for _, t, _ in placed.values()):
+        io = settings.offload
+        dirs = [probe_directory(p, default_root) for p in (io.paths or [None])]
+        sizes = probe_sizes([request for costs, _, slots in placed.values() for request in requests(costs, slots)])
+        per_path = [request_bandwidth(d, sizes, io.io_threads, io.io_chunk_bytes, io.direct_io) for d in dirs]
+        measured = {size: (len(dirs) * min(p[size][0] for p in per_path), len(dirs) * min(p[size][1] for p in per_path))
+                    for size in sizes}
+        bandwidth = interpolate(measured)
+    else:
+        def bandwidth(size: int) -> tuple[float, float]:
+            return float("inf"), float("inf")
+    params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
+    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=optimizer)
+    return {lpu: score_unit_size(lpu, costs, t, bandwidth, rate, slots) for lpu, (costs, t, slots) in placed.items()}
+
+
+def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimizer: Any, dtype: torch.dtype,
+                         shard: tuple[int, int] | None, k: int, *, speculative: bool, clip_norm: bool,
+                         local_processes: int, default_root: Path, is_global_zero: bool,
+                         broadcast: Callable[[Any], Any], report: Callable[[str], None]) -> int:
+    """``layers_per_unit`` for this run: the user's, 1 with ``auto=False``, else the best-scoring
+    candidate on rank 0 (every rank takes it). A candidate whose staging alone exceeds the host
+    budget is not considered; where none can be measured, 1 (and the report says why)."""
+    if settings.layers_per_unit is not None or not settings.auto:
+        return settings.resolved().layers_per_unit
+    if len([c for c in CANDIDATES if c <= len(chain.blocks)]) < 2:
+        return 1
+    result: int | str = 1
+    if is_global_zero:
+        try:
+            budget = host_budget_bytes(settings, local_processes)
+            layouts = candidate_layouts(settings, chain, optimizer, dtype, shard)
+            scores = _score_all(settings, layouts, optimizer, k, budget, speculative=speculative,
+                                clip_norm=clip_norm, default_root=default_root)
+            if scores:
+                chosen = choose_unit_size(scores)
+                result = chosen
+                report("greedysnake unit size (auto=True; set layers_per_unit to fix it): the disks measured at each "
+                       "candidate's request sizes, its placement within the host budget\n" + table(scores, chosen))
+        except OSError as e:
+            result = f"layers_per_unit=1: the offload disk could not be measured ({e})"
+    result = broadcast(result)
+    if isinstance(result, str):
+        report(f"greedysnake: {result}")
+        return 1
+    return result
+
+
+def plan_setup(strategy: Any, trainer: Any, chain: LayerChain, units: list, optimizer: Any, dtype: torch.dtype,
+               shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool,
+               report: Callable[[str], None]) -> tuple[GreedySnakeConfig, PlacementPlan | None, list]:
+    """What setup plans, in order: ``layers_per_unit``, then the placement of the unset kinds for the
+    units of that size. Returns the settings in effect, the placement plan (None: nothing planned) and
+    the units (``units``, made at the fixed default, unless the plan chose another size)."""
+    lpu = plan_layers_per_unit(
+        strategy.settings, chain, optimizer, dtype, shard, trainer.accumulate_grad_batches, speculative=speculative,
+        clip_norm=clip_norm, local_processes=strategy.num_processes, default_root=Path(trainer.default_root_dir),
+        is_global_zero=strategy.is_global_zero, broadcast=strategy.broadcast, report=report)
+    if lpu != len(units[0].block_indices) or len(units) != -(-len(chain.blocks) // lpu):
+        units = make_units(chain, lpu)
+    config, plan = plan_at_setup(
+        dataclasses.replace(strategy.settings, layers_per_unit=lpu),
+        state_layout(units, {}, optimizer, strategy.config.offload, dtype, shard), trainer.accumulate_grad_batches,
+        speculative=speculative, clip_norm=clip_norm, local_processes=strategy.num_processes,
+        broadcast=strategy.broadcast, report=report)
+    return config, plan, units
