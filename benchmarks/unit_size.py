@@ -5,10 +5,10 @@ processes, rounds apart.
     python benchmarks/unit_size.py                                    # GPT 512 x 8, seq 32, K=8, on SSD
     python benchmarks/unit_size.py --n-embd 1024 --n-layer 12 --seq 128 --placement ssd --rounds 2
 
-Every kind is on SSD (``--placement ssd``; ``host``: in RAM), alpha 0.25, lag 2 and recompute fixed so
-that only the unit size differs (the staging budget is the automatic one). Reports each system's step
-time (the median of steps 2..N, rounds' median), its ratio to the fastest fixed size, and the size the
-planner chose. Prints a table and writes JSON (default ``benchmarks/results/unit_size.json``).
+Every kind is on SSD (``--placement ssd``; ``host``: in RAM), the rest as the defaults plan it (alpha,
+lag, recompute and the staging budget after the first step). Reports each system's step time (the
+median of steps 2..N, rounds' median), its ratio to the fastest fixed size, and the size the planner
+chose. Prints a table and writes JSON (default ``benchmarks/results/unit_size.json``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     placement = {k: args.placement for k in ("weights", "master_weights", "optimizer_states", "gradients")}
     lpu = None if args.child == "planned" else int(args.child.split("_")[1])
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as d:
-        strategy = GreedySnakeStrategy(layers_per_unit=lpu, alpha=0.25, lag=2, recompute=True,
-                                       offload=dict(placement, path=d, checkpoints="host"))
+        strategy = GreedySnakeStrategy(layers_per_unit=lpu, offload=dict(placement, path=d, checkpoints="host"))
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=False,
                             accumulate_grad_batches=args.k, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[Timer()])

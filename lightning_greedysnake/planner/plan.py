@@ -203,6 +203,9 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
                         key = (choice.step_s, choice.host_bytes, not choice.recompute)
                         if best is None or key < (best.step_s, best.host_bytes, not best.recompute):
                             best = choice
+    if smallest is None:
+        raise PlanError("no configuration to consider: kept graphs (recompute=False) need every unit's activation "
+                        "bytes measured, and recomputing was not allowed")
     if best is None:
         raise PlanError(
             f"no configuration fits a host memory budget of {host_budget_bytes:,} bytes; the smallest needs "

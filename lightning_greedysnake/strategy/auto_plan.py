@@ -37,6 +37,11 @@ def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Ma
     return Machine(read, write, rate), paths
 
 
+LARGER_UNITS_GAIN = 0.05
+"""How much faster (a fraction of the step) larger units must be predicted for the first-step plan to
+suggest them for the next run."""
+
+
 class FirstStepPlan:
     """Runs once, after the first optimizer step, when ``auto=True`` left any of
     :data:`FIRST_STEP_SETTINGS` unset."""
@@ -62,12 +67,14 @@ class FirstStepPlan:
         lags = (0, 1, 2) if "lag" in unset else (config.lag,)
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
             lags = tuple(lag for lag in lags if min_budget_bytes(manager.state, manager.config, lag) <= explicit_budget)
+        options: dict[str, Any] = {
+            "alphas": tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
+            "lags": lags or (config.lag,),
+            "recompute": (True, False) if "recompute" in unset else (config.recompute,),
+            "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",)}
         try:
-            choice: Choice | str = plan(
-                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
-                alphas=tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
-                lags=lags or (config.lag,), recompute=(True, False) if "recompute" in unset else (config.recompute,),
-                checkpoint_placements=("ssd" if manager.activations.tier is Tier.SSD else "host",))
+            choice: Choice | str = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
+                                        **options)
         except PlanError as e:
             choice = str(e)
         choice = broadcast(choice)  # rank 0's, a choice or why there is none: every rank does the same
@@ -83,5 +90,26 @@ class FirstStepPlan:
         bound = predict(costs, machine, config.schedule.value, k).bound
         report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
                f"elements/s; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
-               f"{'binding resource':<22}{bound:>20}")
+               f"{'binding resource':<22}{bound:>20}"
+               + self.larger_units(costs, machine, k, budget, manager, choice, config.layers_per_unit, options))
         return config
+
+    def larger_units(self, costs: list, machine: Machine, k: int, budget: int, manager: TieredTensorStore,
+                     choice: Choice, lpu: int, options: dict[str, Any]) -> str:
+        """A note for the next run when units of several of this run's (``lpu`` blocks each) are predicted
+        :data:`LARGER_UNITS_GAIN` faster with this step's measured compute, over the same ``options``
+        (setup, which sees no batch, chose the size from the disks alone, and the files are shaped by
+        it now). Empty otherwise, and when the user set ``layers_per_unit``."""
+        sizes = tuple(n for n in (2, 4, 8) if n * lpu <= 8 and n <= len(costs))
+        if self.settings.layers_per_unit is not None or not sizes:
+            return ""
+        try:
+            best = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=sizes, **options)
+        except PlanError:
+            return ""
+        if best.step_s > choice.step_s * (1 - LARGER_UNITS_GAIN):
+            return ""
+        return (f"\nlarger units would be faster here: layers_per_unit={best.layers_per_unit * lpu} is predicted at "
+                f"{best.step_s:.3f} s a step against {choice.step_s:.3f} s (its last unit recomputes nothing; "
+                f"staging {best.buffer_budget_bytes:,} bytes). The files are shaped by the unit size: set it for "
+                "the next run.")

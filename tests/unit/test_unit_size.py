@@ -100,3 +100,34 @@ def test_merged_last_unit_recomputes_nothing():
     first, last = merge(timed, 2)
     assert (first.backward_s, first.recompute_s) == (6.0, 2.0)  # recomputed in its backward
     assert (last.backward_s, last.recompute_s) == (4.0, 0.0)  # fused: its graph is kept, nothing recomputed
+
+
+def test_the_first_step_plan_suggests_larger_units_where_they_save_recompute():
+    from types import SimpleNamespace
+
+    from lightning_greedysnake.config import GreedySnakeConfig
+    from lightning_greedysnake.planner import Machine, plan
+    from lightning_greedysnake.strategy.auto_plan import FirstStepPlan
+
+    # compute-bound units: a recompute is a quarter of each one's time, but the fused last's
+    costs = [dataclasses.replace(u, forward_s=0.01, backward_s=0.03, recompute_s=0.01 if i < 7 else 0.0,
+                                 activation_bytes=1 << 20) for i, u in enumerate(layers())]
+    costs[-1] = dataclasses.replace(costs[-1], backward_s=0.02)
+    machine, k, budget, manager = Machine(2e9, 2e9, 1e9), 4, 1 << 30, SimpleNamespace(checkpoint_bytes=4096)
+
+    def note(settings: GreedySnakeConfig, recompute: bool) -> str:
+        options = {"alphas": (0.25,), "lags": (2,), "recompute": (recompute,), "checkpoint_placements": ("host",)}
+        choice = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,), **options)
+        return FirstStepPlan(settings, 1).larger_units(costs, machine, k, budget, manager, choice, 1, options)
+
+    suggested = note(GreedySnakeConfig(), recompute=True)
+    assert "larger units would be faster here: layers_per_unit=8" in suggested  # one unit: no recompute at all
+    assert note(GreedySnakeConfig(layers_per_unit=1), recompute=True) == ""  # the user's setting
+    assert note(GreedySnakeConfig(), recompute=False) == ""  # kept graphs: nothing left to save
+
+
+def test_nothing_to_plan_is_a_clear_plan_error():
+    from lightning_greedysnake.planner import Machine, PlanError, plan
+
+    with pytest.raises(PlanError, match="activation bytes measured"):  # kept graphs only, none measured
+        plan(layers(), Machine(2e9, 2e9, 1e9), 4, 1 << 30, 4096, recompute=(False,))
