@@ -91,6 +91,9 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
                 extra["ssd_GB_per_step"] = round(moved / (trainer.global_step - 1) / 1e9, 3)  # steady state
             if manager is None or system == "gs_horizontal":
                 return
+            steady = trainer.strategy.step_telemetry[1:]  # lane seconds per steady step: which lane binds
+            for name in ("ssd_read_busy_s", "ssd_write_busy_s", "optimizer_busy_s", "io_wait_s", "optimizer_unhidden_s"):
+                extra[name] = round(sum(getattr(t, name) for t in steady) / max(1, len(steady)), 3)
             if trainer.strategy.plan_choice is not None:
                 extra["plan"] = dataclasses.asdict(trainer.strategy.plan_choice)
             if trainer.strategy.placement_plan is not None:  # units of each kind in RAM / all units
