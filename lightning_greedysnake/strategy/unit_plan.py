@@ -121,8 +121,9 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
             if scores:
                 chosen = choose_unit_size(scores)
                 result = chosen
-                report("greedysnake unit size (auto=True; set layers_per_unit to fix it): the disks measured at each "
-                       "candidate's request sizes, its placement within the host budget\n" + table(scores, chosen))
+                report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up to "
+                       "rounding, not bit for bit, and this choice rests on a measurement): the disks measured at "
+                       "each candidate's request sizes, its placement within the host budget\n" + table(scores, chosen))
         except OSError as e:
             result = f"layers_per_unit=1: the offload disk could not be measured ({e})"
     result = broadcast(result)
