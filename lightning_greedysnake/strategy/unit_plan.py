@@ -1,6 +1,6 @@
 """``auto=True`` with ``layers_per_unit`` unset: choose it at setup, before any file is shaped by it
 (:mod:`lightning_greedysnake.planner.unit_size`). Each candidate gets its own placement plan within
-the host budget; rank 0 measures the offload disks at the candidates' request sizes (at most 64 MiB of
+the host budget; rank 0 measures the offload disks at the candidates' request sizes (at most 128 MiB of
 scratch file) and the optimizer's rate, scores them and every rank takes its choice."""
 
 from __future__ import annotations
