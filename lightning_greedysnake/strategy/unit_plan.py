@@ -126,6 +126,8 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
                        "each candidate's request sizes, its placement within the host budget\n" + table(scores, chosen))
         except OSError as e:
             result = f"layers_per_unit=1: the offload disk could not be measured ({e})"
+        except ValueError as e:  # a setting refused: setup refuses it next, on every rank (none waits here)
+            result = f"layers_per_unit=1 ({e})"
     result = broadcast(result)
     if isinstance(result, str):
         report(f"greedysnake: {result}")
