@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -57,33 +58,15 @@ def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backwa
 
 def disk_bandwidth(directory: Path, nbytes: int = 256 << 20, chunk_bytes: int = 16 << 20,
                    threads: int = 4, repeats: int = 1) -> tuple[float, float]:
-    """O_DIRECT (read, write) bytes/s of ``directory``'s filesystem, through the tensor manager's own
-    I/O engine, on a scratch file removed afterwards. Written first, then read back; with ``repeats``,
-    the best of each (a shared disk's speed moves 2-3x between seconds: a roofline wants the best)."""
-    from lightning_greedysnake.io import AlignedBuffer, IOConfig, ThreadedIOEngine
-
-    path = Path(directory) / ".greedysnake-bandwidth.bin"
-    read_s = write_s = float("inf")
-    try:
-        with ThreadedIOEngine(IOConfig(threads, chunk_bytes, True)) as engine, AlignedBuffer(nbytes) as buf:
-            file = engine.open(path, nbytes)
-            buf.tensor.fill_(1)
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                engine.write(file, 0, buf, 0, nbytes)
-                os.fsync(file.fd) if file.fd is not None else None
-                write_s = min(write_s, time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                engine.read(file, 0, buf, 0, nbytes)
-                read_s = min(read_s, time.perf_counter() - t0)
-    finally:
-        path.unlink(missing_ok=True)
-    return nbytes / read_s, nbytes / write_s
+    """O_DIRECT (read, write) bytes/s of ``directory``'s filesystem for one request of ``nbytes``
+    (:func:`request_bandwidth`): written first, then read back; with ``repeats``, the best of each (a
+    shared disk's speed moves 2-3x between seconds: a roofline wants the best)."""
+    return request_bandwidth(directory, [nbytes], threads, chunk_bytes, min_probe_bytes=nbytes, repeats=repeats)[nbytes]
 
 
 PROBE_SIZES = tuple(64 << 10 << (2 * i) for i in range(6))
-"""The request sizes :func:`request_bandwidth` may measure: 64 KiB to 64 MiB, in steps of 4x (beyond
-the I/O threads times the chunk size a request is as fast as the disk)."""
+"""The request sizes the unit-size plan may measure (:func:`request_bandwidth`): 64 KiB to 64 MiB, in
+steps of 4x (beyond the I/O threads times the chunk size a request is as fast as the disk)."""
 
 
 def probe_sizes(requests: Sequence[int]) -> list[int]:
@@ -95,45 +78,44 @@ def probe_sizes(requests: Sequence[int]) -> list[int]:
 
 
 def request_bandwidth(directory: Path, sizes: Sequence[int], threads: int = 4, chunk_bytes: int = 16 << 20,
-                      direct: bool = True, min_probe_bytes: int = 8 << 20) -> dict[int, tuple[float, float]]:
+                      direct: bool = True, min_probe_bytes: int = 8 << 20,
+                      repeats: int = 1) -> dict[int, tuple[float, float]]:
     """O_DIRECT (read, write) bytes/s of ``directory``'s filesystem for requests of each of ``sizes``
     (4 KiB multiples), through the tensor manager's own I/O engine and its settings: requests one at a
     time, each split into ``chunk_bytes`` chunks over ``threads`` (as a lane waiting on one region sees
-    the disk), at least ``min_probe_bytes`` and two requests per size, on a scratch file removed
-    afterwards. Small requests pay the disk's latency per request: what a small unit costs."""
+    the disk), at least ``min_probe_bytes`` and one request per size, on a scratch file (as large as
+    that, or the largest request) removed afterwards; the best of ``repeats``. Small requests pay the
+    disk's latency per request: what a small unit costs."""
     from lightning_greedysnake.io import AlignedBuffer, IOConfig, ThreadedIOEngine
 
-    path = Path(directory) / ".greedysnake-request-bandwidth.bin"
+    path = Path(directory) / ".greedysnake-bandwidth.bin"
     largest = max(sizes)
-    file_bytes = max(min_probe_bytes, 2 * largest)
-    out: dict[int, tuple[float, float]] = {}
+    file_bytes = max(min_probe_bytes, largest)
+    best: dict[int, list[float]] = {size: [math.inf, math.inf] for size in sizes}  # (read, write) seconds
     try:
         with ThreadedIOEngine(IOConfig(threads, chunk_bytes, direct)) as engine, AlignedBuffer(largest) as buf:
             file = engine.open(path, file_bytes)
             buf.tensor.fill_(1)
-            for size in sorted(set(sizes)):
-                offsets = range(0, file_bytes - size + 1, size)
-                t0 = time.perf_counter()
-                for offset in offsets:
-                    engine.write(file, offset, buf, 0, size)
-                os.fsync(file.fd) if file.fd is not None else None
-                write_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                for offset in offsets:
-                    engine.read(file, offset, buf, 0, size)
-                read_s = time.perf_counter() - t0
-                moved = len(offsets) * size
-                out[size] = (moved / read_s, moved / write_s)
+            for _ in range(repeats):
+                for size in sorted(best):
+                    offsets = range(0, file_bytes - size + 1, size)
+                    t0 = time.perf_counter()
+                    for offset in offsets:
+                        engine.write(file, offset, buf, 0, size)
+                    os.fsync(file.fd) if file.fd is not None else None
+                    best[size][1] = min(best[size][1], (time.perf_counter() - t0) / len(offsets))
+                    t0 = time.perf_counter()
+                    for offset in offsets:
+                        engine.read(file, offset, buf, 0, size)
+                    best[size][0] = min(best[size][0], (time.perf_counter() - t0) / len(offsets))
     finally:
         path.unlink(missing_ok=True)
-    return out
+    return {size: (size / read_s, size / write_s) for size, (read_s, write_s) in best.items()}
 
 
 def interpolate(measured: dict[int, tuple[float, float]]) -> Callable[[int], tuple[float, float]]:
     """``bandwidth(request_bytes)`` from :func:`request_bandwidth`'s points: linear in log2 of the size
     between two points, the nearest point's outside them."""
-    import math
-
     points = sorted(measured.items())
 
     def bandwidth(size: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """``auto=True`` with ``layers_per_unit`` unset: choose it at setup, before any file is shaped by it
 (:mod:`lightning_greedysnake.planner.unit_size`). Each candidate gets its own placement plan within
-the host budget; rank 0 measures the offload disks at the candidates' request sizes (at most 128 MiB of
+the host budget; rank 0 measures the offload disks at the candidates' request sizes (at most 64 MiB of
 scratch file) and the optimizer's rate, scores them and every rank takes its choice."""
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def plan_setup(strategy: Any, trainer: Any, chain: LayerChain, units: list, opti
         strategy.settings, chain, optimizer, dtype, shard, trainer.accumulate_grad_batches, speculative=speculative,
         clip_norm=clip_norm, local_processes=strategy.num_processes, default_root=Path(trainer.default_root_dir),
         is_global_zero=strategy.is_global_zero, broadcast=strategy.broadcast, report=report)
-    if lpu != len(units[0].block_indices) or len(units) != -(-len(chain.blocks) // lpu):
+    if lpu != strategy.config.layers_per_unit:  # (``units`` were made at the size in effect before the plan)
         units = make_units(chain, lpu)
     config, plan = plan_at_setup(
         dataclasses.replace(strategy.settings, layers_per_unit=lpu),
