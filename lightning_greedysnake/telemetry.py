@@ -88,6 +88,14 @@ class StepRecorder:
         self.trace_path: Path | None = None
         self._trace_start: float | None = None
 
+    def follow(self, manager: Observed) -> None:
+        """Read ``manager``'s counters from now on (it replaced the one read so far: a re-layout, whose
+        copy counts in this step's wall time but not in its bytes)."""
+        manager.stats.lanes.keep_all = self.manager.stats.lanes.keep_all
+        self.manager = manager
+        self._counters = manager.stats.snapshot()
+        self._lane_wait = manager.optimizer_wait_seconds
+
     def start_trace(self, steps: int, path: Path) -> None:
         """Keep every interval of the next ``steps`` steps and write them as a Chrome trace to ``path``."""
         self.trace_steps, self.trace_path = steps, path

@@ -144,30 +144,30 @@ def regression_loader(num_batches: int, batch_size: int = 4, seed: int = 0) -> D
 class UnitGradients(L.Callback):
     """Every window's gradient as the tensor manager's stepper steps it (``param.grad`` is never populated
     with offloading): the stepper's ``gradient_observer``, installed at the start of training, copies each
-    unit's complete gradient per parameter name. :meth:`windows` gives one dict per optimizer step."""
+    unit's complete gradient per parameter name (the unit looked up in the tensor manager in effect, which
+    a re-layout into larger units replaces). :meth:`windows` gives one dict per optimizer step."""
 
     def __init__(self) -> None:
-        self.per_unit: dict[int, list[dict[str, torch.Tensor]]] = {}
+        self.per_name: dict[str, list[torch.Tensor]] = {}
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
-        manager = getattr(trainer.strategy, "tensor_manager", None)
-        if manager is None:
+        if getattr(trainer.strategy, "tensor_manager", None) is None:
             return
 
         def observe(unit: int, flat: torch.Tensor) -> None:  # on the optimizer lane
-            self.per_unit.setdefault(unit, []).append({
-                slot.name: flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape).clone()
-                for slot in manager.layouts[unit].params if slot.group is not None
-            })
+            for slot in trainer.strategy.tensor_manager.layouts[unit].params:
+                if slot.group is not None:
+                    grad = flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape).clone()
+                    self.per_name.setdefault(slot.name, []).append(grad)
 
-        manager.stepper.gradient_observer = observe
+        trainer.strategy.tensor_manager.stepper.gradient_observer = observe
 
     def windows(self) -> list[dict[str, torch.Tensor]]:
-        if not self.per_unit:
+        if not self.per_name:
             return []
-        steps = len(next(iter(self.per_unit.values())))
-        assert all(len(calls) == steps for calls in self.per_unit.values()), "a unit missed a window"
-        return [{n: g for calls in self.per_unit.values() for n, g in calls[s].items()} for s in range(steps)]
+        steps = len(next(iter(self.per_name.values())))
+        assert all(len(calls) == steps for calls in self.per_name.values()), "a unit missed a window"
+        return [{n: calls[s] for n, calls in self.per_name.items()} for s in range(steps)]
 
 
 class ResumableLoader:

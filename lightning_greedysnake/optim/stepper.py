@@ -75,7 +75,9 @@ class UnitStepper:
         self.gradient_observer: Callable[[int, Tensor], None] | None = None
         """Told ``(unit, flat fp32 gradient)`` once per window for every stepped unit: the complete
         gradient (averaged over the ranks, before clipping), on the thread running the step, valid only
-        during the call. With offloading ``param.grad`` is never populated: this is how to see it."""
+        during the call. With offloading ``param.grad`` is never populated: this is how to see it. The
+        unit is an index into the layouts of the tensor manager in effect (``strategy.tensor_manager``:
+        after a re-layout into larger units, a new one, which keeps this observer)."""
         self.check_finite = True
         """Look for a non-finite value in every unit's complete gradient (one sum on the lane)."""
         self.nonfinite: list[int] = []

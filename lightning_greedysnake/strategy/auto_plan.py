@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_greedysnake.config import GreedySnakeConfig, Tier
+from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import min_budget_bytes
 from lightning_greedysnake.planner import Choice, Machine, PlanError, plan, predict
 from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate, unit_costs, unit_times
@@ -24,22 +25,30 @@ def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Ma
     """The offload disks' O_DIRECT bandwidth (each path; units are striped round robin over them, so the
     slowest binds, once per path) and the element rate of the user's optimizer on the host. The probes
     are small (at most 16 MiB of file and buffer, 1M optimizer elements: 16 MiB) so that they fit the
-    host budget too."""
+    host budget too, and the disk's free space (:func:`probe_bytes`). Raises ``OSError`` where a disk
+    cannot be measured."""
     params = sum(lay.trainable_numel for lay in manager.layouts)
     rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=manager.optimizer)
     if not manager.config.uses_ssd:
         return Machine(math.inf, math.inf, rate), "no SSD tier"
-    probe = 16 << 20
     dirs = manager.offload_dirs or [default_root]
-    per_path = [disk_bandwidth(d, nbytes=probe) for d in dirs]
+    per_path = [disk_bandwidth(d, nbytes=probe_bytes(d)) for d in dirs]
     read, write = len(dirs) * min(r for r, _ in per_path), len(dirs) * min(w for _, w in per_path)
     paths = ", ".join(f"{d}: read {r / 1e9:.2f} GB/s, write {w / 1e9:.2f} GB/s" for d, (r, w) in zip(dirs, per_path))
     return Machine(read, write, rate), paths
 
 
+def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
+    """The disk probe's size in ``directory``: ``largest``, or a quarter of the free space where that is
+    less (the probe's scratch file must not fill a disk the run is using), in 64 KiB steps."""
+    step = 64 << 10
+    return max(step, min(largest, disk_free_bytes(directory) // 4 // step * step))
+
+
 LARGER_UNITS_GAIN = 0.05
 """How much faster (a fraction of the step) larger units must be predicted for the first-step plan to
-suggest them for the next run."""
+move the state into them (:mod:`~lightning_greedysnake.strategy.relayout`), or to suggest them for
+the next run where it cannot."""
 
 
 class FirstStepPlan:
@@ -51,6 +60,10 @@ class FirstStepPlan:
         self.local_processes = local_processes
         self.pending = settings.auto and bool(settings.unset() & FIRST_STEP_SETTINGS)
         self.choice: Choice | None = None
+        self.machine: Machine | None = None
+        """The disks and optimizer rate measured after the first step."""
+        self.larger: tuple[Choice, int] | None = None
+        """Larger units predicted :data:`LARGER_UNITS_GAIN` faster: their plan and ``layers_per_unit``."""
 
     def run(self, manager: TieredTensorStore, activation_bytes: dict[int, int], config: GreedySnakeConfig, k: int,
             default_root: Path, broadcast: Callable[[Any], Any], report: Callable[[str], None]) -> GreedySnakeConfig:
@@ -59,7 +72,11 @@ class FirstStepPlan:
         self.pending = False
         manager.drain()
         unset = self.settings.unset()
-        machine, disks = measured_machine(manager, default_root)
+        try:
+            machine, disks = measured_machine(manager, default_root)
+        except OSError as e:  # (a full disk, say: every rank still takes rank 0's word below)
+            machine, disks = None, f"the offload disk could not be measured: {e}"
+        self.machine = machine
         fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
         costs = unit_costs(manager, fwd, bwd, activation_bytes)
         budget = host_budget_bytes(self.settings, self.local_processes) - manager.arena.host_bytes()
@@ -73,8 +90,8 @@ class FirstStepPlan:
             "recompute": (True, False) if "recompute" in unset else (config.recompute,),
             "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",)}
         try:
-            choice: Choice | str = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
-                                        **options)
+            choice: Choice | str = disks if machine is None else plan(
+                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,), **options)
         except PlanError as e:
             choice = str(e)
         choice = broadcast(choice)  # rank 0's, a choice or why there is none: every rank does the same
@@ -82,6 +99,8 @@ class FirstStepPlan:
             report(f"greedysnake auto plan: keeping the settings in effect ({choice})")
             return config
         self.choice = choice
+        if machine is None:  # (this rank could not measure; rank 0 could: its choice stands)
+            machine = self.machine = Machine(math.inf, math.inf, math.inf)
         staging = explicit_budget if explicit_budget is not None else choice.buffer_budget_bytes
         manager.reconfigure(choice.alpha, choice.lag, staging)
         if choice.recompute != config.recompute:
@@ -90,26 +109,32 @@ class FirstStepPlan:
         bound = predict(costs, machine, config.schedule.value, k).bound
         report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
                f"elements/s; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
-               f"{'binding resource':<22}{bound:>20}"
-               + self.larger_units(costs, machine, k, budget, manager, choice, config.layers_per_unit, options))
+               f"{'binding resource':<22}{bound:>20}")
+        self.larger = self.larger_units(costs, machine, k, budget, manager, choice, config.layers_per_unit, options)
         return config
 
     def larger_units(self, costs: list, machine: Machine, k: int, budget: int, manager: TieredTensorStore,
-                     choice: Choice, lpu: int, options: dict[str, Any]) -> str:
-        """A note for the next run when units of several of this run's (``lpu`` blocks each) are predicted
-        :data:`LARGER_UNITS_GAIN` faster with this step's measured compute, over the same ``options``
-        (setup, which sees no batch, chose the size from the disks alone, and the files are shaped by
-        it now). Empty otherwise, and when the user set ``layers_per_unit``."""
+                     choice: Choice, lpu: int, options: dict[str, Any]) -> tuple[Choice, int] | None:
+        """The plan of units of several of this run's (``lpu`` blocks each) and their ``layers_per_unit``,
+        where they are predicted :data:`LARGER_UNITS_GAIN` faster with this step's measured compute, over
+        the same ``options`` (setup, which sees no batch, chose the size from the disks alone). None
+        otherwise, and when the user set ``layers_per_unit``."""
         sizes = tuple(n for n in (2, 4, 8) if n * lpu <= 8 and n <= len(costs))
         if self.settings.layers_per_unit is not None or not sizes:
-            return ""
+            return None
         try:
             best = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=sizes, **options)
         except PlanError:
-            return ""
+            return None
         if best.step_s > choice.step_s * (1 - LARGER_UNITS_GAIN):
-            return ""
-        return (f"\nlarger units would be faster here: layers_per_unit={best.layers_per_unit * lpu} is predicted at "
-                f"{best.step_s:.3f} s a step against {choice.step_s:.3f} s (its last unit recomputes nothing; "
-                f"staging {best.buffer_budget_bytes:,} bytes). The files are shaped by the unit size: set it for "
-                "the next run.")
+            return None
+        return best, best.layers_per_unit * lpu
+
+
+def larger_units_note(best: Choice, lpu: int, current: Choice, outcome: str | None) -> str:
+    """What the report says of larger units: moved into (``outcome`` None), or why not."""
+    head = (f"larger units are faster here: layers_per_unit={lpu} is predicted at {best.step_s:.3f} s a step against "
+            f"{current.step_s:.3f} s (its last unit recomputes nothing; staging {best.buffer_budget_bytes:,} bytes)")
+    if outcome is None:
+        return f"{head}: moving the state into them now"
+    return f"{head}, but the state stays in the units it has ({outcome}). Set layers_per_unit={lpu} for the next run."

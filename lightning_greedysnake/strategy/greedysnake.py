@@ -50,16 +50,15 @@ from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import WindowInputs, forward_replaced, loss_of, tokens_in
 from lightning_greedysnake.strategy.manager_setup import (
     check_device,
-    new_tensor_manager,
-    open_tensor_manager,
+    open_manager,
     stand_in_for_meta_parameters,
 )
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.strategy.placement import PlacementPlan, plan_checkpoints
-from lightning_greedysnake.strategy.unit_plan import plan_setup
+from lightning_greedysnake.strategy.placement import PlacementPlan
+from lightning_greedysnake.strategy.relayout import grow_units
 from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
-from lightning_greedysnake.tensor_manager import ClipPolicy, TieredTensorStore
+from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "greedysnake": ("GreedySnake vertical schedule", {"schedule": "vertical"}),
@@ -213,21 +212,26 @@ class GreedySnakeStrategy(DataParallelStrategy):
         self._inputs = WindowInputs(layered, path)
         self._guard = NonFiniteGuard(self.config.on_nonfinite, self._warn_once, self.precision_plugin.loss_scaler)
         if self.config.offload.uses_tensor_manager:
-            manager, units = self._open_tensor_manager(trainer, module, chain, units, fitting, layered if on_meta else None)
-            self._store = manager
+            manager, units, self.config, self.placement_plan, self._dir = open_manager(
+                self, trainer, module, chain, units, fitting, layered if on_meta else None, self._warn_once)
             self._telemetry = StepRecorder(manager)
             if fitting and self.config.trace_steps:
                 trace = Path(self.config.trace_path or Path(trainer.default_root_dir) / "greedysnake_trace.json")
                 self._telemetry.start_trace(self.config.trace_steps, trace)
-            self.precision_plugin.attach(self._finish_window, manager, self._after_step)
+            self._install(manager, units, chain)
         else:
             self.broadcast_parameters([p for unit in units for p in unit.parameters()])
-            self._store = InMemoryTensorStore()
-            self.precision_plugin.attach(self._finish_window)
-        self._engine = WindowEngine(chain, units, self.config, self._store, self.root_device,
+            self._install(InMemoryTensorStore(), units, chain)
+
+    def _install(self, store: TensorStore, units: list, chain: Any) -> None:
+        """Route the window's hooks to ``store`` and a new engine over ``units`` (setup; a re-layout)."""
+        self._store = store
+        manager = store if isinstance(store, TieredTensorStore) else None
+        self.precision_plugin.attach(self._finish_window, manager, self._after_step if manager else None)
+        self._engine = WindowEngine(chain, units, self.config, store, self.root_device,
                                     self.precision_plugin.forward_context)
-        if self.tensor_manager is not None:
-            lanes = self.tensor_manager.stats.lanes
+        if manager is not None:
+            lanes = manager.stats.lanes
             self._engine.observer = lambda name, a, b: lanes.add("compute", a, b, name)
 
     @contextlib.contextmanager
@@ -241,25 +245,6 @@ class GreedySnakeStrategy(DataParallelStrategy):
         else:
             with super().tensor_init_context(empty_init):
                 yield
-
-    def _open_tensor_manager(self, trainer: Any, module: Any, chain: Any, units: list, fitting: bool,
-                             meta_model: nn.Module | None) -> tuple[TieredTensorStore, list]:
-        optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
-        clip = checks.clip_policy(trainer, module, self._warn_once) if fitting else ClipPolicy()
-        shard = (self.global_rank, self.world_size) if self.is_distributed and self.config.shard_state else None
-        scaler, dtype = self.precision_plugin.loss_scaler, self.precision_plugin.compute_dtype
-        self.config, self.placement_plan, units = plan_setup(  # (units_stay_on_host: the same parameters)
-            self, trainer, chain, units, optimizer, dtype, shard, speculative=scaler is not None and not clip.defer,
-            clip_norm=clip.defer, report=rank_zero_info)
-        manager = new_tensor_manager(units, module, optimizer, self.config, dtype, self.root_device, clip=clip,
-                                     shard=shard, loss_scaler=scaler)
-        plan_checkpoints(manager.activations, self.settings, self.num_processes, rank_zero_info)
-        self.connect_collectives(manager)
-        self._dir = OffloadDirectories(self.config.offload)
-        open_tensor_manager(manager, self._dir, Path(trainer.default_root_dir),
-                            (self.global_rank, self.local_rank, self.is_distributed), units,
-                            self.broadcast_parameters, meta_model, rank_zero_info)
-        return manager, units
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -383,7 +368,22 @@ class GreedySnakeStrategy(DataParallelStrategy):
                                                self.broadcast, rank_zero_info)
             self.engine.config = self.config  # between windows: the engine reads it op by op
             self.plan_choice = self._first_step.choice
+            if self._first_step.larger is not None:
+                self._grow_units(trainer)
         progress.log_step(self.lightning_module.trainer, entry)
+
+    def _grow_units(self, trainer: Any) -> None:
+        """Move the state into the larger units the first step's plan found faster, where that pays."""
+        chain = self.engine.chain
+        self.engine.close()  # (between windows it holds nothing: closing only makes sure, before the store goes)
+        grown = grow_units(self, trainer, self._first_step, chain, rank_zero_info)
+        if grown is None:
+            return
+        self.config, self.placement_plan, self.plan_choice = grown.config, grown.placement, grown.choice
+        self.units_stay_on_host = grown.units
+        assert self._telemetry is not None
+        self._telemetry.follow(grown.manager)
+        self._install(grown.manager, grown.units, chain)
 
     # -- state dicts and checkpoints (the tensor manager holds the real values) -------------------------
     @property

@@ -67,7 +67,7 @@ CHILD = textwrap.dedent("""
                 self.resident_grads.append(grads)
 
         def window_grads(self):  # every window's gradient as the optimizer steps it (averaged)
-            return self.windows() if self.per_unit else self.resident_grads
+            return self.windows() if self.per_name else self.resident_grads
 
         def on_train_start(self, trainer, module):
             super().on_train_start(trainer, module)

@@ -51,7 +51,7 @@ class GradRecorder(UnitGradients):
     @property
     def grads(self) -> list[dict[str, torch.Tensor]]:
         """Per optimizer step, every parameter's gradient."""
-        return self.windows() if self.per_unit else self._resident
+        return self.windows() if self.per_name else self._resident
 
 
 def _make(model: str, **overrides: Any) -> tuple[L.LightningModule, Any]:
