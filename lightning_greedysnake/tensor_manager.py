@@ -262,6 +262,11 @@ class TieredTensorStore(_StateBetweenWindows):
         return self.stepper.parts.steps_read_ahead
 
     @property
+    def read_ahead_by_unit(self) -> dict[int, int]:
+        """Per unit, its steps that found their master weights and state read ahead."""
+        return dict(self.stepper.parts.read_ahead_by_unit)
+
+    @property
     def optimizer_wait_seconds(self) -> float:
         """Seconds the training thread spent blocked on the optimizer lane, since construction."""
         return self.stepper.lane.wait_seconds
@@ -415,8 +420,8 @@ class TieredTensorStore(_StateBetweenWindows):
     def prefetch(self, unit: int) -> None:
         self.weights.prefetch(unit)
 
-    def prefetch_step(self, unit: int) -> None:
-        self.stepper.read_ahead(unit, lambda: self._unit_need_bytes(unit))
+    def prefetch_step(self, unit: int, last: bool = True) -> None:
+        self.stepper.read_ahead(unit, lambda: self._unit_need_bytes(unit), last)
 
     def _unit_need_bytes(self, unit: int) -> int:
         """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither

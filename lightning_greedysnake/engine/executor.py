@@ -18,6 +18,7 @@ offloaded tiers arrive.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import time
@@ -90,6 +91,17 @@ class _Window:
     @property
     def next_op(self) -> Op | None:
         return self.plan.ops[self.cursor] if self.cursor < len(self.plan.ops) else None
+
+    def next_step(self, cursor: int) -> int | None:
+        """The unit of the first optimizer op after the one at ``cursor`` (the step whose reads may
+        start while the ops before it run), or None."""
+        i = bisect.bisect_right(self._steps, cursor)
+        return self.plan.ops[self._steps[i]].unit if i < len(self._steps) else None
+
+    @functools.cached_property
+    def _steps(self) -> list[int]:
+        """Indices of the plan's optimizer ops."""
+        return [i for i, op in enumerate(self.plan.ops) if op.kind is OpKind.OPTIMIZER]
 
     @functools.cached_property
     def last_step(self) -> tuple[int, int] | None:
@@ -318,6 +330,7 @@ class WindowEngine:
             )
         unit = self.units[op.unit]
         self._ensure_unit(op.unit)
+        self._hint_next_step()  # (the fused unit's own step: its reads overlap the fused ops)
         with torch.enable_grad():
             if op.unit == 0:
                 hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
@@ -516,9 +529,22 @@ class WindowEngine:
         if self._held_unit is not None:
             for nxt in self._next_units_after_cursor(self._held_unit):
                 self.store.prefetch(nxt)
+        self._hint_next_step()
+
+    def _hint_next_step(self) -> None:
+        """Let the store read the next optimizer step's master weights and state while the ops before it
+        run: the window's last step (which the next forward waits for) once the cursor is past the step
+        before it; any other once past the forward phase (whose weight prefetches the slack is for), the
+        slack permitting."""
         w = self._window
-        if w is not None and w.last_step is not None and w.cursor > w.last_step[0]:
+        if w is None:
+            return
+        if w.last_step is not None and w.cursor > w.last_step[0]:
             self.store.prefetch_step(w.last_step[1])
+        elif w.next_op is not None and w.next_op.kind is not OpKind.FORWARD:
+            step = w.next_step(w.cursor - 1)  # (the op at the cursor may be the step itself)
+            if step is not None:
+                self.store.prefetch_step(step, last=False)
 
     def _next_units_after_cursor(self, u: int) -> list[int]:
         """The next ``offload.prefetch_units`` different units the plan will need, in order (the

@@ -472,17 +472,18 @@ class StagingArena:
         held._slack = self._give_back_slack
         return True
 
-    def read_ahead_fits(self, nbytes: int, unit_need_bytes: int) -> bool:
+    def read_ahead_fits(self, nbytes: int, unit_need_bytes: int | None) -> bool:
         """Whether a read-ahead of ``nbytes`` for the window's last step may be taken: from the slack, or
         from what the minimum reserves but this moment cannot use. Every other step of the window is
         submitted, so until this one runs the work can still take only the staging those steps have not
         taken yet and the unit's own weights and gradient (``unit_need_bytes``). If that fits beside
         everything held now and the read-ahead, nobody ever waits for it. (Not with partitioned state,
-        whose weights gather stages more.)"""
+        whose weights gather stages more.) ``unit_need_bytes`` None: a step that is not the window's
+        last, which only the slack may hold."""
         with self._lock:
             if self._slack_allows(nbytes):
                 return True
-            return self.state.shard is None and (
+            return unit_need_bytes is not None and self.state.shard is None and (
                 self.pool.in_use_bytes + nbytes + self._staging_pending + unit_need_bytes <= self.pool.budget_bytes
             )
 

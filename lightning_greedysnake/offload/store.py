@@ -45,9 +45,9 @@ class TensorStore(Protocol):
     def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
         """A hint: that checkpoint will be loaded soon; start reading it if that is cheap."""
 
-    def prefetch_step(self, unit: int) -> None:
-        """A hint: ``unit``'s optimizer step is the window's last, which the next forward waits for;
-        start reading what it reads if that is cheap."""
+    def prefetch_step(self, unit: int, last: bool = True) -> None:
+        """A hint: ``unit``'s optimizer step comes next (``last``: it is the window's last, which the next
+        forward waits for); start reading what it reads if that is cheap."""
 
     def end_window(self, completed: bool = True) -> None:
         """The window is over: forget its checkpoints; ``completed=False``: it was abandoned before its
@@ -102,7 +102,7 @@ class InMemoryTensorStore:
     def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
         pass
 
-    def prefetch_step(self, unit: int) -> None:
+    def prefetch_step(self, unit: int, last: bool = True) -> None:
         pass
 
     @property

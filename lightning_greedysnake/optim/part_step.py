@@ -42,13 +42,17 @@ class PartStepper:
         self.steps_taken = 0
         """Parts stepped, since construction (written by the stepping thread; read after a drain)."""
         self.steps_read_ahead = 0
+        self.read_ahead_by_unit: dict[int, int] = {}
+        """Per unit, its steps that found their reads done (likewise)."""
         """Steps that found their master weights or state read ahead, since construction (likewise)."""
 
     # -- read-ahead (training thread) ----------------------------------------------------------------------
-    def read_ahead(self, unit: int, unit_need_bytes: int) -> None:
+    def read_ahead(self, unit: int, unit_need_bytes: int, last: bool = True) -> None:
         """Read ``unit``'s master weights and optimizer state for its coming step (the first part's
         range) where they live on SSD and the budget allows, all or nothing: half a read-ahead would
-        still leave the step waiting for reads."""
+        still leave the step waiting for reads. The window's ``last`` step may also take what the
+        minimum reserves but that moment cannot use (:meth:`Staging.read_ahead_fits`); any other only
+        the slack over the minimum, so the steps queued before it always find their staging."""
         opt = self._unit_optimizers[unit]
         with self._lock:
             if opt is None or unit in self._ahead:
@@ -66,7 +70,7 @@ class PartStepper:
         if not wanted:
             return
         total = sum(self._staging.ssd_region_bytes(kind, unit) for kind, _ in wanted)
-        if not self._staging.read_ahead_fits(total, unit_need_bytes):
+        if not self._staging.read_ahead_fits(total, unit_need_bytes if last else None):
             return
         staged: dict[TensorKind, StagedBuffer] = {}
         for kind, ranges in wanted:
@@ -144,6 +148,7 @@ class PartStepper:
             held.take_over()
         if owned:
             self.steps_read_ahead += 1
+            self.read_ahead_by_unit[unit] = self.read_ahead_by_unit.get(unit, 0) + 1
         try:
             # every read this part needs goes out at once, then one wait
             if ahead_master is not None:

@@ -69,7 +69,8 @@ class Staging(Protocol):
 
     def acquire_optional(self, nbytes: int, what: str, within_slack: bool = True) -> StagedBuffer | None: ...
 
-    def read_ahead_fits(self, nbytes: int, unit_need_bytes: int) -> bool: ...
+    def read_ahead_fits(self, nbytes: int, unit_need_bytes: int | None) -> bool:
+        """Whether a read-ahead of ``nbytes`` may be taken (``unit_need_bytes`` None: only from the slack)."""
 
     def pending(self, nbytes: int) -> None:
         """A submitted step will stage ``nbytes`` (training thread)."""

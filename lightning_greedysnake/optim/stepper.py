@@ -164,14 +164,14 @@ class UnitStepper:
             for g in self.optimizer.param_groups
         ]
 
-    def read_ahead(self, unit: int, unit_need_bytes: Callable[[], int]) -> None:
-        """A hint: ``unit``'s step is the window's last, which the next forward waits for; read what it
-        reads now if the budget allows."""
+    def read_ahead(self, unit: int, unit_need_bytes: Callable[[], int], last: bool = True) -> None:
+        """A hint: ``unit``'s step comes next (``last``: it is the window's last, which the next forward
+        waits for); read what it reads now if the budget allows (:meth:`PartStepper.read_ahead`)."""
         if not 0 <= unit < self.state.num_units or self.clip.defer or not self._gate.is_current(unit):
             return
         if self.unit_optimizers[unit] is None or self.parts.has_read_ahead(unit):
             return
-        self.parts.read_ahead(unit, unit_need_bytes())
+        self.parts.read_ahead(unit, unit_need_bytes(), last)
 
     def submit_backward_part(self, unit: int, grad: StagedBuffer, weights: StagedBuffer | None,
                              has_grad: list[bool], averaged: bool = False) -> None:
