@@ -31,12 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
+SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
            "gs_horizontal", "lightning_auto", "deepspeed"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_planned``: it with the planner's choice, planned
 from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
 (``auto=True``: placement planned at setup, the rest after the first step) with ``--host-budget-gb``;
+``gs_auto_ssd``: the defaults with every kind on SSD (ZeRO-Infinity's placement given explicitly; the
+unit size, alpha, lag, recompute and the staging budget planned);
 ``gs_default``: ``GreedySnakeStrategy()`` as is (the host budget: half of the available memory);
 ``gs_cpu``: the ``greedysnake_cpu`` preset (every kind in RAM; its step time is what ``gs_auto`` and
 ``gs_default`` are given relative to, ``time_vs_cpu``); ``gs_bf16_state``: ``gs_vertical`` with the
@@ -122,6 +124,9 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     if system == "gs_auto":
         settings = {"auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}
         offload.pop("buffer_budget_bytes")  # planned
+    if system == "gs_auto_ssd":
+        settings = {"offload": {kind: "ssd" for kind in ("weights", "master_weights", "optimizer_states", "gradients")}}
+        offload.pop("buffer_budget_bytes")
     if system == "gs_default":
         settings = {}
         offload.pop("buffer_budget_bytes")
