@@ -64,6 +64,7 @@ def main() -> None:
     add_model_args(parser, n_layer=8, seq=32)
     parser.set_defaults(n_embd=512, n_head=8, vocab=8192)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="the fixed sizes run beside the planned one")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--placement", choices=["ssd", "host"], default="ssd")
@@ -76,7 +77,7 @@ def main() -> None:
         return
     from _common import MODEL_FLAGS, print_table, run_child, write_result
 
-    systems = ["planned"] + [f"fixed_{s}" for s in SIZES if s <= args.n_layer]
+    systems = ["planned"] + [f"fixed_{s}" for s in args.sizes if s <= args.n_layer]
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory(dir=args.offload_dir or None) as d:
         args.offload_dir = d
