@@ -176,3 +176,14 @@ def test_a_unit_size_you_set_is_kept(monkeypatch, caplog):
     with caplog.at_level("INFO"):
         _, seen = fit(strategy)
     assert "larger units" not in caplog.text and seen.units == [BLOCKS] * 7
+
+
+def test_in_ram_the_units_move_too_and_train_exactly(monkeypatch, caplog):
+    one_block_at_setup(monkeypatch)
+    strategy = GreedySnakeStrategy(offload={kind: "host" for kind in ON_SSD})  # no SSD: the copy costs nothing
+    with caplog.at_level("INFO"):
+        got, seen = fit(strategy)
+    lpu = strategy.config.layers_per_unit
+    assert "state re-laid out" in caplog.text and lpu > 1
+    assert seen.units == [BLOCKS] + [-(-BLOCKS // lpu)] * 6
+    assert_like_reference(got, seen, "32-true")
