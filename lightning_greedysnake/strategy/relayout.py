@@ -8,8 +8,9 @@ the old units into the new ones by parameter name, bit for bit, then closes the 
 removes its files. It runs only where it pays: the predicted saving over the steps left must cover
 twice the copy's time (every SSD byte of the state read once and written once). Refused, with the
 reason in the report, in data parallel runs (every rank would have to re-lay out together), under
-fp16 (loss scaling), with an explicit ``buffer_budget_bytes`` the larger units' staging exceeds, and
-where the disks lack room for the second copy; the run then goes on in the units it has.
+fp16 (loss scaling), with an explicit ``buffer_budget_bytes`` the larger units' staging exceeds,
+where the disks lack room for the second copy, and after an I/O error while copying; the run then goes
+on in the units it has.
 
 Threads: everything here runs on the training thread, between windows, with the old manager drained
 (no optimizer step, read or write of it in flight).
@@ -40,7 +41,9 @@ PAYBACK = 2.0
 """The predicted saving over the steps left must be at least this many times the copy's time."""
 
 ASIDE = ".relayout-old"
-"""Suffix of the old manager's files while the new ones are written beside them."""
+"""Suffix of the old manager's files while the new ones are written beside them (a run killed then
+leaves them; the next run in the directory removes them with its other leftovers)."""
+
 
 def steps_left(trainer: Any) -> float:
     """Optimizer steps still to run in this fit (``inf`` where the Trainer cannot tell)."""
