@@ -42,9 +42,9 @@ class PartStepper:
         self.steps_taken = 0
         """Parts stepped, since construction (written by the stepping thread; read after a drain)."""
         self.steps_read_ahead = 0
+        """Steps that found their master weights or state read ahead, since construction (likewise)."""
         self.read_ahead_by_unit: dict[int, int] = {}
         """Per unit, its steps that found their reads done (likewise)."""
-        """Steps that found their master weights or state read ahead, since construction (likewise)."""
 
     # -- read-ahead (training thread) ----------------------------------------------------------------------
     def read_ahead(self, unit: int, unit_need_bytes: int, last: bool = True) -> None:

@@ -205,15 +205,21 @@ def grow_units(strategy: Any, trainer: Any, first_step: Any, chain: Any, report:
     best, lpu = first_step.larger
     current = first_step.choice
     settings = strategy.settings
-    reason = refusal(settings, distributed=strategy.is_distributed, loss_scaling=strategy.precision_plugin.loss_scaler is not None, choice=best,
-                     current=current, left=steps_left(trainer), copy_s=copy_seconds(old, first_step.machine))
+    reason = refusal(settings, distributed=strategy.is_distributed,
+                     loss_scaling=strategy.precision_plugin.loss_scaler is not None, choice=best, current=current,
+                     left=steps_left(trainer), copy_s=copy_seconds(old, first_step.machine))
     if reason is None:
         units = make_units(chain, lpu)
         dtype, k = strategy.precision_plugin.compute_dtype, trainer.accumulate_grad_batches
-        placed, plan = plan_at_setup(
-            dataclasses.replace(settings, layers_per_unit=lpu), state_layout(units, {}, old.optimizer, old.config, dtype),
-            k, speculative=False, clip_norm=old.clip.defer, local_processes=strategy.num_processes,
-            broadcast=strategy.broadcast, report=report)
+        layout = state_layout(units, {}, old.optimizer, old.config, dtype)
+        try:
+            placed, plan = plan_at_setup(
+                dataclasses.replace(settings, layers_per_unit=lpu), layout, k, speculative=False,
+                clip_norm=old.clip.defer, local_processes=strategy.num_processes, broadcast=strategy.broadcast,
+                report=report)
+        except ValueError as e:  # the larger units' staging alone exceeds the host budget
+            report(larger_units_note(best, lpu, current, str(e)))
+            return None
         config = relaid_config(strategy.config, placed, best, lpu, old.activations.tier)
         budget = settings.offload.buffer_budget_bytes or best.buffer_budget_bytes
         staging = dataclasses.replace(best, buffer_budget_bytes=budget)

@@ -187,3 +187,18 @@ def test_in_ram_the_units_move_too_and_train_exactly(monkeypatch, caplog):
     assert "state re-laid out" in caplog.text and lpu > 1
     assert seen.units == [BLOCKS] + [-(-BLOCKS // lpu)] * 6
     assert_like_reference(got, seen, "32-true")
+
+
+def test_a_placement_refused_for_the_larger_units_keeps_the_units(monkeypatch, caplog):
+    one_block_at_setup(monkeypatch)
+
+    def over_budget(*args: Any, **kwargs: Any) -> Any:  # stand-in: the setup placement's own refusal
+        raise ValueError("the staging the tensor manager needs at lag 1 exceeds the host budget")
+
+    monkeypatch.setattr(relayout, "plan_at_setup", over_budget)
+    strategy = GreedySnakeStrategy(offload=ON_SSD)
+    with caplog.at_level("INFO"):
+        got, seen = fit(strategy)
+    assert "the state stays in the units it has (the staging" in caplog.text
+    assert strategy.config.layers_per_unit == 1 and seen.units == [BLOCKS] * 7
+    assert_like_reference(got, seen, "32-true")
