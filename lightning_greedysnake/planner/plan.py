@@ -4,12 +4,20 @@ costs: an exhaustive search over a small grid, scored by a two-phase roofline. P
 Step time (vertical order, K micro-batches):
 
 - forward phase: the slowest of its compute (K x sum of unit forwards), its SSD time (each unit's
-  weights read once, checkpoints written when they live on SSD, the deferred ``alpha`` share of the
-  optimizer's traffic plus what deferring adds: the deferred gradients out and back, their weights
-  range read again) and the deferred share of the optimizer's CPU time;
-- backward phase: likewise with the recomputing backward, the second weights read, checkpoint reads and
-  the other ``1 - alpha`` of the optimizer. With ``lag = 0`` the optimizer does not overlap: its
-  backward share adds to the phase instead of racing it.
+  weights read once, but unit 0's, which the window's last step leaves in memory; checkpoints written
+  when they live on SSD; the deferred ``alpha`` share of the optimizer's traffic plus what deferring
+  adds: the deferred gradients out and back, their weights range read again) and the deferred share of
+  the optimizer's lane (its reads, compute and writes in sequence per unit; with a second optimizer
+  working set the next unit's reads overlap this one's compute);
+- backward phase: likewise with the recomputing backward, the second weights read (not the fused last
+  unit's: its backward follows its forward), checkpoint reads and the other ``1 - alpha`` of the
+  optimizer. With ``lag = 0`` the optimizer does not overlap: its backward share adds to the phase
+  instead of racing it.
+
+SSD time counts only the bytes of regions on SSD (``UnitCost.on_ssd``, as :func:`~.roofline.traffic`
+counts them), and sums reads and writes: one disk serves both, and measured here a read stream beside a
+write stream takes as long as the two one after the other, or longer (a second working set overlaps
+the optimizer's compute with its I/O, never one disk's reads with its writes).
 
 Keeping the autograd graphs (``recompute=False``) takes each unit's recompute out of the backward
 phase and its checkpoint traffic out of both, and costs every unit's graph for all K micro-batches in
@@ -68,7 +76,8 @@ class PlanError(ValueError):
 def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
     """Costs of units made of ``layers_per_unit`` consecutive ones (times and bytes add). The last unit
     is fused (its backward follows its forward per micro-batch, on the kept graph): none of its layers
-    recomputes."""
+    recomputes. A kind is on SSD in a merged unit where it is in any of its units (a split's boundary
+    unit counts whole: the SSD time errs long)."""
     out = []
     starts = range(0, len(units), layers_per_unit)
     for i in starts:
@@ -81,6 +90,7 @@ def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
             master_bytes=sum(u.master_bytes for u in group), state_bytes=sum(u.state_bytes for u in group),
             params=sum(u.params for u in group), recompute_s=0.0 if fused else sum(u.recompute_s for u in group),
             activation_bytes=sum(u.activation_bytes for u in group),
+            on_ssd=frozenset().union(*(u.on_ssd for u in group)),
         ))
     return out
 
@@ -100,6 +110,27 @@ def read_ahead_bytes(units: list[UnitCost]) -> int:
     return units[0].master_bytes + units[0].state_bytes
 
 
+def _ssd(u: UnitCost, kind: str, nbytes: int) -> int:
+    return nbytes if kind in u.on_ssd else 0
+
+
+def optimizer_bytes(u: UnitCost) -> tuple[int, int]:
+    """SSD (read, write) bytes of unit ``u``'s optimizer step: master weights and state in, master
+    weights, state and (a trainable unit's) compute weights out, each where its region is on SSD."""
+    reads = _ssd(u, "master_weights", u.master_bytes) + _ssd(u, "optimizer_states", u.state_bytes)
+    writes = reads + (_ssd(u, "weights", u.weight_bytes) if u.params else 0)
+    return reads, writes
+
+
+def weight_reads(units: list[UnitCost]) -> tuple[int, int]:
+    """SSD bytes of compute weights the (forward, backward) phase reads: every unit's in the forward but
+    unit 0's (the window's last step leaves its new weights in memory), every unit's but the fused
+    last one's in the backward."""
+    ssd = [_ssd(u, "weights", u.weight_bytes) for u in units]
+    kept = ssd[0] if units[0].params else 0
+    return sum(ssd) - kept, sum(ssd[:-1])
+
+
 def window_tail(units: list[UnitCost], machine: Machine, k: int, lag: int, read_ahead: bool,
                 recompute: bool = True) -> float:
     """Seconds the window's last step adds with a background optimizer: nothing is left to overlap it,
@@ -109,7 +140,7 @@ def window_tail(units: list[UnitCost], machine: Machine, k: int, lag: int, read_
     if lag == 0:
         return 0.0
     u = units[0]
-    reads = (u.master_bytes + u.state_bytes) / machine.read_bytes_per_s
+    reads = optimizer_bytes(u)[0] / machine.read_bytes_per_s
     if read_ahead:
         reads = max(0.0, reads - k * (u.backward_s - (0.0 if recompute else u.recompute_s)))
     return reads + u.params / machine.optimizer_elements_per_s
@@ -120,17 +151,21 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
           read_ahead: bool = False) -> tuple[float, float]:
     """(forward phase, backward phase) seconds of one vertical step. ``double_buffered``: the staging
     budget holds a second optimizer working set, so one unit's state reads overlap the previous unit's
-    write-back instead of following it. ``recompute=False``: graphs kept, no recompute, no checkpoints.
-    ``read_ahead``: the window's last step reads ahead (see :func:`window_tail`, counted in the backward)."""
+    compute instead of following it (the disk still serves every read and write in turn).
+    ``recompute=False``: graphs kept, no recompute, no checkpoints. ``read_ahead``: the window's last
+    step reads ahead (see :func:`window_tail`, counted in the backward)."""
     read, write = machine.read_bytes_per_s, machine.write_bytes_per_s
     rate = machine.optimizer_elements_per_s
-    weights = sum(u.weight_bytes for u in units)
+    f_weights, b_weights = (n / read for n in weight_reads(units))
 
     def opt_io(group: list[UnitCost]) -> float:
-        """SSD seconds of the steps of ``group``: master and state in, master, state and weights out."""
-        reads = sum(u.state_bytes + u.master_bytes for u in group) / read
-        writes = sum(u.state_bytes + u.master_bytes + u.weight_bytes for u in group) / write
-        return max(reads, writes) if double_buffered else reads + writes
+        """SSD seconds of the steps of ``group`` (see :func:`optimizer_bytes`)."""
+        moved = [optimizer_bytes(u) for u in group]
+        return sum(r for r, _ in moved) / read + sum(w for _, w in moved) / write
+
+    def lane(io: float, cpu: float) -> float:
+        """The optimizer lane's seconds for ``io`` of transfers and ``cpu`` of compute."""
+        return max(io, cpu) if double_buffered else io + cpu
 
     # unit 0 is never deferred (see window_tail): the forward phase gets alpha of the other units' steps
     rest = units[1:]
@@ -139,20 +174,23 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     b_opt_cpu = sum(u.params for u in units) / rate - f_opt_cpu
     # deferring costs bytes too: the deferred range's gradient goes to SSD and back, and its weights
     # range is read again (as master under 32-true, to refresh the 16-bit copy under bf16-mixed)
-    deferred_io = alpha * (sum(u.grad_bytes for u in rest) * (1 / read + 1 / write)
-                           + sum(u.weight_bytes for u in rest) / read)
+    deferred_io = alpha * sum(_ssd(u, "gradients", u.grad_bytes) * (1 / read + 1 / write)
+                              + _ssd(u, "weights", u.weight_bytes) / read for u in rest)
     ckpt = k * (len(units) - 1) * checkpoint_bytes if (checkpoints == "ssd" and recompute) else 0
     f_compute = k * sum(u.forward_s for u in units)
     b_compute = k * sum(u.backward_s - (0.0 if recompute else u.recompute_s) for u in units)
-    f_ssd = weights / read + ckpt / write + f_opt_io + deferred_io
     if lag == 0:
-        forward = max(f_compute, f_ssd - f_opt_io - deferred_io) + f_opt_io + f_opt_cpu + deferred_io
-        backward = max(b_compute, weights / read + ckpt / read) + b_opt_io + b_opt_cpu
+        forward = max(f_compute, f_weights + ckpt / write) + lane(f_opt_io + deferred_io, f_opt_cpu)
+        backward = max(b_compute, b_weights + ckpt / read) + lane(b_opt_io, b_opt_cpu)
     else:
-        forward = max(f_compute, f_ssd, f_opt_cpu)
-        # the window's last step (unit 0's) does not overlap the backward: it is the tail
+        # the window's last step (unit 0's) does not overlap the backward: it is the tail (its reads
+        # and compute); its writes go behind the next forward
         tail_io, tail_cpu = opt_io(units[:1]), units[0].params / rate
-        backward = max(b_compute, weights / read + ckpt / read + b_opt_io - tail_io, b_opt_cpu - tail_cpu)
+        tail_writes = optimizer_bytes(units[0])[1] / write
+        f_ssd = f_weights + ckpt / write + f_opt_io + deferred_io + tail_writes
+        forward = max(f_compute, f_ssd, lane(f_opt_io + deferred_io, f_opt_cpu))
+        backward = max(b_compute, b_weights + ckpt / read + b_opt_io - tail_io,
+                       lane(b_opt_io - tail_io, b_opt_cpu - tail_cpu))
         backward += window_tail(units, machine, k, lag, read_ahead, recompute)
     # a checkpoint on SSD is read at most one op ahead, and only from spare staging budget: counted on
     # the backward's critical path rather than hidden behind compute (conservative)

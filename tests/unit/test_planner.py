@@ -12,6 +12,7 @@ from lightning_greedysnake.planner import (
     read_ahead_bytes,
     score,
     staging_bytes,
+    traffic,
     window_tail,
 )
 
@@ -103,13 +104,31 @@ def test_on_a_disk_bound_machine_deferral_only_costs_and_alpha_stays_zero():
     assert choice.alpha == 0.0
 
 
-def test_spare_memory_buys_a_second_optimizer_buffer_that_overlaps_reads_and_writes():
-    disk = Machine(read_bytes_per_s=5e8, write_bytes_per_s=5e8, optimizer_elements_per_s=1e12)  # SSD-bound
+def test_spare_memory_buys_a_second_optimizer_buffer_that_overlaps_the_optimizers_compute_with_its_io():
+    """One working set: the optimizer lane reads a unit, steps it, writes it back, in turn. A second
+    one reads the next unit while this one steps: where the lane binds, the step shortens."""
+    disk = Machine(read_bytes_per_s=5e8, write_bytes_per_s=5e8, optimizer_elements_per_s=2.5e7)
     lean = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=False)
     double = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=True)
     assert sum(double) < sum(lean)
     roomy = plan(layers(), disk, k=1, host_budget_bytes=10**12, checkpoint_bytes=MB, layers_per_unit=(1,))
     assert roomy.buffer_budget_bytes > staging_bytes(layers(), roomy.lag) + (16 << 20)
+
+
+@pytest.mark.parametrize("state_units_on_ssd", [8, 3])
+def test_one_disk_serves_reads_and_writes_in_turn_and_only_the_bytes_on_ssd(state_units_on_ssd):
+    """Where the disk binds, the step is every SSD byte the tensor manager moves (the roofline's traffic
+    model, which the tests hold to the manager's counters) over its bandwidth, reads and writes summed
+    (a read stream beside a write stream is no faster on one disk), whatever the buffers; regions in
+    host memory move nothing."""
+    units = [dataclasses.replace(u, on_ssd=u.on_ssd - ({"optimizer_states"} if i < 8 - state_units_on_ssd else set()))
+             for i, u in enumerate(_with_state(layers(forward_s=1e-9, backward_s=1e-9)))]
+    disk = Machine(read_bytes_per_s=5e8, write_bytes_per_s=2e9, optimizer_elements_per_s=1e15)
+    moved = traffic(units, "vertical", k=1)
+    ssd_s = moved.read_bytes / disk.read_bytes_per_s + moved.write_bytes / disk.write_bytes_per_s
+    for double in (False, True):
+        f, b = score(units, disk, 1, 0.0, 1, MB, "host", double_buffered=double)
+        assert f + b == pytest.approx(ssd_s, rel=1e-6)
 
 
 def test_checkpoints_stay_in_host_memory_when_they_fit():
