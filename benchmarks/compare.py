@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
-           "gs_horizontal", "lightning_auto", "deepspeed"]
+           "gs_auto_ssd_bf16_state", "gs_horizontal", "lightning_auto", "deepspeed"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_planned``: it with the planner's choice, planned
 from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
@@ -44,7 +44,8 @@ unit size, alpha, lag, recompute and the staging budget planned);
 ``gs_default`` are given relative to, ``time_vs_cpu``); ``gs_bf16_state``: ``gs_vertical`` with the
 optimizer state kept in bf16 (``offload.optimizer_state_dtype=bfloat16``; its SSD bytes and step time
 are given relative to ``gs_vertical``'s in the same round); ``gs_8bit_state``: ``gs_vertical`` with
-torchao's ``AdamW8bit`` (quantized state streamed as it is; likewise relative to ``gs_vertical``)."""
+torchao's ``AdamW8bit`` (quantized state streamed as it is; likewise relative to ``gs_vertical``);
+``gs_auto_ssd_bf16_state``: ``gs_auto_ssd`` with bf16 optimizer state (relative to ``gs_auto_ssd``)."""
 
 
 def _ssd_bytes(trainer: Any) -> int:
@@ -124,7 +125,7 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     if system == "gs_auto":
         settings = {"auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}
         offload.pop("buffer_budget_bytes")  # planned
-    if system == "gs_auto_ssd":
+    if system in ("gs_auto_ssd", "gs_auto_ssd_bf16_state"):
         settings = {"offload": {kind: "ssd" for kind in ("weights", "master_weights", "optimizer_states", "gradients")}}
         offload.pop("buffer_budget_bytes")
     if system == "gs_default":
@@ -133,7 +134,7 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     if system == "gs_cpu":  # Trainer(strategy="greedysnake_cpu")
         settings = {"offload": {kind.value: "host" for kind in TensorKind}}
         offload.pop("buffer_budget_bytes")
-    if system == "gs_bf16_state":
+    if system in ("gs_bf16_state", "gs_auto_ssd_bf16_state"):
         offload.update(optimizer_state_dtype="bfloat16")
     if system == "lightning_auto":
         strategy: Any = "auto"
@@ -340,8 +341,9 @@ def main() -> None:
         base = same_k.get(f"{row['system']}@{args.baseline}") if args.baseline else None
         if base is not None:
             row["vs_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-        vertical = same_k.get("gs_vertical")
-        if row["system"] in ("gs_bf16_state", "gs_8bit_state") and vertical is not None and vertical.get("ssd_GB_per_step"):
+        vertical = same_k.get("gs_auto_ssd" if row["system"] == "gs_auto_ssd_bf16_state" else "gs_vertical")
+        if (row["system"] in ("gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state") and vertical is not None
+                and vertical.get("ssd_GB_per_step")):
             row["bytes_vs_vertical"] = round(row["ssd_GB_per_step"] / vertical["ssd_GB_per_step"], 3)
             row["time_vs_vertical"] = round(row["step_s"] / vertical["step_s"], 3)
         cpu = same_k.get("gs_cpu")
