@@ -202,3 +202,20 @@ def test_a_placement_refused_for_the_larger_units_keeps_the_units(monkeypatch, c
     assert "the state stays in the units it has (the staging" in caplog.text
     assert strategy.config.layers_per_unit == 1 and seen.units == [BLOCKS] * 7
     assert_like_reference(got, seen, "32-true")
+
+
+def test_a_trace_across_the_re_layout_keeps_the_steps_before_it(monkeypatch, tmp_path):
+    """The first step runs on the old units, the next ones on the new: the trace holds both."""
+    import json
+
+    one_block_at_setup(monkeypatch)
+    trace = tmp_path / "trace.json"
+    strategy = GreedySnakeStrategy(offload=ON_SSD, trace_steps=3, trace_path=str(trace))
+    fit(strategy)
+    units = -(-BLOCKS // strategy.config.layers_per_unit)
+    assert units < BLOCKS
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    compute = [e["name"] for e in events if e["ph"] == "X" and tracks[e["tid"]] == "compute"]
+    assert f"F{BLOCKS - 2}.0" in compute  # the old units' (the last but one unit's forward): step 1
+    assert compute.count(f"L{units - 1}.0 forward") == 2  # the new units' fused last one: steps 2 and 3
