@@ -373,6 +373,12 @@ class GreedySnakeConfig:
     its staging buffers and the activation checkpoints in host memory. ``None``: half of the memory
     available (``MemAvailable``) at setup, shared by the processes on the node."""
 
+    auto_device_budget_bytes: int | None = None
+    """On a GPU, device memory the planner may count on, per process: where the model's whole training
+    state (weights, gradients, optimizer state) fits in half of it and no kind's placement is given,
+    every kind stays on the device and nothing is offloaded (:mod:`~lightning_greedysnake.strategy.
+    device_plan`). ``None``: the GPU's free memory at setup. ``0``: always plan the offload."""
+
     on_nonfinite: str = "warn"
     """A micro-batch's loss or a unit's gradient that is not finite (NaN or inf): ``"warn"`` names the
     first one (step, micro-batch or unit) in a warning and trains on, as Lightning would; ``"raise"``
@@ -445,6 +451,14 @@ class GreedySnakeConfig:
             raise ValueError(
                 f"auto_host_budget_bytes={self.auto_host_budget_bytes!r} must be a positive number of bytes or "
                 "None (half of the available memory). Fix: e.g. auto_host_budget_bytes=8589934592 (8 GiB)."
+            )
+        if self.auto_device_budget_bytes is not None and (
+            isinstance(self.auto_device_budget_bytes, bool) or not isinstance(self.auto_device_budget_bytes, int)
+            or self.auto_device_budget_bytes < 0
+        ):
+            raise ValueError(
+                f"auto_device_budget_bytes={self.auto_device_budget_bytes!r} must be a number of bytes (0: always "
+                "offload) or None (the GPU's free memory). Fix: e.g. auto_device_budget_bytes=68719476736 (64 GiB)."
             )
         if self.recompute is not None and not isinstance(self.recompute, bool):
             raise ValueError(f"recompute={self.recompute!r} must be true or false.")

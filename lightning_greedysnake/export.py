@@ -15,7 +15,6 @@ from (the whole state gathered in memory).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_greedysnake.checkpoint.format import CheckpointError, CheckpointReader, is_checkpoint_dir
+from lightning_greedysnake.checkpoint.plain import plain_checkpoint
 from lightning_greedysnake.checkpoint.safetensors_stream import write_streamed
 from lightning_greedysnake.checkpoint.streamed import EXTRA_FILE
 
@@ -115,29 +115,7 @@ def export_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathLike[
     """A plain Lightning checkpoint file (``torch.save``; full-precision weights, optimizer state, loops,
     schedulers) from a greedysnake checkpoint directory, which any strategy resumes from and
     ``LightningModule.load_from_checkpoint`` reads. Gathers the whole state in memory."""
-    from lightning_greedysnake.checkpoint.format import TRAINER_STATE
-
-    reader = CheckpointReader(checkpoint)
-    state = reader.read_object(TRAINER_STATE)
-    params = reader.manifest["params"]
-    state_dict: dict[str, Tensor] = dict(reader.read_tensors(EXTRA_FILE)) if EXTRA_FILE in reader.files else {}
-    units = sorted({info["unit"] for info in params.values()})
-    per_param: dict[str, dict[str, object]] = {}
-    for unit in units:
-        state_dict.update(reader.read_tensors(f"model/unit_{unit:05d}.safetensors"))
-        rel = f"optimizer/unit_{unit:05d}.safetensors"
-        if rel in reader.files:
-            tensors, meta = reader.read_tensors_and_metadata(rel)
-            for key, value in tensors.items():
-                name, _, slot = key.partition("::")
-                per_param.setdefault(name, {})[slot] = value
-            for name, scalars in json.loads(meta.get("scalars", "{}")).items():
-                per_param.setdefault(name, {}).update(scalars)
-    state["state_dict"] = state_dict
-    if reader.manifest.get("optimizer"):
-        order = reader.manifest["optimizer_params"]
-        for opt in state.get("optimizer_states", []):
-            opt["state"] = {i: per_param[n] for i, n in enumerate(order) if n is not None and n in per_param}
+    state = plain_checkpoint(checkpoint)  # (checkpoint/plain.py)
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")

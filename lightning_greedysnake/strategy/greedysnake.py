@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_greedysnake.checkpoint import is_checkpoint_dir
+from lightning_greedysnake.checkpoint.plain import plain_checkpoint
 from lightning_greedysnake.checkpoint.streamed import load_streamed
 from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Tier
 from lightning_greedysnake.distributed import ShardedStateView
@@ -47,6 +48,7 @@ from lightning_greedysnake.strategy import after_fit, checks, progress
 from lightning_greedysnake.strategy.auto_plan import FirstStepPlan
 from lightning_greedysnake.strategy.checkpoints import StreamedCheckpoints
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
+from lightning_greedysnake.strategy.device_plan import planned_settings
 from lightning_greedysnake.strategy.inputs import WindowInputs, forward_replaced, loss_of, tokens_in
 from lightning_greedysnake.strategy.manager_setup import (
     check_device,
@@ -191,7 +193,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self._unusable.remove()
             self._unusable = None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.config = self.settings.resolved()
+        self.config = planned_settings(self, module).resolved()  # on the GPU where it all fits
         self._first_step = FirstStepPlan(self.settings, self.num_processes)
         if fitting:
             checks.check_module_for_training(module, self._warn_once)
@@ -389,8 +391,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        # with a tensor manager, a checkpoint's state goes into it unit by unit, so it must exist first
-        return self.config.offload.uses_tensor_manager
+        # with a tensor manager, a checkpoint's state goes into it unit by unit, so it must exist first. Asked
+        # before setup and after it: the settings', not the plan's (which may put all on the GPU in between)
+        return self.settings.offload.uses_tensor_manager
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -433,8 +436,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if is_checkpoint_dir(checkpoint_path):
-            return load_streamed(checkpoint_path)
+        if is_checkpoint_dir(checkpoint_path):  # (everything on the device: gathered, as exported)
+            return plain_checkpoint(checkpoint_path) if self.tensor_manager is None else load_streamed(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override

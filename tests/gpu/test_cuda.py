@@ -164,7 +164,9 @@ PLACEMENTS = {
 def test_matches_auto_on_cuda(placement, precision):
     # "planned": the defaults (auto=True) with a host budget of 8 MiB of staging and 3 MiB of room for the
     # kinds (a 0.8 MB block's weights each in fp32): the planner splits them between RAM and SSD
-    planned = {"auto_host_budget_bytes": ((8 << 20) + (3 << 20)) * 8 // 7 + 8, "offload": {"buffer_budget_bytes": 8 << 20}}
+    # (auto_device_budget_bytes=0: the model would fit the GPU, where the device plan keeps it all)
+    planned = {"auto_host_budget_bytes": ((8 << 20) + (3 << 20)) * 8 // 7 + 8, "offload": {"buffer_budget_bytes": 8 << 20},
+               "auto_device_budget_bytes": 0}
     strategy = GreedySnakeStrategy(**planned) if placement == "planned" else GreedySnakeStrategy(
         auto=False, offload=PLACEMENTS[placement])
     got = fit(strategy, precision, callbacks=(DeviceTierSeen(),))
@@ -172,6 +174,15 @@ def test_matches_auto_on_cuda(placement, precision):
     if placement == "planned":
         kinds = strategy.placement_plan.kinds.values()
         assert any(k.host_units for k in kinds) and any(k.host_units < k.num_units for k in kinds)
+
+
+def test_the_defaults_keep_a_model_that_fits_the_gpu_on_it():
+    """auto=True with the GPU's free memory as the device budget: this small model's state stays on the
+    device (no tensor manager) and trains as Lightning's own strategy does."""
+    strategy = GreedySnakeStrategy()
+    got = fit(strategy, "32-true")
+    assert_matches(got, reference("32-true"), "32-true")
+    assert strategy.tensor_manager is None and not strategy.config.offload.uses_tensor_manager
 
 
 @pytest.mark.parametrize(("alpha", "lag", "schedule"), [(0.0, 0, "vertical"), (0.5, 2, "vertical"),
