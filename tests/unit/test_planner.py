@@ -203,6 +203,13 @@ def test_the_windows_last_step_waits_in_line_unless_read_ahead():
     assert sum(lean) - sum(ahead) == pytest.approx(reads)
 
 
+def test_a_last_step_whose_state_is_in_ram_reads_nothing_from_the_disk():
+    units = _with_state(layers(backward_s=0.0))
+    units[0] = dataclasses.replace(units[0], on_ssd=frozenset({"weights", "gradients"}))
+    disk = Machine(read_bytes_per_s=1e9, write_bytes_per_s=1e9, optimizer_elements_per_s=1e8)
+    assert window_tail(units, disk, 4, 1, read_ahead=False) == pytest.approx(units[0].params / 1e8)
+
+
 def test_the_planner_buys_read_ahead_with_spare_memory_and_does_without_when_tight():
     units = _with_state(layers(backward_s=0.5))
     disk = Machine(read_bytes_per_s=1e9, write_bytes_per_s=1e9, optimizer_elements_per_s=1e8)
