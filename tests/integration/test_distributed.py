@@ -144,6 +144,16 @@ def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2
     return {"params": torch.load(out, weights_only=True), "grads": grads, **info}
 
 
+_DDP: dict[float | None, dict] = {}
+
+
+def _ddp(tmp_path_factory: pytest.TempPathFactory, clip: float | None) -> dict:
+    """DDP's run, the reference, which depends only on the norm clipping: once per session and ``clip``."""
+    if clip not in _DDP:
+        _DDP[clip] = _run(tmp_path_factory.mktemp("ddp"), "ddp", "ddp", 2, clip=clip)
+    return _DDP[clip]
+
+
 def _device_reduce_scatters(settings: dict, clip: float | None) -> bool:
     """On the simulated device with partitioned state, each rank's gradient is reduce-scattered on the
     device: rank 0 steps (and its observer sees) its chunk only. (Norm clipping averages the whole
@@ -166,8 +176,8 @@ def _device_reduce_scatters(settings: dict, clip: float | None) -> bool:
       "offload": {"buffer_budget_bytes": 1 << 20}}, None),
 ], ids=["fixed_defaults", "replicated", "alpha_half", "synchronous", "norm_clipping", "path_per_rank", "resident",
         "planned"])
-def test_two_processes_equal_ddp(tmp_path, settings, clip):
-    ddp = _run(tmp_path, "ddp", "ddp", 2, clip=clip)
+def test_two_processes_equal_ddp(tmp_path, tmp_path_factory, settings, clip):
+    ddp = _ddp(tmp_path_factory, clip)
     got = _run(tmp_path, "gs", "greedysnake", 2, settings=settings, clip=clip)
     assert got["world"] == 2 and got["ranks"] == [0.0, 1.0]  # launched by Lightning, all_gather works
     assert got["sum"] == 1.0 and got["from_zero"] == 0.0 and got["metric"] == 0.5  # reduce, broadcast, torchmetrics
