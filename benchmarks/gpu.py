@@ -2,7 +2,9 @@
 
 A GPT of a few hundred million parameters in bf16-mixed; a short K sweep; the vertical order, the
 horizontal order (the ZeRO-Infinity order, K=4 only: it loads the weights 2K times per step) and
-Lightning's own ``strategy="auto"`` with everything on the GPU. Each configuration runs in a fresh
+Lightning's own ``strategy="auto"`` with everything on the GPU, and ``GreedySnakeStrategy()`` as is
+(``default``: the device plan keeps a model that fits on the GPU; ``offloaded`` says whether it did
+not). Each configuration runs in a fresh
 process; the steady state is timed from the end of the first optimizer step to the end of the last
 (``torch.cuda.synchronize`` there: the benchmark's, not the strategy's).
 
@@ -56,6 +58,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
     if name == "lightning":
         strategy: Any = "auto"
+    elif name == "default":  # GreedySnakeStrategy() as is: the device plan keeps a model that fits on the GPU
+        strategy = GreedySnakeStrategy(offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"))
     else:
         strategy = GreedySnakeStrategy(auto=False,
             schedule=schedule, offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"),
@@ -82,7 +86,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                         max_steps=args.steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()],
                         default_root_dir=args.offload_dir)
-    with trainer.init_module(empty_init=name != "lightning"):
+    with trainer.init_module(empty_init=name not in ("lightning", "default")):
         module = Module()
     params = sum(p.numel() for p in module.parameters())
     trainer.fit(module, token_loader(args.vocab, args.seq, k * args.steps * args.micro_batch, args.micro_batch))
@@ -95,7 +99,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "config": name, "k": k, "params_M": round(params / 1e6, 1), "step_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 1), "TFLOPs": round(flops / wall / 1e12, 1),
     }
-    if name != "lightning":
+    if name == "default":
+        row["offloaded"] = trainer.strategy.tensor_manager is not None
+    if "units" in captured:  # (a run with a tensor manager)
         recompute = 8.0 / 6.0
         # (16-mixed waits for the whole backward before stepping, as norm clipping does)
         traffic = roofline.traffic(captured["units"], schedule, k, clip_norm=name == "vertical_fp16")
@@ -150,6 +156,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--ks", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--horizontal-ks", type=int, nargs="*", default=[4])
+    parser.add_argument("--default-ks", type=int, nargs="*", default=[4],
+                        help="Ks at which GreedySnakeStrategy() runs as is (the device plan: all on the GPU where it fits)")
     parser.add_argument("--fp16-ks", type=int, nargs="*", default=[],
                         help="also run the vertical order in 16-mixed (loss scaling) at these K")
     parser.add_argument("--steps", type=int, default=3)
@@ -174,6 +182,7 @@ def main() -> None:
         flags = [*MODEL_FLAGS, "micro_batch", "steps", "read_bps", "write_bps", "opt_rate", "peak_flops", "pcie_bps"]
         for k in args.ks:
             configs = ["lightning", "vertical", *(["horizontal"] if k in args.horizontal_ks else []),
+                       *(["default"] if k in args.default_ks else []),
                        *(["vertical_fp16"] if k in args.fp16_ks else [])]
             for name in configs:
                 rows.append(run_child(__file__, f"{name}:{k}", args, flags, ["--offload-dir", tmp]))
@@ -187,7 +196,7 @@ def main() -> None:
         bf16 = next((b for b in rows if b["config"] == "vertical" and b["k"] == r["k"]), None)
         if r["config"] == "vertical_fp16" and bf16 is not None:
             r["fp16_vs_bf16_time"] = round(r["step_s"] / bf16["step_s"], 3)
-    print_table(rows, ["config", "k", "params_M", "step_s", "tokens_per_s", "TFLOPs", "bound", "roofline_s",
+    print_table(rows, ["config", "k", "params_M", "step_s", "tokens_per_s", "TFLOPs", "offloaded", "bound", "roofline_s",
                        "of_roofline", "gpu_idle", "vs_in_memory", "fp16_vs_bf16_time", "compute_s", "ssd_s", "pcie_s", "optimizer_s"])
     write_result(args.out, args, [*MODEL_FLAGS, "micro_batch", "steps"], rows,
                  {"read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9,
