@@ -8,8 +8,8 @@ processes, rounds apart.
 Every kind is on SSD (``--placement ssd``; ``host``: in RAM), the rest as the defaults plan it (alpha,
 lag, recompute and the staging budget after the first step, which may also move the state into larger
 units). Reports each system's step time (the median of steps 2..N, rounds' median), its ratio to the
-fastest fixed size, the wall time of steps 2..N (a re-layout's copy is in it) and the size in effect at
-the end. Prints a table and writes JSON (default ``benchmarks/results/unit_size.json``).
+fastest fixed size, the wall time of steps 2..N (a re-layout's copy is in it), the size in effect at
+the end, the plan's predicted step for it, and the first step's report on larger units. Prints a table and writes JSON (default ``benchmarks/results/unit_size.json``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -46,6 +47,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     placement = {k: args.placement for k in ("weights", "master_weights", "optimizer_states", "gradients")}
     lpu = None if args.child == "planned" else int(args.child.split("_")[1])
+    notes: list[str] = []  # the first step's report on larger units (predicted step times, moved or why not)
+
+    class Notes(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "larger units" in record.getMessage():
+                notes.append(record.getMessage())
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(Notes())
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as d:
         strategy = GreedySnakeStrategy(layers_per_unit=lpu, offload=dict(placement, path=d, checkpoints="host"))
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=False,
@@ -54,7 +63,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         trainer.fit(module, token_loader(args.vocab, args.seq, args.k * args.steps))
     steps = [b - a for a, b in itertools.pairwise(marks)]
     return {"system": args.child, "layers_per_unit": strategy.config.layers_per_unit,
-            "step_s": statistics.median(steps), "after_first_s": sum(steps)}
+            "step_s": statistics.median(steps), "after_first_s": sum(steps),
+            "predicted_s": strategy.plan_choice.step_s if strategy.plan_choice is not None else None,
+            "first_step_note": " ".join(notes)}
 
 
 def main() -> None:
@@ -92,7 +103,9 @@ def main() -> None:
         rows.append({"system": system, "layers_per_unit": "/".join(str(g["layers_per_unit"]) for g in got),
                      "step_s": round(statistics.median(g["step_s"] for g in got), 3),
                      "after_first_s": round(statistics.median(g["after_first_s"] for g in got), 3),
-                     "per_round": [round(g["step_s"], 3) for g in got]})
+                     "per_round": [round(g["step_s"], 3) for g in got],
+                     "predicted_s": [g["predicted_s"] and round(g["predicted_s"], 3) for g in got],
+                     "first_step_note": [g["first_step_note"] for g in got]})
     fastest = min(r["step_s"] for r in rows if r["system"] != "planned")
     fastest_total = min(r["after_first_s"] for r in rows if r["system"] != "planned")
     for r in rows:
