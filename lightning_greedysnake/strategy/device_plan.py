@@ -71,8 +71,8 @@ def plan_device(settings: GreedySnakeConfig, module: nn.Module, device: torch.de
                 report: Callable[[str], None]) -> GreedySnakeConfig:
     """``settings`` with every kind on the device where the model's state fits (see the module), else
     ``settings`` as given. Only with ``auto=True``, on a GPU or the simulated device."""
-    if not settings.auto or not (device.type == "cuda" or simulated):
-        return settings
+    if not settings.auto or not settings.offload.unset() or not (device.type == "cuda" or simulated):
+        return settings  # (every kind placed by you: nothing to plan, nothing to report)
     budget = device_budget_bytes(settings, device)
     if not budget:  # 0: offload by request; None: the simulated device without a budget
         return settings

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_greedysnake import GreedySnakePrecision, GreedySnakeStrategy
 from lightning_greedysnake.checkpoint import is_checkpoint_dir
-from lightning_greedysnake.config import GreedySnakeConfig, TensorKind, Tier
+from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.offload.device import SIMULATE_ENV
 from lightning_greedysnake.strategy.device_plan import model_state_bytes
 from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
@@ -77,6 +77,14 @@ def test_settings_only_the_tensor_manager_serves_keep_the_offload(simulated, cap
     with caplog.at_level("INFO"):
         run(strategy, "gpt", 2, callbacks=(seen,), trainer_kwargs={"plugins": list(plugins), "max_epochs": 1})
     assert seen.used and "offloading (" in _report(caplog) and why in _report(caplog)
+
+
+def test_every_kind_placed_by_you_is_neither_planned_nor_reported(simulated, caplog):
+    seen = Manager()
+    strategy = GreedySnakeStrategy(auto_device_budget_bytes=100 * _need(), offload=OffloadConfig.everywhere("host"))
+    with caplog.at_level("INFO"):
+        run(strategy, "gpt", 2, callbacks=(seen,), trainer_kwargs={"max_epochs": 1})
+    assert seen.used and "device plan" not in caplog.text
 
 
 def _report(caplog: Any) -> str:
