@@ -182,7 +182,8 @@ class TieredTensorStore(_StateBetweenWindows):
         self.state = state_layout(units, param_names, optimizer, config, compute_dtype, shard, self.slots,
                                   self.state_format)
         self.speculative = loss_scaler is not None and not self.clip.defer
-        self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1)
+        self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1,
+                                  copies=copies)
         self.copies = copies
         self.host_group: Any = None  # data parallel: the process group for host tensors (gloo beside NCCL)
         if copies is not None:

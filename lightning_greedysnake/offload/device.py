@@ -234,6 +234,8 @@ class SimulatedCopies:
         self.copies += 1
         if dst.is_floating_point():
             dst.fill_(float("nan"))  # undefined until the copy lands
+        elif dst.dtype == torch.uint8:
+            dst.fill_(0xFF)  # raw bytes (a device-resident region's): all-ones is NaN in every float dtype
 
         def job() -> None:
             time.sleep(delay)
@@ -293,6 +295,8 @@ def _poisoned(numel: int, dtype: torch.dtype) -> Tensor:
         t = torch.empty(numel, dtype=dtype)
         if t.is_floating_point():
             t.fill_(float("nan"))
+        elif dtype == torch.uint8:
+            t.fill_(0xFF)  # (raw bytes: NaN in every float dtype they are viewed as)
     return t
 
 

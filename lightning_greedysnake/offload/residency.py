@@ -18,6 +18,12 @@ bound to are a device copy of them, made on the H2D stream (:meth:`acquire`) or 
 given back only once the copy is done; the compute stream waits for the copy's event before the
 unit's first op. Device memory is the compute stream's (see :class:`~lightning_greedysnake.offload.
 device.CudaCopies`); ``_on_device`` and ``_device_prefetch`` belong to the training thread.
+
+Device-resident weights (``offload.weights='device'`` on a device tier): the unit's compute weights
+live in device memory for the whole run (:class:`~lightning_greedysnake.offload.device_regions.
+DeviceRegions`); acquiring binds the parameters to them once the gate shows the unit current and the
+compute stream waits for the step's last H2D copy into them. Nothing is staged, prefetched or donated:
+the step stages its own copy on the host.
 """
 
 from __future__ import annotations
@@ -93,8 +99,9 @@ class WeightsResidency:
         ]
         self.weight_loads: dict[int, int] = {u: 0 for u in range(len(params))}
         """Times each unit's compute weights were acquired, since construction."""
-        self._held: dict[int, Staged] = {}
-        """Units in use by the training thread (training thread only)."""
+        self._held: dict[int, Staged | None] = {}
+        """Units in use by the training thread, with their staged weights (None: device-resident)
+        (training thread only)."""
         self._donated: set[int] = set()
         """Held units whose handle a step job took over: the job gives it back (training thread only)."""
         self._prefetched: dict[int, Staged] = {}
@@ -108,6 +115,14 @@ class WeightsResidency:
         # must be complete: no forward ever reads a stale or half-updated weight
         self._wait_for(self.gate.event(unit))
         self.weight_loads[unit] += 1
+        if self._arena.on_device(TensorKind.WEIGHTS, unit):
+            assert self._copies is not None
+            flat, last_write = self._arena.device_tensor(TensorKind.WEIGHTS, unit, self.compute_dtype)
+            if last_write is not None:
+                self._copies.wait(last_write)  # hand-over: the step's H2D copy -> the compute stream
+            self._held[unit] = None
+            self.bind(unit, flat)
+            return
         with self._lock:
             held = self._prefetched.pop(unit, None)
         on_device = self._device_prefetch.pop(unit, None)
@@ -143,19 +158,22 @@ class WeightsResidency:
         self._on_device.pop(unit, None)
         if unit in self._donated:
             self._donated.discard(unit)  # the step job owns the handle now and gives it back
-        else:
+        elif held is not None:
             held.release()
 
     def is_held(self, unit: int) -> bool:
         return unit in self._held
 
     def is_staged(self, unit: int) -> bool:
-        """Held or prefetched: acquiring it stages nothing more."""
+        """Held, prefetched or device-resident: acquiring it stages nothing more."""
+        if self._arena.on_device(TensorKind.WEIGHTS, unit):
+            return True
         with self._lock:
             return unit in self._held or unit in self._prefetched
 
     def donate(self, unit: int) -> Staged | None:
-        """Hand the held weights of ``unit`` to its step job (which gives them back); None if not held.
+        """Hand the held weights of ``unit`` to its step job (which gives them back); None if not held
+        (or device-resident: the step stages its own).
         The unit stays bound until :meth:`release`: the job does not change them before it runs, and
         the training thread releases the unit before the job can (lag) or right after (synchronous)."""
         held = self._held.get(unit)
@@ -167,8 +185,8 @@ class WeightsResidency:
         """Start reading ``unit``'s weights now if they live on SSD and the budget's slack allows; on a
         device tier, start their device copy once the host bytes are in (called again before every op,
         so the copy starts at the first op after the read landed)."""
-        if unit in self._held:
-            return
+        if unit in self._held or self._arena.on_device(TensorKind.WEIGHTS, unit):
+            return  # (device-resident weights are always in place)
         if not self.gate.is_current(unit):
             return  # its step is still running: the weights on their tier are about to change
         with self._lock:

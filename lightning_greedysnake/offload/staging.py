@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,6 +29,8 @@ from torch import Tensor
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up
 from lightning_greedysnake.layout import StateLayout, unit_tiers
+from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.offload.device_regions import DeviceRegions
 from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions
@@ -149,23 +152,31 @@ class Staged:
             f.add_done_callback(one_done)
 
 
-def placement_of(state: StateLayout, config: OffloadConfig) -> dict[TensorKind, list[Tier]]:
-    """Every region kind's tier per unit (a split kind's first units in RAM; see ``Split``)."""
-    return {kind: unit_tiers(state.all_region_bytes(kind), config.tier(kind)) for kind in REGION_KINDS}
+def placement_of(state: StateLayout, config: OffloadConfig, device_tier: bool = False) -> dict[TensorKind, list[Tier]]:
+    """Every region kind's tier per unit (a split kind's first units in RAM; see ``Split``). Without a
+    device tier (``device_tier``: a GPU, or the simulated device) the compute device's memory is host
+    RAM: a unit placed on ``device`` is a host-tier unit."""
+    def resolved(tier: Tier) -> Tier:
+        return Tier.HOST if tier is Tier.DEVICE and not device_tier else tier
+
+    return {kind: [resolved(t) for t in unit_tiers(state.all_region_bytes(kind), config.tier(kind))]
+            for kind in REGION_KINDS}
 
 
-def min_budget_bytes(state: StateLayout, config: OffloadConfig, lag: int) -> int:
+def min_budget_bytes(state: StateLayout, config: OffloadConfig, lag: int, device_tier: bool = False) -> int:
     """Staging bytes the must-run work needs at once. Synchronous: one unit's working set (weights,
-    gradient, master, state on SSD). With a background optimizer (``lag`` > 0) the training thread holds
-    one unit's weights and gradient, up to ``lag`` queued steps hold theirs, and the running step stages
-    its master and state. (Activation checkpoints on SSD add two checkpoints once their size is known:
+    gradient, master, state on SSD; device-resident weights, which a step stages on their way to the
+    device). With a background optimizer (``lag`` > 0) the training thread holds one unit's weights (on
+    SSD) and gradient, up to ``lag`` queued steps hold theirs, and the running step stages its master
+    and state. (Activation checkpoints on SSD add two checkpoints once their size is known:
     :meth:`StagingArena.reserve_checkpoints`.)"""
     need = 0
-    tiers = placement_of(state, config)
+    tiers = placement_of(state, config, device_tier)
     for u in range(state.num_units):
-        per = {kind: (state.region_bytes(kind, u) if tiers[kind][u] is Tier.SSD else 0) for kind in REGION_KINDS}
+        per = {kind: (state.region_bytes(kind, u) if tiers[kind][u] in (Tier.SSD, Tier.DEVICE) else 0)
+               for kind in REGION_KINDS}
         working = sum(per.values())
-        held = per[TensorKind.WEIGHTS] + per[TensorKind.GRADIENTS]
+        held = (per[TensorKind.WEIGHTS] if tiers[TensorKind.WEIGHTS][u] is Tier.SSD else 0) + per[TensorKind.GRADIENTS]
         need = max(need, working if lag == 0 else (lag + 1) * held + working - held)
     return max(need, 4096)
 
@@ -175,10 +186,14 @@ class StagingArena:
     file each). Shared by the training thread, the optimizer lane and I/O completion callbacks: the
     regions order their own transfers, the pool locks itself, and ``_lock`` guards the slack counters."""
 
-    def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, lag: int, slots: int = 1) -> None:
+    def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, lag: int, slots: int = 1,
+                 copies: DeviceCopies | None = None) -> None:
+        """``copies``: the device tier (a GPU, or the simulated device), where units placed on ``device``
+        keep their regions (:class:`DeviceRegions`); None: the CPU computes, ``device`` is host RAM."""
         self.state = state
         self.config = config
         self.stats = stats
+        self.copies = copies
         self.slots = slots
         """2: speculative steps (fp16 loss scaling) keep two regions per unit of each :data:`SLOTTED` kind,
         so a step can be undone: it writes the slot not in use and flips to it once complete."""
@@ -187,9 +202,10 @@ class StagingArena:
         flipped by the thread that completes the unit's step, before it publishes the update (whoever
         reads the unit next waits for that publication), and flipped back by a rollback (training thread,
         the lane drained)."""
-        self.unit_tiers = placement_of(state, config)
+        self.unit_tiers = placement_of(state, config, copies is not None)
         """Per region kind, each unit's tier (whole kinds: the same for every unit)."""
         self._host: dict[TensorKind, HostRegions] = {}
+        self._device: dict[TensorKind, DeviceRegions] = {}
         self._ssd: dict[TensorKind, dict[int, SSDRegions]] = {}
         """Per kind, per offload directory (index), the SSD regions of the units striped there."""
         self._directory: dict[TensorKind, list[int | None]] = {}
@@ -204,7 +220,7 @@ class StagingArena:
         """Bytes that submitted steps have yet to stage (their master and state buffers): with what is
         in use, the most they can still take before anything comes back (guarded by ``_lock``)."""
         self._lag = lag
-        self.min_budget_bytes = min_budget_bytes(state, config, lag)
+        self.min_budget_bytes = min_budget_bytes(state, config, lag, copies is not None)
         budget = config.buffer_budget_bytes
         if budget is not None and budget < self.min_budget_bytes:
             raise BufferBudgetError(
@@ -233,7 +249,8 @@ class StagingArena:
             for kind in REGION_KINDS:
                 copies = self.slots if kind in SLOTTED else 1  # (slot s of unit u: region u + s * n)
                 sizes, tiers = self.state.all_region_bytes(kind), self.unit_tiers[kind]
-                in_ram = [size if t is not Tier.SSD else 0 for size, t in zip(sizes, tiers, strict=True)] * copies
+                in_ram = [size if t is Tier.HOST else 0 for size, t in zip(sizes, tiers, strict=True)] * copies
+                on_device = [size if t is Tier.DEVICE else 0 for size, t in zip(sizes, tiers, strict=True)] * copies
                 for d, directory in enumerate(offload_dirs):
                     here = [size if self.directory_of(kind, u % n) == d else 0
                             for u, size in enumerate(sizes * copies)]
@@ -247,6 +264,9 @@ class StagingArena:
                     # their host regions: only they are page-locked (the optimizer's stay pageable)
                     pinner = self.pool.pinner if kind in (TensorKind.WEIGHTS, TensorKind.GRADIENTS) else None
                     self._host[kind] = HostRegions(kind.value, in_ram, pinner)
+                if sum(on_device):
+                    assert self.copies is not None  # (without a device tier, placement_of made them host)
+                    self._device[kind] = DeviceRegions(kind.value, on_device, self.copies)
         except BaseException:
             self.close()
             raise
@@ -257,17 +277,18 @@ class StagingArena:
 
     def flush(self) -> None:
         """Wait for every transfer in flight on the regions (raises the first I/O error)."""
-        for regions in self._all_ssd():
+        for regions in [*self._all_ssd(), *self._device.values()]:
             regions.wait_all()
         self.pool.wait_returned()  # (buffers given back by those transfers' callbacks: in the pool now)
 
     def close(self) -> None:
         """Close the regions (each waits for its transfers first) and the pool; buffers still held come
         back to a closed pool and are freed there."""
-        for regions in [*self._all_ssd(), *self._host.values()]:
+        for regions in [*self._all_ssd(), *self._host.values(), *self._device.values()]:
             regions.close()
         self._ssd.clear()
         self._host.clear()
+        self._device.clear()
         self.pool.close()
 
     # -- sizes ---------------------------------------------------------------------------------------
@@ -282,7 +303,7 @@ class StagingArena:
     def host_bytes(self) -> int:
         """RAM the host-tier regions take (every slot; this rank's chunk of partitioned kinds)."""
         return sum(self.state.kept_unit_bytes(kind, u) * (self.slots if kind in SLOTTED else 1)
-                   for kind in REGION_KINDS for u, d in enumerate(self._directory[kind]) if d is None)
+                   for kind in REGION_KINDS for u, t in enumerate(self.unit_tiers[kind]) if t is Tier.HOST)
 
     def open_files(self) -> list[OffloadFile]:
         return [r.file for r in self._all_ssd()]
@@ -302,6 +323,17 @@ class StagingArena:
     def on_ssd(self, kind: TensorKind, u: int) -> bool:
         """Whether unit ``u``'s region of ``kind`` lives on SSD (staged through the pool)."""
         return self.unit_tiers[kind][u] is Tier.SSD and kind in self._ssd
+
+    def on_device(self, kind: TensorKind, u: int) -> bool:
+        """Whether unit ``u``'s region of ``kind`` is resident in device memory (:class:`DeviceRegions`)."""
+        return self.unit_tiers[kind][u] is Tier.DEVICE and kind in self._device
+
+    def device_tensor(self, kind: TensorKind, u: int, dtype: torch.dtype) -> tuple[Tensor, Any]:
+        """Unit ``u``'s device-resident region of ``kind`` (its current slot) as ``dtype``, and the latest
+        copy into it (None: none), which the compute stream must wait for before reading it."""
+        regions = self._device[kind]
+        index = self._index(kind, u)
+        return regions.tensor(index, dtype, self.state.units[u].numel), regions.last_write(index)
 
     def _index(self, kind: TensorKind, u: int, next_slot: bool = False) -> int:
         """The region of unit ``u`` holding its current values of ``kind`` (``next_slot``: the other one)."""
@@ -324,13 +356,20 @@ class StagingArena:
         for kind, slot in zip(SLOTTED, slots, strict=True):
             self._slot[kind][u] = slot
 
-    def _regions(self, kind: TensorKind, u: int) -> HostRegions | SSDRegions:
+    def _regions(self, kind: TensorKind, u: int) -> HostRegions | SSDRegions | DeviceRegions:
         d = self._directory[kind][u]
-        return self._ssd[kind][d] if d is not None and self.on_ssd(kind, u) else self._host[kind]
+        if d is not None and self.on_ssd(kind, u):
+            return self._ssd[kind][d]
+        return self._device[kind] if self.on_device(kind, u) else self._host[kind]
 
     def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:
-        """Pool bytes staging unit ``u``'s region of ``kind`` takes (0 where it is not on SSD)."""
+        """Pool bytes reading unit ``u``'s region of ``kind`` ahead takes (0 where it is not on SSD)."""
         return align_up(self.state.region_bytes(kind, u)) if self.on_ssd(kind, u) else 0
+
+    def staged_region_bytes(self, kind: TensorKind, u: int) -> int:
+        """Pool bytes staging unit ``u``'s region of ``kind`` takes: on SSD, and on the device (a step's
+        copy of it on the host); 0 on the host tier, which is used in place."""
+        return align_up(self.state.region_bytes(kind, u)) if self.on_ssd(kind, u) or self.on_device(kind, u) else 0
 
     def set_budget(self, budget_bytes: int, lag: int) -> None:
         """Between steps (the planner's choice): a new lag changes the minimum; the budget never goes below it."""
@@ -363,7 +402,7 @@ class StagingArena:
               ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> Staged:
         """A handle on unit ``u``'s region of ``kind``: the region itself on the host tier; a pool buffer
         on the SSD tier, filled from the SSD when ``read`` (only ``ranges``, byte ranges of the region, if
-        given; counted under ``label`` if given). ``wait=False``: return with the reads in flight, for
+        given; counted under ``label`` if given), and likewise on the device tier (a D2H copy). ``wait=False``: return with the reads in flight, for
         :meth:`await_reads` (so several regions load at once). On a failure the buffer is given back."""
         regions = self._regions(kind, u)
         what = f"unit {u} {kind.value}"
@@ -408,7 +447,7 @@ class StagingArena:
                   label: str | None = None) -> None:
         """Submit reads of unit ``u``'s region (or its byte ``ranges``) into ``held``; they are ``held``'s."""
         regions = self._regions(kind, u)
-        assert isinstance(regions, SSDRegions)
+        assert not isinstance(regions, HostRegions)
         index = self._index(kind, u)
         for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
             held.track_read(regions.submit_read(index, held.buf, label, r))
@@ -439,7 +478,7 @@ class StagingArena:
             # write reads it
             held.wait_reads()
             regions = self._regions(kind, u)
-            assert isinstance(regions, SSDRegions)
+            assert not isinstance(regions, HostRegions)
             index = self._index(kind, u, next_slot)
             for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
                 held.track_write(regions.submit_write(index, held.buf, label, r))

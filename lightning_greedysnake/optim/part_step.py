@@ -112,8 +112,9 @@ class PartStepper:
     def staging_bytes(self, unit: int, weights_held: bool) -> int:
         """Pool bytes a step of ``unit`` stages (its first part's buffers are whole regions), as
         :meth:`step_part` does: master weights (or the weights region as master under 32-true, when not
-        held), optimizer state, and under a 16-bit compute dtype the compute weights when not held."""
-        ssd = self._staging.ssd_region_bytes
+        held), optimizer state, and under a 16-bit compute dtype the compute weights when not held
+        (device-resident ones included: the step casts them on the host on their way to the device)."""
+        ssd = self._staging.staged_region_bytes
         need = ssd(TensorKind.OPTIMIZER_STATES, unit) if self._slots else 0
         if self._separate_master:
             need += ssd(TensorKind.MASTER_WEIGHTS, unit) + (0 if weights_held else ssd(TensorKind.WEIGHTS, unit))

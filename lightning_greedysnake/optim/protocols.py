@@ -44,7 +44,11 @@ class Staging(Protocol):
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool: ...
 
-    def ssd_region_bytes(self, kind: TensorKind, u: int) -> int: ...
+    def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:
+        """Pool bytes reading the region ahead takes (0: not on SSD)."""
+
+    def staged_region_bytes(self, kind: TensorKind, u: int) -> int:
+        """Pool bytes staging the region takes (0: on the host tier, used in place)."""
 
     def stage(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
               ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> StagedBuffer: ...

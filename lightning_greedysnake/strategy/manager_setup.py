@@ -17,9 +17,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_greedysnake.config import GreedySnakeConfig, Tier
+from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
-from lightning_greedysnake.offload.device import device_copies_for, simulate_device_enabled
+from lightning_greedysnake.offload.device import device_copies_for
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.lightning_api import record_module_device
@@ -88,15 +88,6 @@ def check_device(config: GreedySnakeConfig, device: torch.device, distributed: b
         raise ValueError(
             f"greedysnake's tensor manager runs on 'cpu' or 'cuda' devices, not {device.type!r}. Fix: "
             "Trainer(accelerator='gpu') or Trainer(accelerator='cpu')."
-        )
-    on_device_tier = device.type == "cuda" or simulate_device_enabled()
-    if not on_device_tier:
-        return
-    if config.offload.weights is Tier.DEVICE:
-        raise ValueError(
-            "offload.weights='device' with the other kinds offloaded: compute weights kept resident on the "
-            f"{device.type} device beside a host optimizer are not built yet. Fix: offload.weights='host' "
-            "(RAM, copied to the device for each use) or 'ssd'."
         )
     if device.type == "cuda" and distributed:
         warnings.warn(

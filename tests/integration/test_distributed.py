@@ -158,7 +158,7 @@ def _device_reduce_scatters(settings: dict, clip: float | None) -> bool:
     """On the simulated device with partitioned state, each rank's gradient is reduce-scattered on the
     device: rank 0 steps (and its observer sees) its chunk only. (Norm clipping averages the whole
     gradient for its norm first.)"""
-    resident = settings.get("offload", {}).get("weights") == "device"
+    resident = settings.get("offload", {}).get("optimizer_states") == "device"  # (then every kind is)
     return (simulate_device_enabled() and settings.get("shard_state", True) and clip is None and not resident)
 
 
@@ -171,11 +171,12 @@ def _device_reduce_scatters(settings: dict, clip: float | None) -> bool:
     ({"offload": {"path": "offload_{rank}"}}, None),  # one directory per rank from the config
     ({"offload": {"weights": "device", "master_weights": "device", "optimizer_states": "device",
                   "gradients": "device", "checkpoints": "device"}}, None),  # everything resident
+    ({"offload": {"weights": "device"}}, None),  # resident compute weights, partitioned state offloaded
     # auto=True (the defaults): rank 0's placement plan, a split under this budget, on both ranks
     ({"auto": True, "auto_host_budget_bytes": ((1 << 20) + (96 << 10)) * 8 // 7 + 8,
       "offload": {"buffer_budget_bytes": 1 << 20}}, None),
 ], ids=["fixed_defaults", "replicated", "alpha_half", "synchronous", "norm_clipping", "path_per_rank", "resident",
-        "planned"])
+        "device_weights", "planned"])
 def test_two_processes_equal_ddp(tmp_path, tmp_path_factory, settings, clip):
     ddp = _ddp(tmp_path_factory, clip)
     got = _run(tmp_path, "gs", "greedysnake", 2, settings=settings, clip=clip)

@@ -135,6 +135,7 @@ SETTINGS = {
     "alpha_half_lag_2": {"alpha": 0.5, "lag": 2},
     "horizontal": {"schedule": "horizontal"},
     "host": {"offload": OffloadConfig.everywhere("host")},
+    "device_weights": {"offload": {"weights": "device"}},  # (two slots of them on the simulated device)
 }
 
 
