@@ -35,19 +35,24 @@ class Tier(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Split:
-    """A kind split between host memory and SSD, by whole units in unit order: the first units, up to
-    ``host`` of the kind's bytes (never more), stay in RAM; the rest live on SSD. Written in a config as
-    ``{host: 0.6, ssd: 0.4}``. The math does not depend on where a unit lives: results are the same."""
+    """A kind split between tiers by whole units in unit order: the first units, up to ``device`` of the
+    kind's bytes (never more), on the device (compute weights only), the next up to ``host`` of them in
+    RAM, the rest on SSD (the last tier with a share takes whatever rounding leaves). Written in a config
+    as ``{host: 0.6, ssd: 0.4}`` or ``{device: 0.5, host: 0.2, ssd: 0.3}``. The math does not depend on
+    where a unit lives: results are the same."""
 
     host: float
     ssd: float
+    device: float = 0.0
 
     def __str__(self) -> str:
-        return f"{{host: {self.host:g}, ssd: {self.ssd:g}}}"
+        device = f"device: {self.device:g}, " if self.device else ""
+        return f"{{{device}host: {self.host:g}, ssd: {self.ssd:g}}}"
 
 
 SPLIT_KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
-"""The kinds that can be split between host and SSD (each unit's region lives on one tier)."""
+"""The kinds that can be split between host and SSD (each unit's region lives on one tier); of them only
+``weights`` may have a device share (the optimizer's kinds live with the host optimizer)."""
 
 
 def _directory(value: Any, whole: Any) -> str:
@@ -62,29 +67,32 @@ def _directory(value: Any, whole: Any) -> str:
 
 
 def _placement(setting: str, value: Any) -> Tier | Split:
-    """A kind's placement from a tier name or a ``{host: f, ssd: g}`` mapping (shares summing to 1)."""
+    """A kind's placement from a tier name or a ``{host: f, ssd: g}`` mapping (shares summing to 1; for
+    ``weights`` also a ``device`` share)."""
     if not isinstance(value, (Mapping, Split)):
         return _enum_value(Tier, setting, value)
     name = setting.split(".")[-1]
     fix = f"Fix: e.g. {setting}={{host: 0.6, ssd: 0.4}} (shares of the kind's bytes, summing to 1)."
     if name not in SPLIT_KINDS:
         raise ValueError(f"{setting}={value!r}: only {', '.join(SPLIT_KINDS)} can be split. Fix: one tier.")
+    tiers = {"device", "host", "ssd"} if name == "weights" else {"host", "ssd"}
     if isinstance(value, Split):
-        return value
-    keys = {str(getattr(k, "value", k)) for k in value}
-    if not keys <= {"host", "ssd"}:
-        raise ValueError(f"{setting}={dict(value)!r} may only split between 'host' and 'ssd'. {fix}")
-    shares = {str(getattr(k, "value", k)): v for k, v in value.items()}
+        shares = {"host": value.host, "ssd": value.ssd, **({"device": value.device} if value.device else {})}
+    else:
+        shares = {str(getattr(k, "value", k)): v for k, v in value.items()}
+    if not set(shares) <= tiers or (name != "weights" and shares.get("device")):
+        where = ("'device', 'host' and 'ssd'" if name == "weights" else
+                 "'host' and 'ssd' (only weights may have a device share)")
+        raise ValueError(f"{setting}={dict(shares)!r} may only split between {where}. {fix}")
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in shares.values()):
-        raise ValueError(f"{setting}={dict(value)!r}: every share must be a number in [0, 1]. {fix}")
-    host, ssd = float(shares.get("host", 0.0)), float(shares.get("ssd", 0.0))
-    if abs(host + ssd - 1.0) > 1e-6:
-        raise ValueError(f"{setting}={dict(value)!r}: the shares sum to {host + ssd:g}, not 1. {fix}")
-    if host >= 1.0 - 1e-9:
-        return Tier.HOST
-    if ssd >= 1.0 - 1e-9:
-        return Tier.SSD
-    return Split(host, ssd)
+        raise ValueError(f"{setting}={dict(shares)!r}: every share must be a number in [0, 1]. {fix}")
+    device, host, ssd = (float(shares.get(t, 0.0)) for t in ("device", "host", "ssd"))
+    if abs(device + host + ssd - 1.0) > 1e-6:
+        raise ValueError(f"{setting}={dict(shares)!r}: the shares sum to {device + host + ssd:g}, not 1. {fix}")
+    for tier, share in ((Tier.DEVICE, device), (Tier.HOST, host), (Tier.SSD, ssd)):
+        if share >= 1.0 - 1e-9:
+            return tier
+    return Split(host, ssd, device)
 
 
 STATE_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -281,7 +289,8 @@ class OffloadConfig:
 
     @property
     def uses_ssd(self) -> bool:
-        return any(self.tier(kind) is Tier.SSD or isinstance(self.tier(kind), Split) for kind in TensorKind)
+        return any(self.tier(kind) is Tier.SSD or (isinstance(t := self.tier(kind), Split) and t.ssd > 0)
+                   for kind in TensorKind)
 
     @classmethod
     def everywhere(cls, tier: Tier | str, **overrides: Any) -> OffloadConfig:

@@ -223,15 +223,19 @@ class StateLayout:
 
 
 def unit_tiers(region_bytes: list[int], placement: Tier | Split) -> list[Tier]:
-    """Each unit's tier for one kind: its placement, or for a :class:`Split` the first units in RAM while
-    their bytes stay within the host share of the kind's total, the rest on SSD."""
+    """Each unit's tier for one kind: its placement, or for a :class:`Split` a prefix of units per tier in
+    the order device, host, SSD: units stay on a tier while their bytes fit its share of the kind's total;
+    the first that does not moves on, and no later unit comes back (the last tier with a share takes the
+    rest)."""
     if not isinstance(placement, Split):
         return [placement] * len(region_bytes)
-    allowed = placement.host * sum(region_bytes)
-    tiers, used = [], 0
+    total = sum(region_bytes)
+    order = [(tier, share) for tier, share in ((Tier.DEVICE, placement.device), (Tier.HOST, placement.host),
+                                               (Tier.SSD, placement.ssd)) if share > 0]
+    tiers, at, used = [], 0, 0
     for size in region_bytes:
-        host = used + size <= allowed
-        used += size if host else 0
-        tiers.append(Tier.HOST if host else Tier.SSD)
-        allowed = allowed if host else -1  # a prefix: once one unit is on SSD, all later ones are too
+        while at < len(order) - 1 and used + size > order[at][1] * total:
+            at, used = at + 1, 0
+        tiers.append(order[at][0])
+        used += size
     return tiers

@@ -25,3 +25,19 @@ def test_a_split_places_a_prefix_of_units_in_ram_within_the_host_share():
     assert unit_tiers([4096] * 5, Split(0.5, 0.5)) == [Tier.HOST] * 2 + [Tier.SSD] * 3  # never more than the share
     assert unit_tiers([8192, 4096, 4096], Split(0.5, 0.5)) == [Tier.HOST, Tier.SSD, Tier.SSD]
     assert unit_tiers([4096, 4096], Tier.SSD) == [Tier.SSD, Tier.SSD]
+
+
+def test_a_three_way_split_places_a_device_prefix_then_a_host_prefix_then_the_rest_on_ssd():
+    from lightning_greedysnake.config import OffloadConfig, Split, Tier
+    from lightning_greedysnake.layout import unit_tiers
+
+    d, h, s = Tier.DEVICE, Tier.HOST, Tier.SSD
+    assert unit_tiers([4096] * 5, Split(0.2, 0.4, device=0.4)) == [d, d, h, s, s]
+    assert unit_tiers([4096] * 4, Split(0.5, 0.0, device=0.5)) == [d, d, h, h]  # no SSD share: no SSD unit
+    assert unit_tiers([8192, 4096, 4096], Split(0.5, 0.0, device=0.4)) == [h, h, h]  # too big for the device share
+    assert unit_tiers([4096] * 4, Split(0.0, 0.5, device=0.5)) == [d, d, s, s]
+    config = OffloadConfig.everywhere("host", weights={"device": 0.5, "host": 0.5})
+    assert config.weights == Split(0.5, 0.0, device=0.5) and not config.uses_ssd
+    assert str(config.weights) == "{device: 0.5, host: 0.5, ssd: 0}"
+    assert OffloadConfig(weights={"device": 1.0}).weights is Tier.DEVICE
+    assert OffloadConfig(weights=config.weights).weights == config.weights  # (validated again as given)
