@@ -10,6 +10,10 @@ first (the :class:`~lightning_greedysnake.config.Split` form: a prefix of units)
 no longer fits. Weights save the most per byte whatever the disk's read and write speeds (three
 passes against two), so the order, and with it the plan, needs no bandwidth measurement; the
 bandwidths (measured after the first step) only turn the bytes that remain into seconds.
+
+On a GPU (``device_room``) the compute weights go first to device memory, by whole units from the
+first, before any RAM is spent: a resident unit moves nothing over the disk nor over PCIe per use (only
+each step's new weights, once), and takes no RAM. The units after them are placed as above.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
 
 @dataclass(frozen=True)
 class KindPlacement:
-    """One kind's plan: its first ``host_units`` units in RAM, the rest on SSD."""
+    """One kind's plan: its first ``device_units`` units on the device (weights only), up to its first
+    ``host_units`` in RAM after them, the rest on SSD."""
 
     host_units: int
+    """Units off the SSD (on the device or in RAM), a prefix."""
     num_units: int
     host_bytes: int
     """RAM the kind's host units take (what the tensor manager keeps: every slot, this rank's chunk)."""
@@ -35,6 +41,10 @@ class KindPlacement:
     """RAM the whole kind would take."""
     planned: bool
     """False: the user's own setting, kept as given."""
+    device_units: int = 0
+    """Of ``host_units``, the first ones on the device."""
+    device_bytes: int = 0
+    """Device memory those units take."""
 
     @property
     def share(self) -> float:
@@ -53,6 +63,8 @@ class PlacementPlan:
     """SSD bytes of a steady-state step with this placement."""
     all_ssd: Traffic
     """The same with every kind on SSD (ZeRO-Infinity's placement), for comparison."""
+    device_room_bytes: int = 0
+    """Device memory the plan could give the compute weights (0: no device tier, or not planned)."""
 
     @property
     def host_bytes(self) -> int:
@@ -62,11 +74,23 @@ class PlacementPlan:
     def table(self) -> str:
         rows = []
         for name, k in self.kinds.items():
-            where = ("host" if k.host_units == k.num_units else "ssd" if k.host_units == 0
-                     else f"host {k.host_units}/{k.num_units} units, ssd the rest")
-            rows.append((f"{name}{'' if k.planned else ' (yours)'}", f"{where}, {k.host_bytes:,} B in RAM"))
+            ram = k.host_units - k.device_units
+            parts = [f"device {k.device_units}/{k.num_units}" if k.device_units else "",
+                     f"host {ram}/{k.num_units}" if ram else "",
+                     "ssd the rest" if k.host_units < k.num_units else ""]
+            where = ", ".join(p for p in parts if p)
+            if k.device_units == k.num_units:
+                where = "device"
+            elif k.host_units == k.num_units and not k.device_units:
+                where = "host"
+            elif k.host_units == 0:
+                where = "ssd"
+            on_device = f", {k.device_bytes:,} B on the device" if k.device_units else ""
+            rows.append((f"{name}{'' if k.planned else ' (yours)'}", f"{where}, {k.host_bytes:,} B in RAM{on_device}"))
         moved = self.traffic.read_bytes + self.traffic.write_bytes
         before = self.all_ssd.read_bytes + self.all_ssd.write_bytes
+        if self.device_room_bytes:
+            rows.append(("device room for weights", f"{self.device_room_bytes:,}"))
         rows += [
             ("host budget (bytes)", f"{self.budget_bytes:,}"),
             ("  kept for staging etc.", f"{self.reserved_bytes:,}"),
@@ -93,39 +117,52 @@ def _placed(units: list[UnitCost], host_units: Mapping[str, int]) -> list[UnitCo
 
 def plan_placement(units: list[UnitCost], kept: Mapping[str, list[int]], given: Mapping[str, int],
                    budget_bytes: int, reserved_bytes: int, schedule: str, k: int,
-                   clip_norm: bool = False) -> PlacementPlan:
+                   clip_norm: bool = False, device_room: int = 0,
+                   given_device: Mapping[str, int] | None = None) -> PlacementPlan:
     """Plan every kind not in ``given``.
 
     ``units``: each unit's region sizes (as the traffic model takes them; times are not used);
-    ``kept``: per kind, each unit's RAM in the host tier; ``given``: the user's kinds, as the number of
-    first units they keep in RAM; ``reserved_bytes``: the part of ``budget_bytes`` kept back for
-    staging and activation checkpoints."""
+    ``kept``: per kind, each unit's RAM in the host tier (0 for a unit of a given kind on the device:
+    it takes none); ``given``: the user's kinds, as the number of first units they keep off the SSD, of
+    which ``given_device`` on the device; ``reserved_bytes``: the part of ``budget_bytes`` kept back
+    for staging and activation checkpoints; ``device_room``: device memory for planned compute weights
+    (``kept["weights"]`` is also what a unit of them takes there)."""
     n = len(units)
     host_units = {kind: given.get(kind, 0) for kind in KINDS}
+    device_units = {kind: (given_device or {}).get(kind, 0) for kind in KINDS}
+    if "weights" not in given and device_room > 0:
+        device_units["weights"] = host_units["weights"] = host_units_within(kept["weights"], device_room)
 
     def ssd_bytes(placement: Mapping[str, int]) -> int:
         t = traffic(_placed(units, placement), schedule, k, clip_norm=clip_norm)
         return t.read_bytes + t.write_bytes
 
     room = budget_bytes - reserved_bytes - sum(sum(kept[kind][:host_units[kind]]) for kind in given)
+
+    def in_ram(kind: str) -> int:
+        return sum(kept[kind][device_units[kind]:host_units[kind]]) if kind not in given else sum(
+            kept[kind][:host_units[kind]])
     planned = [kind for kind in KINDS if kind not in given]
     base = ssd_bytes(host_units)
 
     def saved_per_byte(kind: str) -> float:
-        total = sum(kept[kind])
+        total = sum(kept[kind][device_units[kind]:])
         return (base - ssd_bytes({**host_units, kind: n})) / total if total else float("inf")
 
     density = {kind: saved_per_byte(kind) for kind in planned}  # (each against the same base)
     for kind in sorted(planned, key=density.__getitem__, reverse=True):
-        if not sum(kept[kind]):
-            host_units[kind] = n  # nothing to keep (master weights under 32-true): no file for it
+        if not sum(kept[kind][device_units[kind]:]):
+            host_units[kind] = n  # nothing to keep (master weights under 32-true, all on the device): no file
             continue
         if density[kind] <= 0:
             continue  # moves nothing (gradients with nothing waiting): RAM is better left alone
-        host_units[kind] = host_units_within(kept[kind], max(room, 0))
-        room -= sum(kept[kind][:host_units[kind]])
-    kinds = {kind: KindPlacement(host_units[kind], n, sum(kept[kind][:host_units[kind]]), sum(kept[kind]),
-                                 kind not in given) for kind in KINDS}
+        start = device_units[kind]
+        host_units[kind] = start + host_units_within(kept[kind][start:], max(room, 0))
+        room -= in_ram(kind)
+    kinds = {kind: KindPlacement(host_units[kind], n, in_ram(kind), sum(kept[kind]), kind not in given,
+                                 device_units[kind],
+                                 sum(kept[kind][:device_units[kind]]) if kind not in given else 0) for kind in KINDS}
     return PlacementPlan(kinds, budget_bytes, reserved_bytes,
                          traffic(_placed(units, host_units), schedule, k, clip_norm=clip_norm),
-                         traffic(_placed(units, {}), schedule, k, clip_norm=clip_norm))
+                         traffic(_placed(units, {}), schedule, k, clip_norm=clip_norm),
+                         device_room if "weights" not in given else 0)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import GreedySnakeConfig, TensorKind, Tier
+from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
+from lightning_greedysnake.layout import StateLayout
 
 STATE_SHARE = 2
 """The model's state may take at most 1/``STATE_SHARE`` of the device budget (the rest: activations,
@@ -33,6 +35,31 @@ the allocator)."""
 
 COPIES_PER_TRAINABLE = 4
 """Weights, gradient and two optimizer moments, each the parameter's size (Adam, AdamW)."""
+
+
+@dataclass(frozen=True)
+class DeviceSide:
+    """What setup's placement knows of the device: whether units placed on ``device`` live in device
+    memory (``tier``: a GPU, or the simulated device; else ``device`` is host RAM), and the device
+    memory the plan may give the compute weights (``budget_bytes``: the device budget; None: none
+    planned). See :func:`weights_room_bytes`."""
+
+    tier: bool = False
+    budget_bytes: int | None = None
+
+
+def weights_room_bytes(state: StateLayout, offload: OffloadConfig, budget_bytes: int) -> int:
+    """Device memory setup's placement may give compute weights kept resident when the whole model does
+    not fit (:func:`~lightning_greedysnake.planner.placement.plan_placement` puts them there first, a
+    prefix of units): 1/``STATE_SHARE`` of the device budget (the rest: activations and the allocator, as
+    above), less the device tier's own working set: the unit computing and ``prefetch_units`` more
+    (the weights of units not resident) and two units' fp32 gradient accumulators (one accumulating,
+    one copying out)."""
+    n = state.num_units
+    weights = max((state.region_bytes(TensorKind.WEIGHTS, u) for u in range(n)), default=0)
+    grads = max((state.region_bytes(TensorKind.GRADIENTS, u) for u in range(n)), default=0)
+    working = (1 + offload.prefetch_units) * weights + 2 * grads
+    return max(0, budget_bytes // STATE_SHARE - working)
 
 
 def device_budget_bytes(settings: GreedySnakeConfig, device: torch.device) -> int | None:
@@ -83,7 +110,9 @@ def plan_device(settings: GreedySnakeConfig, module: nn.Module, device: torch.de
                   f"(auto_device_budget_bytes{'' if settings.auto_device_budget_bytes is not None else ': free GPU memory'})")
     reason = broadcast(reason)  # rank 0's: every rank places alike (GPUs' free memory may differ)
     if reason is not None:
-        report(f"greedysnake device plan: offloading ({reason})")
+        resident = (" the placement plan keeps what fits of the compute weights on the device"
+                    if settings.offload.weights is None and need > budget // STATE_SHARE else "")
+        report(f"greedysnake device plan: offloading ({reason}){';' + resident if resident else ''}")
         return settings
     report(f"greedysnake device plan: the model's state ({need:,} bytes: weights, gradients, optimizer state) fits "
            f"in 1/{STATE_SHARE} of the device budget ({budget:,} bytes): every kind stays on the device, no offload "
@@ -101,3 +130,15 @@ def planned_settings(strategy: Any, module: nn.Module) -> GreedySnakeConfig:
     return plan_device(strategy.settings, module, strategy.root_device, simulated=simulate_device_enabled(),
                        loss_scaling=getattr(strategy.precision_plugin, "loss_scaler", None) is not None,
                        broadcast=strategy.broadcast, report=rank_zero_info)
+
+
+def device_side(strategy: Any) -> DeviceSide:
+    """What setup's placement may put on ``strategy``'s device: with ``auto=True`` and the weights
+    unset, on a GPU (or the simulated device, with an explicit budget), the device budget."""
+    from lightning_greedysnake.offload.device import simulate_device_enabled
+
+    settings, device = strategy.settings, strategy.root_device
+    tier = device.type == "cuda" or (device.type == "cpu" and simulate_device_enabled())
+    if not tier or not settings.auto or settings.offload.weights is not None:
+        return DeviceSide(tier)
+    return DeviceSide(tier, device_budget_bytes(settings, device))

@@ -19,6 +19,7 @@ from lightning_greedysnake.offload.staging import (
 )
 from lightning_greedysnake.planner.placement import PlacementPlan, plan_placement
 from lightning_greedysnake.planner.roofline import UnitCost
+from lightning_greedysnake.strategy.device_plan import DeviceSide, weights_room_bytes
 
 CHECKPOINT_SHARE = 8
 """The placement leaves 1/8 of the host budget for activation checkpoints in host memory (their size
@@ -54,13 +55,14 @@ def plan_checkpoints(activations: Any, settings: GreedySnakeConfig, local_proces
         activations.plan_tier(host_budget_bytes(settings, local_processes) // CHECKPOINT_SHARE, report)
 
 
-def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int) -> int:
+def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int, device_tier: bool = False) -> int:
     """The staging budget the tensor manager will take: the user's, else the automatic one with every
-    planned kind on SSD (the most it can be: host-resident units need no staging)."""
+    planned kind on SSD (the most it can be: host-resident units need no staging, device-resident
+    weights none outside a step). ``device_tier``: units placed on ``device`` are in device memory."""
     if offload.buffer_budget_bytes is not None:
         return offload.buffer_budget_bytes
     weights = state.all_region_bytes(TensorKind.WEIGHTS)
-    return (min_budget_bytes(state, offload, lag) + max(weights, default=0) * max(1, offload.prefetch_units)
+    return (min_budget_bytes(state, offload, lag, device_tier) + max(weights, default=0) * max(1, offload.prefetch_units)
             + AUTO_BUDGET_EXTRA_BYTES)
 
 
@@ -98,24 +100,40 @@ def unit_costs_at_setup(state: StateLayout, alpha: float) -> list[UnitCost]:
     return costs
 
 
-def as_placement(sizes: list[int], host_units: int) -> Tier | Split:
-    """The config value that keeps the first ``host_units`` of units sized ``sizes`` in RAM and every
-    later unit that holds bytes on SSD (a unit of 0 bytes holds nothing, wherever it is counted)."""
-    later = [size for size in sizes[host_units:] if size]
-    if not later:
+def as_placement(sizes: list[int], host_units: int, device_units: int = 0) -> Tier | Split:
+    """The config value that keeps the first ``device_units`` of units sized ``sizes`` on the device,
+    the next up to ``host_units`` (counted from the first) in RAM and every later unit that holds bytes on
+    SSD (a unit of 0 bytes holds nothing, wherever it is counted)."""
+    total = sum(sizes)
+    device, host, ssd = sum(sizes[:device_units]), sum(sizes[device_units:host_units]), sum(sizes[host_units:])
+    if not total or (not device and not ssd):
         return Tier.HOST
-    if not sum(sizes[:host_units]):
+    if not host and not ssd:
+        return Tier.DEVICE
+    if not device and not host:
         return Tier.SSD
-    # halfway into the next unit with bytes: unit_tiers keeps the prefix and no more, whatever the rounding
-    share = (sum(sizes[:host_units]) + later[0] / 2) / sum(sizes)
-    placement = Split(share, 1.0 - share)
-    assert [t is Tier.HOST for t, size in zip(unit_tiers(sizes, placement), sizes) if size] == [
-        u < host_units for u, size in enumerate(sizes) if size]
+
+    def first_after(u: int) -> int:
+        return next((size for size in sizes[u:] if size), 0)
+
+    # each share reaches into the next unit with bytes, by less than that unit (unit_tiers keeps the
+    # prefix and no more, whatever the rounding), and together by less than the SSD's bytes (so the SSD
+    # keeps a share: it is the last tier, which takes the rest)
+    ssd_margin = first_after(host_units) / 3
+    device_share = (device + min(first_after(device_units) / 2, ssd / 3 if ssd else float("inf"))) if device else 0.0
+    host_share = (host + ssd_margin) if host else 0.0
+    if not ssd:
+        host_share = total - device_share
+    placement = Split(host_share / total, max(0.0, 1.0 - (host_share + device_share) / total), device_share / total)
+    expected = [Tier.DEVICE if u < device_units else Tier.HOST if u < host_units else Tier.SSD
+                for u, size in enumerate(sizes) if size]
+    assert [t for t, size in zip(unit_tiers(sizes, placement), sizes, strict=True) if size] == expected, (
+        sizes, host_units, device_units, placement)
     return placement
 
 
 def place_kinds(settings: GreedySnakeConfig, state: StateLayout, k: int, budget: int, *, speculative: bool,
-                clip_norm: bool) -> tuple[int, PlacementPlan]:
+                clip_norm: bool, device: DeviceSide = DeviceSide()) -> tuple[int, PlacementPlan]:
     """The first window's lag and the placement plan of the kinds ``settings`` leave unset (``auto=True``
     with at least one), within ``budget``: pure, every rank computes the same from the same inputs.
     Raises ``ValueError`` when the staging alone exceeds the budget."""
@@ -125,40 +143,52 @@ def place_kinds(settings: GreedySnakeConfig, state: StateLayout, k: int, budget:
     n = state.num_units
     kept = {kind.value: [state.kept_unit_bytes(kind, u) * (2 if speculative and kind in SLOTTED else 1)
                          for u in range(n)] for kind in REGION_KINDS}
-    given = {kind.value: sum(t is not Tier.SSD
-                             for t in unit_tiers(state.all_region_bytes(kind), fixed.offload.tier(kind)))
-             for kind in REGION_KINDS if kind not in planned}
+    given_tiers = {kind.value: unit_tiers(state.all_region_bytes(kind), fixed.offload.tier(kind))
+                   for kind in REGION_KINDS if kind not in planned}
+    given = {kind: sum(t is not Tier.SSD for t in tiers) for kind, tiers in given_tiers.items()}
+    given_device = {kind: sum(t is Tier.DEVICE for t in tiers) if device.tier else 0
+                    for kind, tiers in given_tiers.items()}
+    for kind, count in given_device.items():  # (device-resident units take no RAM)
+        kept[kind] = [0] * count + kept[kind][count:]
     lag = fixed.lag
     if settings.lag is None:  # the first window's lag: the deepest whose staging fits (the plan may change it)
         fits = [lag for lag in (2, 1, 0)
                 if staging_estimate(state, every_ssd, lag) + budget // CHECKPOINT_SHARE <= budget]
         lag = fits[0] if fits else 0
-    staging = staging_estimate(state, every_ssd, lag)
+    staging = staging_estimate(state, every_ssd, lag, device.tier)
     if staging > budget:
         raise ValueError(budget_error(settings, budget, staging, lag))
     reserved = staging + budget // CHECKPOINT_SHARE
     schedule = fixed.schedule.value
+    room = 0
+    if device.tier and device.budget_bytes and TensorKind.WEIGHTS in planned:
+        room = weights_room_bytes(state, fixed.offload, device.budget_bytes)
     return lag, plan_placement(unit_costs_at_setup(state, fixed.alpha or 0.0), kept, given, budget, reserved,
-                               schedule, k, clip_norm=clip_norm and schedule == "vertical")
+                               schedule, k, clip_norm=clip_norm and schedule == "vertical", device_room=room,
+                               given_device=given_device)
 
 
 def placed_config(settings: GreedySnakeConfig, state: StateLayout, lag: int, plan: PlacementPlan) -> GreedySnakeConfig:
     """The settings in effect with ``plan``'s placement of the unset kinds and the first window's ``lag``."""
-    placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units)
+    placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units,
+                                    plan.kinds[kind.value].device_units)
                  for kind in settings.offload.unset() & set(REGION_KINDS)}
     return dataclasses.replace(settings.resolved(placement), lag=lag)
 
 
 def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, speculative: bool,
                   clip_norm: bool, local_processes: int, broadcast: Callable[[Any], Any],
-                  report: Callable[[str], None]) -> tuple[GreedySnakeConfig, PlacementPlan | None]:
+                  report: Callable[[str], None], device: DeviceSide = DeviceSide()
+                  ) -> tuple[GreedySnakeConfig, PlacementPlan | None]:
     """The settings in effect for this run, with the unset kinds placed (``auto=True``; else at their
     fixed defaults), and the plan (None when nothing was planned), which goes to ``report`` as a table.
-    ``speculative``: fp16's two slots of the kinds a step rewrites."""
+    ``speculative``: fp16's two slots of the kinds a step rewrites; ``device``: on a GPU, what of the
+    compute weights may stay there."""
     if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
         return settings.resolved(), None
     budget = broadcast(host_budget_bytes(settings, local_processes))  # rank 0's: every rank decides alike
-    lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm)
+    device = broadcast(device)  # (rank 0's device budget: the GPUs' free memory may differ)
+    lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm, device=device)
     plan = broadcast(plan)  # every rank runs rank 0's placement (the same one: the same budget and sizes)
     report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
            + plan.table())

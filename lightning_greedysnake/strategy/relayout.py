@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.config import GreedySnakeConfig, TensorKind
 from lightning_greedysnake.models import make_units
 from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.planner import Choice, Machine
@@ -61,12 +61,14 @@ def copy_seconds(manager: TieredTensorStore, machine: Machine) -> float:
 
 
 def refusal(settings: GreedySnakeConfig, *, distributed: bool, loss_scaling: bool, choice: Choice,
-            current: Choice, left: float, copy_s: float) -> str | None:
+            current: Choice, left: float, copy_s: float, resident_weights: bool = False) -> str | None:
     """Why the re-layout to ``choice`` does not happen (None: it does)."""
     if distributed:
         return "data parallel runs keep the unit size they started with"
     if loss_scaling:
         return "fp16 loss scaling keeps the unit size it started with"
+    if resident_weights:
+        return "compute weights resident on the device would need a second copy there while the state moves"
     budget = settings.offload.buffer_budget_bytes
     if budget is not None and choice.buffer_budget_bytes > budget:
         return (f"its staging ({choice.buffer_budget_bytes:,} bytes) exceeds offload.buffer_budget_bytes="
@@ -207,7 +209,8 @@ def grow_units(strategy: Any, trainer: Any, first_step: Any, chain: Any, report:
     settings = strategy.settings
     reason = refusal(settings, distributed=strategy.is_distributed,
                      loss_scaling=strategy.precision_plugin.loss_scaler is not None, choice=best, current=current,
-                     left=steps_left(trainer), copy_s=copy_seconds(old, first_step.machine))
+                     left=steps_left(trainer), copy_s=copy_seconds(old, first_step.machine),
+                     resident_weights=any(old.arena.on_device(TensorKind.WEIGHTS, u) for u in range(old.num_units)))
     if reason is None:
         units = make_units(chain, lpu)
         dtype, k = strategy.precision_plugin.compute_dtype, trainer.accumulate_grad_batches

@@ -18,6 +18,7 @@ from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.staging import REGION_KINDS
 from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, probe_sizes, request_bandwidth
 from lightning_greedysnake.planner.roofline import traffic
+from lightning_greedysnake.strategy.device_plan import DeviceSide, device_side
 from lightning_greedysnake.planner.unit_size import (
     UnitSizeScore,
     choose_unit_size,
@@ -61,16 +62,18 @@ def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer:
 
 
 def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any, k: int, budget: int,
-               *, speculative: bool, clip_norm: bool, default_root: Path) -> dict[int, UnitSizeScore]:
+               *, speculative: bool, clip_norm: bool, default_root: Path,
+               device: DeviceSide = DeviceSide()) -> dict[int, UnitSizeScore]:
     placed: dict[int, tuple[list, Any, int]] = {}
     for lpu, state in layouts.items():
         try:
             if settings.offload.unset() & set(REGION_KINDS):
-                lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm)
+                lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm,
+                                        device=device)
                 config = placed_config(settings, state, lag, plan)
             else:  # every kind placed by the user: the budget still bounds a larger unit's staging
                 config = settings.resolved()
-                if lpu > 1 and staging_estimate(state, config.offload, config.lag) > budget:
+                if lpu > 1 and staging_estimate(state, config.offload, config.lag, device.tier) > budget:
                     continue
         except ValueError:
             continue  # its staging alone exceeds the budget
@@ -103,7 +106,8 @@ def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], opt
 def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimizer: Any, dtype: torch.dtype,
                          shard: tuple[int, int] | None, k: int, *, speculative: bool, clip_norm: bool,
                          local_processes: int, default_root: Path, is_global_zero: bool,
-                         broadcast: Callable[[Any], Any], report: Callable[[str], None]) -> int:
+                         broadcast: Callable[[Any], Any], report: Callable[[str], None],
+                         device: DeviceSide = DeviceSide()) -> int:
     """``layers_per_unit`` for this run: the user's, 1 with ``auto=False``, else the best-scoring
     candidate on rank 0 (every rank takes it). A candidate whose staging alone exceeds the host
     budget is not considered; where none can be measured, 1 (and the report says why)."""
@@ -117,7 +121,7 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
             budget = host_budget_bytes(settings, local_processes)
             layouts = candidate_layouts(settings, chain, optimizer, dtype, shard)
             scores = _score_all(settings, layouts, optimizer, k, budget, speculative=speculative,
-                                clip_norm=clip_norm, default_root=default_root)
+                                clip_norm=clip_norm, default_root=default_root, device=device)
             if scores:
                 chosen = choose_unit_size(scores)
                 result = chosen
@@ -141,15 +145,16 @@ def plan_setup(strategy: Any, trainer: Any, chain: LayerChain, units: list, opti
     """What setup plans, in order: ``layers_per_unit``, then the placement of the unset kinds for the
     units of that size. Returns the settings in effect, the placement plan (None: nothing planned) and
     the units (``units``, made at the fixed default, unless the plan chose another size)."""
+    device = device_side(strategy)
     lpu = plan_layers_per_unit(
         strategy.settings, chain, optimizer, dtype, shard, trainer.accumulate_grad_batches, speculative=speculative,
         clip_norm=clip_norm, local_processes=strategy.num_processes, default_root=Path(trainer.default_root_dir),
-        is_global_zero=strategy.is_global_zero, broadcast=strategy.broadcast, report=report)
+        is_global_zero=strategy.is_global_zero, broadcast=strategy.broadcast, report=report, device=device)
     if lpu != strategy.config.layers_per_unit:  # (``units`` were made at the size in effect before the plan)
         units = make_units(chain, lpu)
     config, plan = plan_at_setup(
         dataclasses.replace(strategy.settings, layers_per_unit=lpu),
         state_layout(units, {}, optimizer, strategy.config.offload, dtype, shard), trainer.accumulate_grad_batches,
         speculative=speculative, clip_norm=clip_norm, local_processes=strategy.num_processes,
-        broadcast=strategy.broadcast, report=report)
+        broadcast=strategy.broadcast, report=report, device=device)
     return config, plan, units

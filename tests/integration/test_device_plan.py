@@ -65,6 +65,37 @@ def test_a_model_over_half_the_budget_is_offloaded_and_the_report_says_why(simul
     assert f"offloading (its state, {_need():,} bytes, exceeds 1/2 of the device budget of {budget:,}" in caplog.text
 
 
+class WeightTiers(L.Callback):
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        manager = trainer.strategy.tensor_manager
+        self.tiers = [t.value for t in manager.arena.unit_tiers[TensorKind.WEIGHTS]]
+        self.sizes = [manager.region_bytes(TensorKind.WEIGHTS, u) for u in range(manager.num_units)]
+        self.state = manager.state
+
+
+@pytest.mark.parametrize("fits", ["all", "the first unit"])
+def test_what_does_not_fit_whole_keeps_the_compute_weights_that_fit_on_the_device_exactly(simulated, caplog, fits):
+    """Over half the budget: offloaded, but the placement plan puts the compute weights on the device
+    first (a prefix of units, within half the budget less the device tier's working set), the rest of
+    them in RAM; exact against Lightning."""
+    from lightning_greedysnake.strategy.device_plan import weights_room_bytes
+
+    seen = WeightTiers()
+    budget = 2 * _need() - 1
+    if fits != "all":  # units of 20, 16 and 20 KiB: room for the first only
+        working = 2 * 20480 + 2 * 20480  # (the unit computing and one prefetched; two gradient accumulators)
+        budget = 2 * (working + 30000)
+    with caplog.at_level("INFO"):
+        got = run(GreedySnakeStrategy(auto_device_budget_bytes=budget, layers_per_unit=1), "gpt", 3,
+                  callbacks=(seen,))
+    assert_matches(got, reference("gpt", 3))
+    assert weights_room_bytes(seen.state, OffloadConfig(), budget) == budget // 2 - 4 * 20480
+    assert "keeps what fits of the compute weights on the device" in _report(caplog)
+    assert seen.tiers == (["device"] * 3 if fits == "all" else ["device", "host", "host"])
+    table = caplog.text[caplog.text.index("greedysnake placement plan"):]
+    assert "device room for weights" in table and (" device, " in table if fits == "all" else "device 1/3" in table)
+
+
 @pytest.mark.parametrize(("settings", "plugins", "why"), [
     ({"offload": {"weights": "host"}}, (), "you placed offload.weights"),
     ({"offload": {"optimizer_state_dtype": "bfloat16"}}, (), "offload.optimizer_state_dtype='bfloat16'"),

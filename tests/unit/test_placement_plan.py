@@ -100,6 +100,28 @@ def test_the_config_value_keeps_exactly_the_planned_units():
         tiers = unit_tiers(sizes, as_placement(sizes, h))
         # every unit that holds bytes is where the plan put it (one of 0 bytes holds nothing anywhere)
         assert [t is Tier.HOST for t, size in zip(tiers, sizes) if size] == [u < h for u, size in enumerate(sizes) if size]
+        d = rng.randint(0, h)  # and three ways: a device prefix, then RAM, then SSD
+        placement = as_placement(sizes, h, d)
+        GreedySnakeConfig(offload={"weights": placement})  # (a valid setting)
+        tiers = unit_tiers(sizes, placement)
+        want = [Tier.DEVICE if u < d else Tier.HOST if u < h else Tier.SSD for u, size in enumerate(sizes) if size]
+        assert [t for t, size in zip(tiers, sizes) if size] == want
+
+
+def test_on_a_gpu_the_compute_weights_go_to_the_device_first_and_take_no_ram():
+    costs = units()
+    reserved = 10 * MB
+    plan = plan_placement(costs, kept(costs), {}, reserved + 8 * MB, reserved, "vertical", k=4, device_room=7 * MB)
+    w = plan.kinds["weights"]
+    assert (w.device_units, w.host_units, w.device_bytes) == (3, N, 6 * MB)  # 3 on the device, 3 in RAM
+    assert w.host_bytes == 6 * MB and plan.host_bytes <= reserved + 8 * MB
+    assert plan.kinds["master_weights"].host_units == 0  # (2 MB left: not one 4 MB master unit)
+    assert "device 3/6, host 3/6" in plan.table() and "device room for weights" in plan.table()
+    # the user's weights are kept as given (and on the device they take no RAM)
+    given = plan_placement(costs, {**kept(costs), "weights": [0] * N}, {"weights": N}, reserved + 8 * MB, reserved,
+                           "vertical", k=4, device_room=7 * MB, given_device={"weights": N})
+    assert given.kinds["weights"].device_units == N and given.kinds["master_weights"].host_units == 2
+    assert given.traffic.read_bytes < plan.traffic.read_bytes
 
 
 def test_host_units_within_is_a_prefix():
