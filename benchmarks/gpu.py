@@ -2,7 +2,9 @@
 
 A GPT of a few hundred million parameters in bf16-mixed; a short K sweep; the vertical order, the
 horizontal order (the ZeRO-Infinity order, K=4 only: it loads the weights 2K times per step) and
-Lightning's own ``strategy="auto"`` with everything on the GPU, and ``GreedySnakeStrategy()`` as is
+Lightning's own ``strategy="auto"`` with everything on the GPU, the vertical order with the 16-bit
+compute weights resident on the GPU (``resident_weights``: no weight traffic on the disk, one H2D copy
+of each unit's new weights per step), and ``GreedySnakeStrategy()`` as is
 (``default``: the device plan keeps a model that fits on the GPU; ``offloaded`` says whether it did
 not). Each configuration runs in a fresh
 process; the steady state is timed from the end of the first optimizer step to the end of the last
@@ -54,16 +56,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     name, k = args.child.split(":")
     k = int(k)
     precision = "16-mixed" if name == "vertical_fp16" else "bf16-mixed"
-    schedule = "vertical" if name == "vertical_fp16" else name
+    schedule = "vertical" if name in ("vertical_fp16", "resident_weights") else name
     Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq)
     if name == "lightning":
         strategy: Any = "auto"
     elif name == "default":  # GreedySnakeStrategy() as is: the device plan keeps a model that fits on the GPU
         strategy = GreedySnakeStrategy(offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"))
-    else:
+    else:  # every kind on SSD; resident_weights: but the 16-bit compute weights stay on the GPU
+        weights = "device" if name == "resident_weights" else "ssd"
         strategy = GreedySnakeStrategy(auto=False,
             schedule=schedule, offload_dir=Path(args.offload_dir) / args.child.replace(":", "_"),
-            offload=OffloadConfig.everywhere("ssd", return_weights=False), alpha=0.25, lag=1)
+            offload=OffloadConfig.everywhere("ssd", weights=weights, return_weights=False), alpha=0.25, lag=1)
     marks: list[float] = []
     captured: dict[str, Any] = {}
 
@@ -158,6 +161,9 @@ def main() -> None:
     parser.add_argument("--horizontal-ks", type=int, nargs="*", default=[4])
     parser.add_argument("--default-ks", type=int, nargs="*", default=[4],
                         help="Ks at which GreedySnakeStrategy() runs as is (the device plan: all on the GPU where it fits)")
+    parser.add_argument("--resident-ks", type=int, nargs="*", default=[4],
+                        help="Ks at which the vertical order also runs with the compute weights resident on the GPU "
+                             "(offload.weights='device'), everything else on SSD")
     parser.add_argument("--fp16-ks", type=int, nargs="*", default=[],
                         help="also run the vertical order in 16-mixed (loss scaling) at these K")
     parser.add_argument("--steps", type=int, default=3)
@@ -182,6 +188,7 @@ def main() -> None:
         flags = [*MODEL_FLAGS, "micro_batch", "steps", "read_bps", "write_bps", "opt_rate", "peak_flops", "pcie_bps"]
         for k in args.ks:
             configs = ["lightning", "vertical", *(["horizontal"] if k in args.horizontal_ks else []),
+                       *(["resident_weights"] if k in args.resident_ks else []),
                        *(["default"] if k in args.default_ks else []),
                        *(["vertical_fp16"] if k in args.fp16_ks else [])]
             for name in configs:

@@ -13,6 +13,11 @@ materialize it on the device) each keep the offload plan, and the report says wh
 the device resumes a checkpoint an offloaded run streamed (gathered in memory, as ``export --lightning``
 gathers it). Every rank applies rank 0's decision.
 
+A model that does not fit is offloaded, but not wholly: setup's placement
+(:mod:`lightning_greedysnake.strategy.placement`) then keeps what fits of its compute weights resident
+on the device, a prefix of units, in :func:`weights_room_bytes` (:class:`DeviceSide` carries the budget
+there), beside the host optimizer.
+
 Pure over its inputs but for the measurement of the device's free memory (``torch.cuda.mem_get_info``).
 """
 

@@ -156,6 +156,8 @@ PLACEMENTS = {
     "ssd-everything": OffloadConfig.everywhere("ssd"),
     "host": OffloadConfig.everywhere("host", checkpoints="device"),
     "host-weights-ssd-state": {"weights": "host", "checkpoints": "host", "prefetch_units": 2},
+    "device-weights": {"weights": "device"},  # resident compute weights beside the host optimizer, state on SSD
+    "device-host-ssd-weights": {"weights": {"device": 0.4, "host": 0.3, "ssd": 0.3}},
 }
 
 
@@ -224,11 +226,12 @@ def test_fp16_mixed_matches_lightnings_own_16_mixed_on_cuda():
         assert abs(a - b) <= 2e-2 * max(1.0, abs(b)), (a, b)
 
 
-def test_gpu_memory_returns_to_its_starting_level_after_fit():
+@pytest.mark.parametrize("weights", ["ssd", "device"])
+def test_gpu_memory_returns_to_its_starting_level_after_fit(weights):
     gc.collect()
     torch.cuda.synchronize()  # (test code: settle before measuring)
     before = torch.cuda.memory_allocated()
-    fit(GreedySnakeStrategy(auto=False))
+    fit(GreedySnakeStrategy(auto=False, offload={"weights": weights}))
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
@@ -256,10 +259,23 @@ class CountSynchronize(L.Callback):
         self.counting = False
 
 
-def test_no_synchronize_in_the_steady_state(monkeypatch):
+@pytest.mark.parametrize("weights", ["ssd", "device"])
+def test_no_synchronize_in_the_steady_state(monkeypatch, weights):
     counter = CountSynchronize(monkeypatch)
-    fit(GreedySnakeStrategy(auto=False, alpha=0.25, lag=1), "bf16-mixed", callbacks=(counter,))
+    fit(GreedySnakeStrategy(auto=False, alpha=0.25, lag=1, offload={"weights": weights}), "bf16-mixed",
+        callbacks=(counter,))
     assert counter.calls == 0
+
+
+def test_with_the_whole_state_over_the_budget_the_plan_keeps_the_compute_weights_on_the_gpu():
+    """auto=True with a device budget under twice the model's state: offloaded, but the compute weights
+    stay on the GPU (the device's share of setup's placement), exact against Lightning."""
+    from lightning_greedysnake.strategy.device_plan import model_state_bytes
+
+    strategy = GreedySnakeStrategy(auto_device_budget_bytes=2 * model_state_bytes(Module()) - 1, layers_per_unit=1)
+    got = fit(strategy, "bf16-mixed", callbacks=(DeviceTierSeen(),))
+    assert_matches(got, reference("bf16-mixed"), "bf16-mixed")
+    assert strategy.placement_plan.kinds["weights"].device_units == strategy.placement_plan.kinds["weights"].num_units
 
 
 def test_cuda_copies_are_ordered_by_events():
