@@ -119,6 +119,9 @@ class CudaCopies:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.compute = torch.cuda.current_stream(device)
+        """The compute stream: the training thread's current stream at construction (streams are per
+        thread, and the optimizer lane also issues copies: a step's new resident weights)."""
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
         self._h2d_done = _Completer("greedysnake-h2d-events")
@@ -140,7 +143,7 @@ class CudaCopies:
 
     def _copy(self, stream: torch.cuda.Stream, done: _Completer, src: Tensor, dst: Tensor, device_side: Tensor,
               after: Any = None) -> Copy:
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.compute
         # ordering: the copy follows everything the compute stream was given so far (it produced the
         # source, or last used the destination's memory before the allocator handed it out again), and
         # the stream that produced the source when that is another one (a gradient's collective)
@@ -173,7 +176,7 @@ class CudaCopies:
         return self._copy(self.d2h, self._d2h_done, src, dst, src, after)
 
     def wait(self, copy: Copy) -> None:
-        torch.cuda.current_stream(self.device).wait_event(copy.event)
+        self.compute.wait_event(copy.event)
 
     def pin(self, ptr: int, nbytes: int) -> None:
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
