@@ -190,6 +190,25 @@ class StateLayout:
         end = region if hi >= lay.numel else hi * isz
         return [(k * region + lo * isz, k * region + end) for k in range(copies)]
 
+    def trained_weight_ranges(self, u: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Byte ranges of unit ``u``'s compute weights that a step of elements ``[lo, hi)`` changes: each
+        run of consecutive trained parameters (the padding between them included), clipped to the range;
+        a frozen parameter ends a run."""
+        runs: list[tuple[int, int]] = []
+        start = end = None
+        for slot in self.units[u].params:
+            a, b = max(lo, slot.offset_numel), min(hi, slot.offset_numel + slot.numel)
+            if slot.group is None or a >= b:
+                if slot.group is None and start is not None:
+                    runs.append((start, end))
+                    start = None
+                continue
+            start, end = (a, b) if start is None else (start, b)
+        if start is not None:
+            runs.append((start, end))
+        isz = self.compute_itemsize
+        return [(a * isz, b * isz) for a, b in runs]
+
     def slot_offset_bytes(self, u: int, k: int) -> int:
         """Where optimizer-state slot ``k`` starts in unit ``u``'s state region."""
         return k * self._slot_bytes(self.units[u])

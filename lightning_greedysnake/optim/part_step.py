@@ -169,11 +169,16 @@ class PartStepper:
                 states = stage(TensorKind.OPTIMIZER_STATES, unit, read=opt.part_initialized(part), wait=False,
                                ranges=state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi))
                 owned.append(states)
-            compute = None
+            compute, compute_ranges = None, w_ranges
             if self._separate_master:
                 compute = weights_held
                 if compute is None:
-                    compute = stage(TensorKind.WEIGHTS, unit, read=True, ranges=w_ranges, wait=False)
+                    # device-resident weights with one slot: only the stepped parameters' bytes go back,
+                    # so nothing is read first (a D2H copy would wait for the GPU's queue of compute)
+                    write_only = self._staging.slots == 1 and self._staging.on_device(TensorKind.WEIGHTS, unit)
+                    if write_only:
+                        compute_ranges = state.trained_weight_ranges(unit, lo, hi)
+                    compute = stage(TensorKind.WEIGHTS, unit, read=not write_only, ranges=w_ranges, wait=False)
                     owned.append(compute)
         except BaseException:
             for held in owned:
@@ -193,11 +198,13 @@ class PartStepper:
                 held.release()
             raise
         self.steps_taken += 1
-        self._write_back(unit, lo, hi, master, states, compute, weights_held, mflat)
+        self._write_back(unit, lo, hi, master, states, compute, weights_held, mflat, compute_ranges)
         trim_heap((hi - lo) * 4)
 
     def _write_back(self, unit: int, lo: int, hi: int, master: StagedBuffer, states: StagedBuffer | None,
-                    compute: StagedBuffer | None, weights_held: StagedBuffer | None, mflat: Tensor) -> None:
+                    compute: StagedBuffer | None, weights_held: StagedBuffer | None, mflat: Tensor,
+                    compute_ranges: list[tuple[int, int]]) -> None:
+        """``compute_ranges``: the compute weights' byte ranges to write (16-bit compute dtype)."""
         state = self._state
         w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
         # every write goes to the unit's next slot, which the step's end flips to (with one slot: the only one)
@@ -217,7 +224,7 @@ class PartStepper:
             # it for the cast after put_back raced with that (found by benchmarks/stress_bf16_lane.py)
             self._staging.put_back(TensorKind.MASTER_WEIGHTS, unit, master,
                                    state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi), next_slot=True)
-            self._staging.put_back(TensorKind.WEIGHTS, unit, compute, w_ranges, release=weights_held is None,
+            self._staging.put_back(TensorKind.WEIGHTS, unit, compute, compute_ranges, release=weights_held is None,
                                    next_slot=True)
         else:
             # the updated fp32 weights are the new compute weights; an acquired buffer is given back by

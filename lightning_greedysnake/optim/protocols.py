@@ -44,6 +44,9 @@ class Staging(Protocol):
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool: ...
 
+    def on_device(self, kind: TensorKind, u: int) -> bool:
+        """Resident in device memory (written with copies, no file)."""
+
     def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:
         """Pool bytes reading the region ahead takes (0: not on SSD)."""
 

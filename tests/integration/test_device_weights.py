@@ -46,6 +46,7 @@ class Resident(L.Callback):
         assert isinstance(manager.copies, SimulatedCopies)
         self.copies = manager.copies
         self.to_device_at_start = manager.copies.bytes_to_device
+        self.to_host_at_start = manager.copies.bytes_to_host
         self.tiers = {t.value for t in manager.arena.unit_tiers[TensorKind.WEIGHTS]}
 
     def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
@@ -61,6 +62,8 @@ class Resident(L.Callback):
     def on_train_end(self, trainer: Any, module: Any) -> None:
         self.manager.drain()
         self.to_device = self.copies.bytes_to_device - self.to_device_at_start
+        self.to_host = self.copies.bytes_to_host - self.to_host_at_start
+        self.grad_bytes = sum(lay.numel * 4 for lay in self.manager.layouts)
         self.ssd_weight_bytes = (self.manager.stats.bytes_read("weights") + self.manager.stats.bytes_written("weights"))
         self.files = [p.name for p in self.manager.files]
         self.weights_bytes = sum(self.manager.region_bytes(TensorKind.WEIGHTS, u) for u in range(self.manager.num_units))
@@ -105,6 +108,17 @@ def test_each_units_new_weights_go_to_the_device_once_per_step_and_never_per_use
     run(GreedySnakeStrategy(auto=False, offload={"weights": "host", "checkpoints": "device"}), "gpt", 3,
         callbacks=(staged,))
     assert staged.to_device == staged.used_bytes > 1.3 * resident.to_device
+
+
+def test_a_bf16_step_writes_its_units_new_weights_without_reading_any_back(simulated):
+    """Under bf16-mixed the step casts the fp32 master weights it stepped into 16-bit on the host and
+    writes only those parameters' bytes: nothing of the weights comes back D2H (a read would wait for
+    the GPU's queue of compute), only each unit's gradient, once per window."""
+    seen = Resident()
+    got = run(GreedySnakeStrategy(auto=False, offload={"weights": "device", "checkpoints": "device"}), "gpt", 3,
+              callbacks=(seen,), trainer_kwargs={"precision": "bf16-mixed"})
+    assert seen.to_host == got["global_step"] * seen.grad_bytes
+    assert 0 < seen.to_device <= got["global_step"] * seen.weights_bytes
 
 
 @pytest.mark.parametrize("placement", ["ssd", "host"])

@@ -41,3 +41,14 @@ def test_a_three_way_split_places_a_device_prefix_then_a_host_prefix_then_the_re
     assert str(config.weights) == "{device: 0.5, host: 0.5, ssd: 0}"
     assert OffloadConfig(weights={"device": 1.0}).weights is Tier.DEVICE
     assert OffloadConfig(weights=config.weights).weights == config.weights  # (validated again as given)
+
+
+def test_a_steps_weight_ranges_are_the_runs_of_trained_parameters_a_frozen_one_ends_a_run():
+    from lightning_greedysnake.layout import StateLayout, build_unit_layout
+
+    lay = build_unit_layout(0, [("a", (100,), 0), ("b", (10,), 0), ("frozen", (64,), None), ("c", (64,), 0)])
+    state = StateLayout((lay,), compute_itemsize=2, num_slots=2, separate_master=True)
+    assert [s.offset_numel for s in lay.params] == [0, 128, 192, 256]
+    assert state.trained_weight_ranges(0, 0, lay.numel) == [(0, 276), (512, 640)]  # a and b (padding between), c
+    assert state.trained_weight_ranges(0, 120, 300) == [(256, 276), (512, 600)]  # clipped to the part
+    assert state.trained_weight_ranges(0, 192, 256) == []  # only the frozen one
