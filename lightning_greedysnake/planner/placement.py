@@ -74,17 +74,11 @@ class PlacementPlan:
     def table(self) -> str:
         rows = []
         for name, k in self.kinds.items():
-            ram = k.host_units - k.device_units
-            parts = [f"device {k.device_units}/{k.num_units}" if k.device_units else "",
-                     f"host {ram}/{k.num_units}" if ram else "",
-                     "ssd the rest" if k.host_units < k.num_units else ""]
-            where = ", ".join(p for p in parts if p)
-            if k.device_units == k.num_units:
-                where = "device"
-            elif k.host_units == k.num_units and not k.device_units:
-                where = "host"
-            elif k.host_units == 0:
-                where = "ssd"
+            counts = {"device": k.device_units, "host": k.host_units - k.device_units,
+                      "ssd": k.num_units - k.host_units}
+            whole = [tier for tier, units in counts.items() if units == k.num_units]
+            where = whole[0] if whole else ", ".join(f"{tier} {units}/{k.num_units} units"
+                                                     for tier, units in counts.items() if units)
             on_device = f", {k.device_bytes:,} B on the device" if k.device_units else ""
             rows.append((f"{name}{'' if k.planned else ' (yours)'}", f"{where}, {k.host_bytes:,} B in RAM{on_device}"))
         moved = self.traffic.read_bytes + self.traffic.write_bytes

@@ -93,7 +93,7 @@ def test_what_does_not_fit_whole_keeps_the_compute_weights_that_fit_on_the_devic
     assert "keeps what fits of the compute weights on the device" in _report(caplog)
     assert seen.tiers == (["device"] * 3 if fits == "all" else ["device", "host", "host"])
     table = caplog.text[caplog.text.index("greedysnake placement plan"):]
-    assert "device room for weights" in table and (" device, " in table if fits == "all" else "device 1/3" in table)
+    assert "device room for weights" in table and (" device, " in table if fits == "all" else "device 1/3 units" in table)
 
 
 @pytest.mark.parametrize(("settings", "plugins", "why"), [

@@ -116,7 +116,7 @@ def test_on_a_gpu_the_compute_weights_go_to_the_device_first_and_take_no_ram():
     assert (w.device_units, w.host_units, w.device_bytes) == (3, N, 6 * MB)  # 3 on the device, 3 in RAM
     assert w.host_bytes == 6 * MB and plan.host_bytes <= reserved + 8 * MB
     assert plan.kinds["master_weights"].host_units == 0  # (2 MB left: not one 4 MB master unit)
-    assert "device 3/6, host 3/6" in plan.table() and "device room for weights" in plan.table()
+    assert "device 3/6 units, host 3/6 units" in plan.table() and "device room for weights" in plan.table()
     # the user's weights are kept as given (and on the device they take no RAM)
     given = plan_placement(costs, {**kept(costs), "weights": [0] * N}, {"weights": N}, reserved + 8 * MB, reserved,
                            "vertical", k=4, device_room=7 * MB, given_device={"weights": N})
