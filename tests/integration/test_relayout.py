@@ -140,6 +140,21 @@ def test_a_run_too_short_to_pay_for_the_copy_keeps_its_units(monkeypatch, caplog
     assert_like_reference(got, seen, "32-true")
 
 
+def test_compute_weights_resident_on_the_device_keep_their_units(monkeypatch, caplog):
+    """On the simulated device with the weights resident there: a second copy of them would be needed on
+    the device while the state moves, so the units stay (and the report says why), exactly."""
+    from lightning_greedysnake.offload.device import SIMULATE_ENV
+
+    monkeypatch.setenv(SIMULATE_ENV, "1")
+    one_block_at_setup(monkeypatch)
+    strategy = GreedySnakeStrategy(offload={**ON_SSD, "weights": "device"})
+    with caplog.at_level("INFO"):
+        got, seen = fit(strategy)
+    assert "would need a second copy there" in caplog.text and "re-laid out" not in caplog.text
+    assert strategy.config.layers_per_unit == 1 and seen.units == [BLOCKS] * 7
+    assert_like_reference(got, seen, "32-true")
+
+
 def test_a_disk_without_room_for_the_second_copy_keeps_the_units(monkeypatch, caplog, tmp_path):
     one_block_at_setup(monkeypatch)
     # 544 KiB of files at one block per unit, 480 KiB at two: one copy fits in 1000 KiB, two do not
