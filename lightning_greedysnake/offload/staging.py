@@ -374,7 +374,8 @@ class StagingArena:
     def set_budget(self, budget_bytes: int, lag: int) -> None:
         """Between steps (the planner's choice): a new lag changes the minimum; the budget never goes below it."""
         self._lag = lag
-        self.min_budget_bytes = min_budget_bytes(self.state, self.config, lag) + self._checkpoint_reserve
+        self.min_budget_bytes = (min_budget_bytes(self.state, self.config, lag, self.copies is not None)
+                                 + self._checkpoint_reserve)
         self.pool.budget_bytes = max(budget_bytes, self.min_budget_bytes)
 
     def reserve_checkpoints(self, checkpoint_bytes: int) -> None:

@@ -83,7 +83,9 @@ class FirstStepPlan:
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
         lags = (0, 1, 2) if "lag" in unset else (config.lag,)
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
-            lags = tuple(lag for lag in lags if min_budget_bytes(manager.state, manager.config, lag) <= explicit_budget)
+            device_tier = manager.copies is not None
+            lags = tuple(lag for lag in lags
+                         if min_budget_bytes(manager.state, manager.config, lag, device_tier) <= explicit_budget)
         options: dict[str, Any] = {
             "alphas": tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
             "lags": lags or (config.lag,),

@@ -150,6 +150,28 @@ def test_a_resume_continues_bit_for_bit(simulated, tmp_path: Path):
     assert max_abs_diff(resumed, whole) == 0
 
 
+class MinimumAfterThePlan(L.Callback):
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        from lightning_greedysnake.offload.staging import min_budget_bytes
+
+        manager = trainer.strategy.tensor_manager
+        arena = manager.arena
+        self.lag = manager.lag
+        self.minimum = arena.min_budget_bytes - arena._checkpoint_reserve
+        self.expected = min_budget_bytes(manager.state, manager.config, manager.lag, device_tier=True)
+
+
+def test_the_first_step_plans_staging_minimum_counts_the_steps_copy_of_resident_weights(simulated):
+    """The first-step plan re-sizes the staging (lag, budget): the minimum must still count the pool
+    buffer each step stages its resident units' new weights in, as at construction."""
+    seen = MinimumAfterThePlan()
+    placed = {"weights": "device", "master_weights": "ssd", "optimizer_states": "ssd", "gradients": "ssd",
+              "checkpoints": "host"}
+    got = run(GreedySnakeStrategy(layers_per_unit=1, offload=placed), "gpt", 3, callbacks=(seen,))
+    assert_matches(got, reference("gpt", 3))
+    assert seen.minimum == seen.expected
+
+
 def test_device_memory_is_freed_after_fit(simulated):
     seen = Resident()
     run(GreedySnakeStrategy(auto=False, offload={"weights": "device", "checkpoints": "device"}), "gpt", 3,
