@@ -314,7 +314,7 @@ class OffloadConfig:
 
 
 FIXED_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "lag": 2, "recompute": True, "layers_per_unit": 1}
-"""What unset ``alpha``, ``lag`` and ``recompute`` are until (with ``auto=True``) the first-step plan, and
+"""What unset ``alpha``, ``lag`` and ``recompute`` are until (with ``auto=True``) the warm-step plan, and
 unset ``layers_per_unit`` until (with ``auto=True``) setup plans it; with ``auto=False``, for the run."""
 
 
@@ -340,7 +340,7 @@ class GreedySnakeConfig:
     forward until the unit's backward instead: no recompute, about a quarter less compute, and K times
     one model's activations in memory. The weights still leave memory between uses (views of them that
     autograd saves are kept as references). ``None`` (unset): ``True``, and with ``auto=True`` the
-    first-step plan keeps the graphs where they fit the host budget."""
+    warm-step plan keeps the graphs where they fit the host budget."""
 
     layered_module: str | None = None
     """Dotted name of the submodule that is the layered model (``""`` for the LightningModule itself).
@@ -353,12 +353,12 @@ class GreedySnakeConfig:
     """Fraction of each unit's optimizer update (by elements) deferred into the next iteration's
     forward, where the SSD and CPU have slack; a unit's forward waits for its own update, so no weight
     is ever stale. 0: everything is stepped during backward. (With a tensor manager only.) ``None``
-    (unset): 0.25 for the first step, then planned with ``auto=True``."""
+    (unset): 0.25 for the first two steps, then planned with ``auto=True``."""
 
     lag: int | None = None
     """How many units the background optimizer may trail the backward by (it steps unit j+lag while
     unit j computes); bounds the gradients held for it. 0: each unit is stepped synchronously.
-    ``None`` (unset): 2 for the first step, then planned with ``auto=True``."""
+    ``None`` (unset): 2 for the first two steps, then planned with ``auto=True``."""
 
     shard_state: bool = True
     """With several processes: each rank keeps current and steps only its 1/N chunk of every unit's
@@ -369,7 +369,7 @@ class GreedySnakeConfig:
     """Plan every setting left unset (``None``) from this machine and this run; what you set is kept.
     At setup: ``layers_per_unit`` and each unset kind's placement (weights, master weights, optimizer state, gradients,
     fractionally by units) within the host budget, in order of the SSD bytes a step saves per byte of
-    RAM, printed with the SSD traffic it leaves. After the first optimizer step: measure the offload
+    RAM, printed with the SSD traffic it leaves. After the second optimizer step (the first warm one): measure the offload
     disks (each path) and the optimizer, take each unit's compute time from that step, and apply the
     planner's alpha, lag, staging budget and recompute (printed as a table with the predicted step time
     and the binding resource). ``False``: every unset setting takes its fixed default (ZeRO-Infinity's
@@ -411,7 +411,7 @@ class GreedySnakeConfig:
 
     def resolved(self, placement: Mapping[TensorKind, Tier | Split] | None = None) -> GreedySnakeConfig:
         """The settings in effect: unset kinds placed by ``placement`` (else their fixed default), unset
-        alpha, lag and recompute at their fixed defaults (the first step's; the plan may change them)."""
+        alpha, lag and recompute at their fixed defaults (the first steps'; the plan may change them)."""
         values: dict[str, Any] = {name: v for name, v in FIXED_DEFAULTS.items() if getattr(self, name) is None}
         return dataclasses.replace(self, offload=self.offload.placed(placement), **values)
 

@@ -1,10 +1,11 @@
-"""``auto=True`` after the first optimizer step: plan the unset ones of alpha, lag, the staging budget and
-recompute from this run's measurements, and apply the choice between windows."""
+"""``auto=True`` after the first warm optimizer step (the second): plan the unset ones of alpha, lag, the
+staging budget and recompute from this run's measurements, and apply the choice between windows."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,14 @@ from lightning_greedysnake.strategy.placement import host_budget_bytes
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_budget_bytes"})
-"""What the first-step plan chooses when the user left it unset."""
+"""What the warm-step plan chooses when the user left it unset."""
+
+PLAN_STEP = 2
+"""The optimizer step whose compute the plan measures, and after which it runs: the first warm one. The
+first step's compute runs slow (every staging buffer touched for the first time, each kernel's first
+call): its backward took 1.4-1.5x a later step's on the 168M GPT at sequence 32 here, which made the
+plan see compute bind where the disk did and underrate larger units. A run of fewer steps is not
+planned (the settings in effect are kept)."""
 
 
 def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Machine, str]:
@@ -51,9 +59,9 @@ move the state into them (:mod:`~lightning_greedysnake.strategy.relayout`), or t
 the next run where it cannot."""
 
 
-class FirstStepPlan:
-    """Runs once, after the first optimizer step, when ``auto=True`` left any of
-    :data:`FIRST_STEP_SETTINGS` unset."""
+class WarmStepPlan:
+    """Runs once, after optimizer step :data:`PLAN_STEP`, when ``auto=True`` left any of
+    :data:`FIRST_STEP_SETTINGS` unset. Told of every step's end (:meth:`step_ended`)."""
 
     def __init__(self, settings: GreedySnakeConfig, local_processes: int) -> None:
         self.settings = settings
@@ -61,9 +69,26 @@ class FirstStepPlan:
         self.pending = settings.auto and bool(settings.unset() & FIRST_STEP_SETTINGS)
         self.choice: Choice | None = None
         self.machine: Machine | None = None
-        """The disks and optimizer rate measured after the first step."""
+        """The disks and optimizer rate measured after the warm step."""
+        self.steps = 0
+        """Optimizer steps ended so far in this fit."""
+        self.since = 0.0
+        """``time.perf_counter()`` at the end of the step before the warm one: its compute is measured
+        from here."""
+        self.unit_seconds: tuple[list[float], list[float]] | None = None
+        """The warm step's forward and backward seconds per micro-batch of each unit, as planned with."""
         self.larger: tuple[Choice, int] | None = None
         """Larger units predicted :data:`LARGER_UNITS_GAIN` faster: their plan and ``layers_per_unit``."""
+
+    def step_ended(self) -> bool:
+        """An optimizer step ended: whether the plan is due now (it runs once)."""
+        if not self.pending:
+            return False
+        self.steps += 1
+        if self.steps < PLAN_STEP:
+            self.since = time.perf_counter()
+            return False
+        return True
 
     def run(self, manager: TieredTensorStore, activation_bytes: dict[int, int], config: GreedySnakeConfig, k: int,
             default_root: Path, broadcast: Callable[[Any], Any], report: Callable[[str], None]) -> GreedySnakeConfig:
@@ -77,7 +102,8 @@ class FirstStepPlan:
         except OSError as e:  # (a full disk, say: every rank still takes rank 0's word below)
             machine, disks = None, f"the offload disk could not be measured: {e}"
         self.machine = machine
-        fwd, bwd = unit_times(manager.stats.lanes.spans(0.0, float("inf")), manager.num_units)
+        fwd, bwd = self.unit_seconds = unit_times(manager.stats.lanes.spans(self.since, float("inf")),
+                                                  manager.num_units)
         costs = unit_costs(manager, fwd, bwd, activation_bytes)
         budget = host_budget_bytes(self.settings, self.local_processes) - manager.arena.host_bytes()
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes

@@ -45,7 +45,7 @@ from lightning_greedysnake.models import check_parameter_ownership, find_layered
 from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import after_fit, checks, progress
-from lightning_greedysnake.strategy.auto_plan import FirstStepPlan
+from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
 from lightning_greedysnake.strategy.checkpoints import StreamedCheckpoints
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.device_plan import planned_settings
@@ -194,7 +194,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self._unusable = None
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.config = planned_settings(self, module).resolved()  # on the GPU where it all fits
-        self._first_step = FirstStepPlan(self.settings, self.num_processes)
+        self._warm_plan = WarmStepPlan(self.settings, self.num_processes)
         if fitting:
             checks.check_module_for_training(module, self._warn_once)
         path, layered, chain = find_layered_model(module, self.config.layered_module)
@@ -357,20 +357,20 @@ class GreedySnakeStrategy(DataParallelStrategy):
             manager.stats.lanes.add("compute", start, time.perf_counter(), name)
 
     def _after_step(self) -> None:
-        """The step's telemetry to the loggers; the auto plan after the first step."""
+        """The step's telemetry to the loggers; the auto plan after the warm step."""
         assert self._telemetry is not None
         entry = self._telemetry.record()
         manager = self.tensor_manager
         if manager is not None:
             self._guard.check_gradients(manager.stepper.take_nonfinite(), self.lightning_module.trainer.global_step)
-        if manager is not None and self._first_step.pending:
+        if manager is not None and self._warm_plan.step_ended():
             trainer = self.lightning_module.trainer
-            self.config = self._first_step.run(manager, self.engine.activation_bytes, self.config,
+            self.config = self._warm_plan.run(manager, self.engine.activation_bytes, self.config,
                                                trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
                                                self.broadcast, rank_zero_info)
             self.engine.config = self.config  # between windows: the engine reads it op by op
-            self.plan_choice = self._first_step.choice
-            if self._first_step.larger is not None:
+            self.plan_choice = self._warm_plan.choice
+            if self._warm_plan.larger is not None:
                 self._grow_units(trainer)
         progress.log_step(self.lightning_module.trainer, entry)
 
@@ -378,7 +378,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """Move the state into the larger units the first step's plan found faster, where that pays."""
         chain = self.engine.chain
         self.engine.close()  # (between windows it holds nothing: closing only makes sure, before the store goes)
-        grown = grow_units(self, trainer, self._first_step, chain, rank_zero_info)
+        grown = grow_units(self, trainer, self._warm_plan, chain, rank_zero_info)
         if grown is None:
             return
         self.config, self.placement_plan, self.plan_choice = grown.config, grown.placement, grown.choice

@@ -1,4 +1,4 @@
-"""``auto=True`` after the first step: move the state into larger units when this run's measured compute
+"""``auto=True`` after the warm step (the second): move the state into larger units when this run's measured compute
 says they are faster (setup chose ``layers_per_unit`` from the disks alone: it sees no batch).
 
 The files are shaped by the unit size, so a re-layout opens a second tensor manager over units of the
@@ -199,17 +199,17 @@ class Grown:
     choice: Choice
 
 
-def grow_units(strategy: Any, trainer: Any, first_step: Any, chain: Any, report: Callable[[str], None]
+def grow_units(strategy: Any, trainer: Any, warm_plan: Any, chain: Any, report: Callable[[str], None]
                ) -> Grown | None:
-    """After the first step's plan: move ``strategy``'s state into the larger units ``first_step`` found
+    """After the warm step's plan: move ``strategy``'s state into the larger units ``warm_plan`` found
     faster, where that pays (see the module's docstring); None where it stays (the report says why)."""
     old = strategy.tensor_manager
-    best, lpu = first_step.larger
-    current = first_step.choice
+    best, lpu = warm_plan.larger
+    current = warm_plan.choice
     settings = strategy.settings
     reason = refusal(settings, distributed=strategy.is_distributed,
                      loss_scaling=strategy.precision_plugin.loss_scaler is not None, choice=best, current=current,
-                     left=steps_left(trainer), copy_s=copy_seconds(old, first_step.machine),
+                     left=steps_left(trainer), copy_s=copy_seconds(old, warm_plan.machine),
                      resident_weights=any(old.arena.on_device(TensorKind.WEIGHTS, u) for u in range(old.num_units)))
     if reason is None:
         units = make_units(chain, lpu)

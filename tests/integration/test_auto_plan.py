@@ -1,15 +1,18 @@
-"""``auto=True``: plan alpha, lag and the staging budget from the first step's measurements and go on
-with them; the math stays exact."""
+"""``auto=True``: plan alpha, lag and the staging budget from the first warm step's measurements (the
+second) and go on with them; the math stays exact."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import TensorKind, Tier
+from lightning_greedysnake.strategy.auto_plan import PLAN_STEP
 from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
 
 
@@ -45,6 +48,31 @@ def test_auto_plans_the_unset_settings_after_the_first_step_and_stays_exact(sche
     assert "greedysnake auto plan" in caplog.text and "predicted step (s)" in caplog.text
     assert "binding resource" in caplog.text and "read" in caplog.text  # the disk was measured
     assert max_abs_diff(got, ref) == 0  # re-splitting the optimizer keeps its state: same numbers
+
+
+def test_the_plan_measures_the_warm_step_not_the_first(monkeypatch):
+    """The first step's compute runs slow (first touches, first calls), here 0.3 s more in unit 0's
+    backward: the plan, after step PLAN_STEP, times that step's compute only."""
+    slow = 0.3
+
+    class FirstStepSlow(L.Callback):
+        def on_train_start(self, trainer, module):
+            def hook(block, args, output):
+                if torch.is_grad_enabled() and trainer.global_step == 0:  # the backward's recompute of step 1
+                    time.sleep(slow)
+            module.model.blocks[0].register_forward_hook(hook)
+
+    strategy = GreedySnakeStrategy(layers_per_unit=1, auto_host_budget_bytes=1 << 30, offload=ALL_SSD)
+    _fit(strategy, [FirstStepSlow()])
+    warm = strategy._warm_plan
+    assert strategy.plan_choice is not None and warm.steps == PLAN_STEP > 1
+    fwd, bwd = warm.unit_seconds
+    assert len(bwd) == 3 and all(0 < t < slow / 3 for t in bwd + fwd)  # step 1's sleep is not in it
+
+    strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, offload=ALL_SSD)  # a run too short to plan
+    L.seed_everything(0, verbose=False)
+    make_trainer(strategy, 3, max_steps=PLAN_STEP - 1).fit(TinyGPTModule(n_layer=3, lr=3e-3), token_loader(12))
+    assert strategy.plan_choice is None and strategy._warm_plan.pending
 
 
 def test_the_first_step_plan_keeps_every_setting_given():

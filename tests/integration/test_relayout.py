@@ -115,7 +115,7 @@ def test_larger_units_take_the_state_over_bit_for_bit_and_train_exactly(precisio
         got, seen = fit(strategy, precision)
     lpu = strategy.config.layers_per_unit
     assert "moving the state into them now" in caplog.text and "state re-laid out" in caplog.text
-    assert lpu > 1 and seen.units == [BLOCKS] + [-(-BLOCKS // lpu)] * 6  # one block per unit, then lpu
+    assert lpu > 1 and seen.units == [BLOCKS] * auto_plan.PLAN_STEP + [-(-BLOCKS // lpu)] * (7 - auto_plan.PLAN_STEP)  # one block per unit, then lpu
     assert not any(name.endswith(relayout.ASIDE) for names in seen.names for name in names)
     assert seen.names[0] == seen.names[-1]  # the new files where the old ones were, under the same names
     ((old_weights, old_state), (new_weights, new_state)), = copies
@@ -200,7 +200,7 @@ def test_in_ram_the_units_move_too_and_train_exactly(monkeypatch, caplog):
         got, seen = fit(strategy)
     lpu = strategy.config.layers_per_unit
     assert "state re-laid out" in caplog.text and lpu > 1
-    assert seen.units == [BLOCKS] + [-(-BLOCKS // lpu)] * 6
+    assert seen.units == [BLOCKS] * auto_plan.PLAN_STEP + [-(-BLOCKS // lpu)] * (7 - auto_plan.PLAN_STEP)
     assert_like_reference(got, seen, "32-true")
 
 
@@ -220,17 +220,18 @@ def test_a_placement_refused_for_the_larger_units_keeps_the_units(monkeypatch, c
 
 
 def test_a_trace_across_the_re_layout_keeps_the_steps_before_it(monkeypatch, tmp_path):
-    """The first step runs on the old units, the next ones on the new: the trace holds both."""
+    """The steps up to the plan's run on the old units, the next ones on the new: the trace holds both."""
     import json
 
     one_block_at_setup(monkeypatch)
     trace = tmp_path / "trace.json"
-    strategy = GreedySnakeStrategy(offload=ON_SSD, trace_steps=3, trace_path=str(trace))
+    strategy = GreedySnakeStrategy(offload=ON_SSD, trace_steps=auto_plan.PLAN_STEP + 2,
+                                   trace_path=str(trace))
     fit(strategy)
     units = -(-BLOCKS // strategy.config.layers_per_unit)
     assert units < BLOCKS
     events = json.loads(trace.read_text())["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     compute = [e["name"] for e in events if e["ph"] == "X" and tracks[e["tid"]] == "compute"]
-    assert f"F{BLOCKS - 2}.0" in compute  # the old units' (the last but one unit's forward): step 1
-    assert compute.count(f"L{units - 1}.0 forward") == 2  # the new units' fused last one: steps 2 and 3
+    assert f"F{BLOCKS - 2}.0" in compute  # the old units' (the last but one unit's forward): steps 1, 2
+    assert compute.count(f"L{units - 1}.0 forward") == 2  # the new units' fused last one: steps 3 and 4
