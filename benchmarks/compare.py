@@ -13,6 +13,11 @@ DeepSpeed is optional and kept out of CI. To include it on a CPU machine:
     python benchmarks/compare.py --seq 128 --ks 8 --systems gs_vertical --baseline a952f99 --rounds 3
                                      # this tree against an earlier commit, runs alternating, ratio of medians
 
+Each run's step time is the median of its steps after the second (``--steps``, default 4: steps 3 and 4),
+every system alike: the first steps are warm-up (DeepSpeed's, and greedysnake's first steps run at the
+fixed settings until ``auto=True``'s plan after step 2, which may also copy the state into larger units
+then). Results measured before this rule (commits up to 3749a5f) took the median after the first of 3.
+
 Writes a table, ``benchmarks/results/compare.json`` and a plot of tokens/s against K per system with
 greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench]``).
 """
@@ -31,12 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+WARMUP_STEPS = 2
+"""Steps not timed, of every system: warm-up, and greedysnake's ``auto=True`` plan after step 2."""
+
 SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
            "gs_auto_ssd_bf16_state", "gs_horizontal", "lightning_auto", "deepspeed"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_planned``: it with the planner's choice, planned
 from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
-(``auto=True``: placement planned at setup, the rest after the first step) with ``--host-budget-gb``;
+(``auto=True``: placement planned at setup, the rest after the second step) with ``--host-budget-gb``;
 ``gs_auto_ssd``: the defaults with every kind on SSD (ZeRO-Infinity's placement given explicitly; the
 unit size, alpha, lag, recompute and the staging budget planned);
 ``gs_default``: ``GreedySnakeStrategy()`` as is (the host budget: half of the available memory);
@@ -94,7 +102,7 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
                 extra["ssd_GB_per_step"] = round(moved / (trainer.global_step - 1) / 1e9, 3)  # steady state
             if manager is None or system == "gs_horizontal":
                 return
-            steady = trainer.strategy.step_telemetry[1:]  # lane seconds per steady step: which lane binds
+            steady = trainer.strategy.step_telemetry[WARMUP_STEPS:]  # lane seconds per steady step: which lane binds
             for name in ("ssd_read_busy_s", "ssd_write_busy_s", "optimizer_busy_s", "io_wait_s", "optimizer_unhidden_s"):
                 extra[name] = round(sum(getattr(t, name) for t in steady) / max(1, len(steady)), 3)
             if trainer.strategy.plan_choice is not None:
@@ -203,7 +211,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     system, k = args.child.split(":")
     k = int(k)
     result = run_deepspeed(args, k) if system == "deepspeed" else run_lightning(args, system, k)
-    steady = result["step_times"][1:] or result["step_times"]
+    steady = result["step_times"][WARMUP_STEPS:] or result["step_times"]
     step_s = statistics.median(steady)
     return {"system": system, "k": k, "step_s": round(step_s, 3), "package": lightning_greedysnake.__file__,
             "tokens_per_s": round(k * args.seq / step_s, 1), **{k_: v for k_, v in result.items() if k_ != "step_times"}}
@@ -272,7 +280,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, n_layer=12, seq=128)
     parser.add_argument("--ks", type=int, nargs="+", default=[8])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=WARMUP_STEPS + 2)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--budget-gb", type=float, default=0.0,
