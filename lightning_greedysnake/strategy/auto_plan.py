@@ -54,7 +54,7 @@ def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
 
 
 LARGER_UNITS_GAIN = 0.05
-"""How much faster (a fraction of the step) larger units must be predicted for the first-step plan to
+"""How much faster (a fraction of the step) larger units must be predicted for the warm-step plan to
 move the state into them (:mod:`~lightning_greedysnake.strategy.relayout`), or to suggest them for
 the next run where it cannot."""
 

@@ -375,7 +375,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         progress.log_step(self.lightning_module.trainer, entry)
 
     def _grow_units(self, trainer: Any) -> None:
-        """Move the state into the larger units the first step's plan found faster, where that pays."""
+        """Move the state into the larger units the warm-step plan found faster, where that pays."""
         chain = self.engine.chain
         self.engine.close()  # (between windows it holds nothing: closing only makes sure, before the store goes)
         grown = grow_units(self, trainer, self._warm_plan, chain, rank_zero_info)

@@ -24,7 +24,7 @@ from lightning_greedysnake.strategy.device_plan import DeviceSide, weights_room_
 CHECKPOINT_SHARE = 8
 """The placement leaves 1/8 of the host budget for activation checkpoints in host memory (their size
 depends on the batch, which setup does not see: with ``offload.checkpoints`` unset the first save puts
-them on SSD when a window's exceed it, and the first-step plan counts them as measured)."""
+them on SSD when a window's exceed it, and the warm-step plan counts them as measured)."""
 
 
 def available_memory_bytes() -> int:
