@@ -81,7 +81,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             if manager is not None:
                 manager.drain()
                 captured["units"] = unit_costs(manager)
-                captured["pcie_bytes"] = manager.copies.bytes_to_device + manager.copies.bytes_to_host
+                captured["pcie_bytes"] = manager.copies.counts.bytes_to_device + manager.copies.counts.bytes_to_host
             torch.cuda.synchronize()
             marks.append(time.perf_counter())
 

@@ -123,6 +123,11 @@ class TensorKind(str, enum.Enum):
     """Each unit's input per micro-batch, kept for the recomputing backward."""
 
 
+REGION_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES, TensorKind.GRADIENTS)
+"""The kinds kept in per-unit regions (each unit's values, in RAM, on SSD or on the device); activation
+checkpoints are per micro-batch instead."""
+
+
 FIXED_PLACEMENT = {
     TensorKind.WEIGHTS: Tier.SSD, TensorKind.MASTER_WEIGHTS: Tier.SSD, TensorKind.OPTIMIZER_STATES: Tier.SSD,
     TensorKind.GRADIENTS: Tier.SSD, TensorKind.CHECKPOINTS: Tier.HOST,

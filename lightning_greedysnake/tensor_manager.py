@@ -186,8 +186,6 @@ class TieredTensorStore(_StateBetweenWindows):
                                   copies=copies)
         self.copies = copies
         self.host_group: Any = None  # data parallel: the process group for host tensors (gloo beside NCCL)
-        if copies is not None:
-            self.arena.pool.pinner = (copies.pin, copies.unpin)
         self.gate = UpdateGate(len(units))
         self.stepper = UnitStepper(optimizer, self.state, self.slots, self.arena, self.gate, compute_dtype,
                                    self.clip, alpha, lag, state_format=self.state_format,
@@ -248,6 +246,11 @@ class TieredTensorStore(_StateBetweenWindows):
         return self.weights.weight_loads
 
     @property
+    def weight_prefetches_refused(self) -> int:
+        """Weights prefetches the staging budget had no room for, since construction."""
+        return self.weights.prefetches_refused
+
+    @property
     def checkpoint_bytes(self) -> int:
         """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
         return self.activations.checkpoint_bytes
@@ -277,6 +280,9 @@ class TieredTensorStore(_StateBetweenWindows):
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool:
         return self.arena.on_ssd(kind, u)
+
+    def on_device(self, kind: TensorKind, u: int) -> bool:
+        return self.arena.on_device(kind, u)
 
     def deferred_bytes(self, kind: TensorKind, u: int) -> int:
         """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""

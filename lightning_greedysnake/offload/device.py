@@ -49,14 +49,44 @@ class Copy(Future):  # type: ignore[type-arg]
     event: Any = None
 
 
+class CopyCounts:
+    """Copies and bytes each way since construction. Written by every thread that issues copies (the
+    training thread; the optimizer lane, a step's new resident weights) under ``_lock``; read by anyone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._to_device = 0
+        self._to_host = 0
+        self._copies = 0
+
+    def add(self, *, to_device: int = 0, to_host: int = 0) -> None:
+        with self._lock:
+            self._to_device += to_device
+            self._to_host += to_host
+            self._copies += 1
+
+    @property
+    def bytes_to_device(self) -> int:
+        with self._lock:
+            return self._to_device
+
+    @property
+    def bytes_to_host(self) -> int:
+        with self._lock:
+            return self._to_host
+
+    @property
+    def copies(self) -> int:
+        with self._lock:
+            return self._copies
+
+
 class DeviceCopies(Protocol):
     """The device tier's memory and transfers (see the module's docstring)."""
 
     device: torch.device
-    bytes_to_device: int
-    """Bytes copied host -> device, since construction (training thread)."""
-    bytes_to_host: int
-    """Bytes copied device -> host, since construction (training thread)."""
+    counts: CopyCounts
+    """Copies and bytes copied host -> device and device -> host, since construction."""
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         """Device memory for the compute stream (its contents undefined)."""
@@ -127,8 +157,7 @@ class CudaCopies:
         self._h2d_done = _Completer("greedysnake-h2d-events")
         self._d2h_done = _Completer("greedysnake-d2h-events")
         self._pinned: set[int] = set()
-        self.bytes_to_device = 0
-        self.bytes_to_host = 0
+        self.counts = CopyCounts()
         self._closed = False
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
@@ -168,11 +197,11 @@ class CudaCopies:
         return done.submit(complete, copy)
 
     def to_device(self, src: Tensor, dst: Tensor) -> Copy:
-        self.bytes_to_device += dst.numel() * dst.element_size()
+        self.counts.add(to_device=dst.numel() * dst.element_size())
         return self._copy(self.h2d, self._h2d_done, src, dst, dst)
 
     def to_host(self, src: Tensor, dst: Tensor, after: Any = None) -> Copy:
-        self.bytes_to_host += dst.numel() * dst.element_size()
+        self.counts.add(to_host=dst.numel() * dst.element_size())
         return self._copy(self.d2h, self._d2h_done, src, dst, src, after)
 
     def wait(self, copy: Copy) -> None:
@@ -207,10 +236,7 @@ class SimulatedCopies:
         self._lock = threading.Lock()
         self._h2d = _Completer("greedysnake-sim-h2d")
         self._d2h = _Completer("greedysnake-sim-d2h")
-        self.copies = 0
-        """Copies issued, since construction."""
-        self.bytes_to_device = 0
-        self.bytes_to_host = 0
+        self.counts = CopyCounts()
         self._device_memory: weakref.WeakSet[Tensor] = weakref.WeakSet()
         """Every tensor :meth:`empty` handed out that is still alive."""
         self._closed = False
@@ -234,7 +260,6 @@ class SimulatedCopies:
     def _copy(self, lane: _Completer, src: Tensor, dst: Tensor) -> Copy:
         assert src.numel() == dst.numel(), (src.shape, dst.shape)
         delay = self._delay()
-        self.copies += 1
         if dst.is_floating_point():
             dst.fill_(float("nan"))  # undefined until the copy lands
         elif dst.dtype == torch.uint8:
@@ -247,11 +272,11 @@ class SimulatedCopies:
         return lane.submit(job, Copy())
 
     def to_device(self, src: Tensor, dst: Tensor) -> Copy:
-        self.bytes_to_device += dst.numel() * dst.element_size()
+        self.counts.add(to_device=dst.numel() * dst.element_size())
         return self._copy(self._h2d, src, dst)
 
     def to_host(self, src: Tensor, dst: Tensor, after: Any = None) -> Copy:
-        self.bytes_to_host += dst.numel() * dst.element_size()
+        self.counts.add(to_host=dst.numel() * dst.element_size())
         return self._copy(self._d2h, src, dst)  # (the simulated device's collectives are synchronous)
 
     def wait(self, copy: Copy) -> None:

@@ -41,13 +41,15 @@ class PoolCorruptionError(AssertionError):
 
 
 class BufferPool:
-    def __init__(self, budget_bytes: int, wait_timeout_s: float = 120.0, debug: bool | None = None) -> None:
+    def __init__(self, budget_bytes: int, wait_timeout_s: float = 120.0, debug: bool | None = None,
+                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None) -> None:
         self.debug = debug_pool_enabled() if debug is None else debug
         """Poison released buffers and check them on reuse (see the module's docstring)."""
         self._last_owner: dict[int, str] = {}
         """Debug mode: who held each free buffer last (its ``what``), for the corruption message."""
         self._owner: dict[int, str] = {}
-        self.budget_bytes = budget_bytes
+        self._budget_bytes = budget_bytes
+        """The most bytes held at once (in use plus cached). Written under ``_cond`` (:meth:`set_budget`)."""
         self.wait_timeout_s = wait_timeout_s
         self._cond = threading.Condition()
         self._free: dict[int, list[AlignedBuffer]] = defaultdict(list)
@@ -59,20 +61,24 @@ class BufferPool:
         self._closed = False
         self._returning = 0
         """Buffers whose owners released them but that wait for I/O to finish before coming back."""
-        self.pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None
-        """``(pin, unpin)`` of the device tier: every new buffer is page-locked for asynchronous copies
-        (set before the first acquisition)."""
+        self.pinner = pinner
+        """``(pin, unpin)`` of the device tier: every new buffer is page-locked for asynchronous copies."""
         self.others_active: Callable[[], bool] | None = None
         """Whether another thread (the optimizer lane) holds buffers it will give back: then waiting for
         memory makes sense even when no I/O is in flight."""
 
-    def acquire(
-        self, nbytes: int, *, block: bool = True, what: str = "buffer", headroom: int = 0
-    ) -> AlignedBuffer | None:
-        """A buffer of at least ``nbytes``; ``None`` when ``block`` is False and the budget is full.
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget_bytes
 
-        ``headroom``: with ``block=False``, succeed only if this many bytes stay free afterwards (an
-        optional prefetch must never take what mandatory work needs next)."""
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget (any thread; a larger one wakes the acquisitions waiting for room)."""
+        with self._cond:
+            self._budget_bytes = budget_bytes
+            self._cond.notify_all()
+
+    def acquire(self, nbytes: int, *, block: bool = True, what: str = "buffer") -> AlignedBuffer | None:
+        """A buffer of at least ``nbytes``; ``None`` when ``block`` is False and the budget is full."""
         nbytes = align_up(nbytes)
         if nbytes > self.budget_bytes:
             raise BufferBudgetError(
@@ -82,7 +88,7 @@ class BufferPool:
         with self._cond:
             assert not self._closed, "buffer pool is closed"
             while True:
-                if not block and self.in_use_bytes + nbytes + headroom > self.budget_bytes:
+                if not block and self.in_use_bytes + nbytes > self._budget_bytes:
                     return None
                 cached = self._free.get(nbytes)
                 if cached:

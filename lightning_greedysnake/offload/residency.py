@@ -99,6 +99,10 @@ class WeightsResidency:
         ]
         self.weight_loads: dict[int, int] = {u: 0 for u in range(len(params))}
         """Times each unit's compute weights were acquired, since construction."""
+        self.prefetches_refused = 0
+        """Weights prefetches of SSD units the budget's slack had no room for, since construction
+        (training thread only): with the automatic budget, which holds room for ``prefetch_units`` of
+        them, none should be."""
         self._held: dict[int, Staged | None] = {}
         """Units in use by the training thread, with their staged weights (None: device-resident)
         (training thread only)."""
@@ -206,6 +210,7 @@ class WeightsResidency:
             held = self._arena.acquire_optional(self._state.region_bytes(TensorKind.WEIGHTS, unit),
                                                 f"unit {unit} weights prefetch")
             if held is None:
+                self.prefetches_refused += 1
                 return None
             try:
                 self._arena.read_into(TensorKind.WEIGHTS, unit, held)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
+from lightning_greedysnake.config import REGION_KINDS, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up
 from lightning_greedysnake.layout import StateLayout, unit_tiers
 from lightning_greedysnake.offload.device import DeviceCopies
@@ -34,6 +34,7 @@ from lightning_greedysnake.offload.device_regions import DeviceRegions
 from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions
+from lightning_greedysnake.planner.staging import StagingBudget, staging_budget, unit_staging
 
 FILE_NAMES = {
     TensorKind.WEIGHTS: "weights.bin",
@@ -42,11 +43,8 @@ FILE_NAMES = {
     TensorKind.GRADIENTS: "gradients.bin",
     TensorKind.CHECKPOINTS: "checkpoints.bin",
 }
-REGION_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES, TensorKind.GRADIENTS)
 SLOTTED = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES)
 """The kinds a step rewrites: with two slots (speculative steps) each unit has two regions of each."""
-AUTO_BUDGET_EXTRA_BYTES = 16 << 20
-"""The automatic budget's room beyond the minimum and one weights prefetch (checkpoint read-aheads)."""
 
 
 class Staged:
@@ -114,6 +112,12 @@ class Staged:
         for f in list(self._io):
             f.exception()
 
+    def count_as_slack(self, give_back: Callable[[int], None]) -> None:
+        """An owned buffer now counts as work ahead of need: ``give_back`` is called with its byte count
+        once the work it is kept for takes it over or it is released (owner only)."""
+        assert self._slack is None, f"{self.what}: already counted as slack"
+        self._slack = give_back
+
     def take_over(self) -> None:
         """The work a prefetch was taken for owns this buffer now: it stops counting against the slack."""
         slack, self._slack = self._slack, None
@@ -163,22 +167,15 @@ def placement_of(state: StateLayout, config: OffloadConfig, device_tier: bool = 
             for kind in REGION_KINDS}
 
 
-def min_budget_bytes(state: StateLayout, config: OffloadConfig, lag: int, device_tier: bool = False) -> int:
-    """Staging bytes the must-run work needs at once. Synchronous: one unit's working set (weights,
-    gradient, master, state on SSD; device-resident weights, which a step stages on their way to the
-    device). With a background optimizer (``lag`` > 0) the training thread holds one unit's weights (on
-    SSD) and gradient, up to ``lag`` queued steps hold theirs, and the running step stages its master
-    and state. (Activation checkpoints on SSD add two checkpoints once their size is known:
-    :meth:`StagingArena.reserve_checkpoints`.)"""
-    need = 0
+def staging_budget_of(state: StateLayout, config: OffloadConfig, lag: int, device_tier: bool = False) -> StagingBudget:
+    """The staging rule (:func:`~lightning_greedysnake.planner.staging.staging_budget`) for ``state``
+    placed as ``config`` says, at ``lag``, with ``config.prefetch_units`` prefetches. (Activation
+    checkpoints on SSD add two checkpoints once their size is known: :meth:`StagingArena.reserve_checkpoints`.)"""
     tiers = placement_of(state, config, device_tier)
-    for u in range(state.num_units):
-        per = {kind: (state.region_bytes(kind, u) if tiers[kind][u] in (Tier.SSD, Tier.DEVICE) else 0)
-               for kind in REGION_KINDS}
-        working = sum(per.values())
-        held = (per[TensorKind.WEIGHTS] if tiers[TensorKind.WEIGHTS][u] is Tier.SSD else 0) + per[TensorKind.GRADIENTS]
-        need = max(need, working if lag == 0 else (lag + 1) * held + working - held)
-    return max(need, 4096)
+    units = [unit_staging({kind.value: state.region_bytes(kind, u) for kind in REGION_KINDS},
+                          {kind.value: tiers[kind][u].value for kind in REGION_KINDS})
+             for u in range(state.num_units)]
+    return staging_budget(units, lag, config.prefetch_units)
 
 
 class StagingArena:
@@ -212,31 +209,38 @@ class StagingArena:
         """Per kind, each unit's offload directory (index), set by :meth:`stripe`."""
         self.stripe(1)
         self.files: list[Path] = []
-        self._checkpoint_reserve = 0
         self._lock = threading.Lock()
+        """Guards the budget's accounting below; taken before the pool's own lock, never after it."""
         self._optional_bytes = 0
-        """Bytes of staging held by work ahead of need (guarded by ``_lock``)."""
+        """Bytes of staging held by work ahead of need. Written by whoever takes or gives back such work
+        (the training thread, the lane), under ``_lock``."""
         self._staging_pending = 0
         """Bytes that submitted steps have yet to stage (their master and state buffers): with what is
-        in use, the most they can still take before anything comes back (guarded by ``_lock``)."""
-        self._lag = lag
-        self.min_budget_bytes = min_budget_bytes(state, config, lag, copies is not None)
+        in use, the most they can still take before anything comes back. Raised by the training thread
+        (:meth:`count_step_submitted`), lowered by the lane (:meth:`count_step_staged`), under ``_lock``."""
+        self._checkpoint_reserve = 0
+        """Two activation checkpoints on SSD, once known (:meth:`reserve_checkpoints`; training thread,
+        under ``_lock``)."""
+        rule = staging_budget_of(state, config, lag, copies is not None)
+        self._min_bytes = rule.minimum_bytes
+        """What the must-run work holds at once (the staging rule's minimum, plus the checkpoint reserve).
+        Written by the training thread (:meth:`set_budget`, :meth:`reserve_checkpoints`) under ``_lock``;
+        read under it by every thread that takes work ahead of need."""
         budget = config.buffer_budget_bytes
-        if budget is not None and budget < self.min_budget_bytes:
+        if budget is not None and budget < self._min_bytes:
             raise BufferBudgetError(
-                f"offload.buffer_budget_bytes={budget} is below the {self.min_budget_bytes} bytes one unit's "
+                f"offload.buffer_budget_bytes={budget} is below the {self._min_bytes} bytes one unit's "
                 "weights, gradient, master weights and optimizer state need at once. Fix: raise it to at "
-                f"least {self.min_budget_bytes}, lower layers_per_unit, or leave it None (automatic)."
+                f"least {self._min_bytes}, lower layers_per_unit, or leave it None (automatic)."
             )
-        self.pool = BufferPool(budget if budget is not None else self._auto_budget())
+        self.pool = BufferPool(budget if budget is not None else rule.automatic_bytes,
+                               pinner=(copies.pin, copies.unpin) if copies is not None else None)
 
-    def _auto_budget(self) -> int:
-        """The automatic budget: the minimum, room to prefetch the next unit's weights, and a little
-        slack for checkpoint read-aheads."""
-        weights = self.state.all_region_bytes(TensorKind.WEIGHTS)
-        on_ssd = [w for w, t in zip(weights, self.unit_tiers[TensorKind.WEIGHTS], strict=True) if t is Tier.SSD]
-        prefetch = max(on_ssd, default=0)
-        return self.min_budget_bytes + prefetch + AUTO_BUDGET_EXTRA_BYTES
+    @property
+    def min_budget_bytes(self) -> int:
+        """What the must-run work holds at once (see the module's docstring)."""
+        with self._lock:
+            return self._min_bytes
 
     # -- lifetime (training thread) ----------------------------------------------------------------
     def open(self, offload_dirs: list[Path], engines: list[IOEngine]) -> None:
@@ -372,29 +376,34 @@ class StagingArena:
         return align_up(self.state.region_bytes(kind, u)) if self.on_ssd(kind, u) or self.on_device(kind, u) else 0
 
     def set_budget(self, budget_bytes: int, lag: int) -> None:
-        """Between steps (the planner's choice): a new lag changes the minimum; the budget never goes below it."""
-        self._lag = lag
-        self.min_budget_bytes = (min_budget_bytes(self.state, self.config, lag, self.copies is not None)
-                                 + self._checkpoint_reserve)
-        self.pool.budget_bytes = max(budget_bytes, self.min_budget_bytes)
+        """Between steps (the planner's choice; training thread): a new lag changes the minimum; the
+        budget never goes below it."""
+        rule = staging_budget_of(self.state, self.config, lag, self.copies is not None)
+        with self._lock:
+            self._min_bytes = rule.minimum_bytes + self._checkpoint_reserve
+            self.pool.set_budget(max(budget_bytes, self._min_bytes))
 
     def reserve_checkpoints(self, checkpoint_bytes: int) -> None:
         """Activation checkpoints on SSD: the must-run work holds two at once (one read back for the op
-        in progress, one being written), known once the first one is saved. Raises the minimum (and an
-        automatic budget with it); an explicit budget below the new minimum is a clear error."""
+        in progress, one being written), known once the first one is saved (training thread). Raises
+        the minimum (and an automatic budget with it); an explicit budget below the new minimum is a
+        clear error."""
         reserve = 2 * align_up(checkpoint_bytes)
-        if reserve <= self._checkpoint_reserve:
-            return
-        grow = reserve - self._checkpoint_reserve
-        self._checkpoint_reserve = reserve
-        self.min_budget_bytes += grow
-        if self.config.buffer_budget_bytes is None:
-            self.pool.budget_bytes += grow
-        elif self.pool.budget_bytes < self.min_budget_bytes:
+        with self._lock:
+            if reserve <= self._checkpoint_reserve:
+                return
+            grow = reserve - self._checkpoint_reserve
+            self._checkpoint_reserve = reserve
+            self._min_bytes += grow
+            minimum, budget = self._min_bytes, self.pool.budget_bytes
+            if self.config.buffer_budget_bytes is None:
+                self.pool.set_budget(budget + grow)
+                return
+        if budget < minimum:
             raise BufferBudgetError(
-                f"offload.buffer_budget_bytes={self.pool.budget_bytes} is below the {self.min_budget_bytes} "
+                f"offload.buffer_budget_bytes={budget} is below the {minimum} "
                 f"bytes one unit's working set and two activation checkpoints of {checkpoint_bytes} bytes "
-                f"(offload.checkpoints='ssd') need at once. Fix: raise it to at least {self.min_budget_bytes}, "
+                f"(offload.checkpoints='ssd') need at once. Fix: raise it to at least {minimum}, "
                 "or leave it None (automatic)."
             )
 
@@ -509,7 +518,7 @@ class StagingArena:
             if not self._slack_allows(size):
                 return False
             self._optional_bytes += size
-        held._slack = self._give_back_slack
+        held.count_as_slack(self._give_back_slack)
         return True
 
     def read_ahead_fits(self, nbytes: int, unit_need_bytes: int | None) -> bool:
@@ -527,19 +536,19 @@ class StagingArena:
                 self.pool.in_use_bytes + nbytes + self._staging_pending + unit_need_bytes <= self.pool.budget_bytes
             )
 
-    def pending(self, nbytes: int) -> None:
+    def count_step_submitted(self, nbytes: int) -> None:
         """A step that will stage ``nbytes`` was submitted (training thread)."""
         with self._lock:
             self._staging_pending += nbytes
 
-    def staged(self, nbytes: int) -> None:
+    def count_step_staged(self, nbytes: int) -> None:
         """That step has staged them (the lane)."""
         with self._lock:
             self._staging_pending -= nbytes
 
     def _slack_allows(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more of work ahead of need fit in the slack (call with ``_lock`` held)."""
-        return self.min_budget_bytes + self._optional_bytes + nbytes <= self.pool.budget_bytes
+        return self._min_bytes + self._optional_bytes + nbytes <= self.pool.budget_bytes
 
     def _give_back_slack(self, nbytes: int) -> None:
         with self._lock:

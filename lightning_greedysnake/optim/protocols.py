@@ -79,10 +79,10 @@ class Staging(Protocol):
     def read_ahead_fits(self, nbytes: int, unit_need_bytes: int | None) -> bool:
         """Whether a read-ahead of ``nbytes`` may be taken (``unit_need_bytes`` None: only from the slack)."""
 
-    def pending(self, nbytes: int) -> None:
+    def count_step_submitted(self, nbytes: int) -> None:
         """A submitted step will stage ``nbytes`` (training thread)."""
 
-    def staged(self, nbytes: int) -> None:
+    def count_step_staged(self, nbytes: int) -> None:
         """That step has staged them (the thread that ran it)."""
 
 

@@ -191,7 +191,7 @@ class UnitStepper:
             self._alpha_pending.append((unit, hyper, has_grad))
         value = self.clip.value
         staging = self.parts.staging_bytes(unit, weights is not None)
-        self._staging.pending(staging)
+        self._staging.count_step_submitted(staging)
         numel = self.state.units[unit].numel
 
         def backward_part() -> None:  # on the lane
@@ -209,7 +209,7 @@ class UnitStepper:
                 try:
                     self.parts.step_part(unit, 0, flat, weights, hyper, has_grad)
                 finally:
-                    self._staging.staged(staging)
+                    self._staging.count_step_staged(staging)
                 lo, hi = opt.part_range(1)
                 grad_given_back = True
                 if deferred and lo < hi:
@@ -237,7 +237,7 @@ class UnitStepper:
         except BaseException:
             # not submitted (the lane failed, or Ctrl-C while waiting for a slot): nothing was stepped,
             # the unit's weights on their tier are current, and its handles go back here
-            self._staging.staged(staging)
+            self._staging.count_step_staged(staging)
             if deferred:
                 self._alpha_pending.pop()
             grad.release()

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import UnitLayout
-from lightning_greedysnake.offload.staging import REGION_KINDS
+from lightning_greedysnake.config import REGION_KINDS
 from lightning_greedysnake.planner.roofline import UnitCost
 
 
@@ -29,6 +29,9 @@ class SizedStore(Protocol):
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool:
         """Whether unit ``u``'s region of ``kind`` lives on SSD."""
+
+    def on_device(self, kind: TensorKind, u: int) -> bool:
+        """Whether unit ``u``'s region of ``kind`` is resident on the device."""
 
 
 def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backward_s: list[float] | None = None,
@@ -52,6 +55,7 @@ def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backwa
             recompute_s=(forward_s[u] if forward_s and u < last else 0.0),
             activation_bytes=(activation_bytes or {}).get(u, 0),
             on_ssd=frozenset(kind.value for kind in REGION_KINDS if manager.on_ssd(kind, u)),
+            on_device=frozenset(kind.value for kind in REGION_KINDS if manager.on_device(kind, u)),
         ))
     return out
 

@@ -29,10 +29,11 @@ has nothing left to hide behind when the optimizer runs in the background: its c
 unless they were read ahead during that unit's backward (``read_ahead``: room in the staging budget for
 the unit's master weights and state), add to the step.
 
-Memory: the staging the tensor manager needs for that lag (the training thread's unit and ``lag``
-queued steps each hold weights and gradient; the running step adds master and state) plus the next
-unit's weights for prefetch, optionally a second optimizer working set (so the optimizer's reads of
-one unit overlap the write-back of the previous one), plus every checkpoint kept in host memory.
+Memory: the staging budget the tensor manager takes for that lag (the staging rule of
+:mod:`~lightning_greedysnake.planner.staging`: the must-run work, ``prefetch_units`` weights prefetches
+and the slack), optionally a second optimizer working set (so the optimizer's reads of one unit overlap
+the write-back of the previous one) and the window's last step read ahead, plus every checkpoint kept in
+host memory.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_greedysnake.planner.roofline import Machine, UnitCost
+from lightning_greedysnake.planner.staging import staging_budget
 
 
 @dataclass(frozen=True)
@@ -92,23 +94,28 @@ def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
             params=sum(u.params for u in group), recompute_s=0.0 if fused else sum(u.recompute_s for u in group),
             activation_bytes=sum(u.activation_bytes for u in group),
             on_ssd=frozenset().union(*(u.on_ssd for u in group)),
+            on_device=frozenset().union(*(u.on_device for u in group)),
         ))
     return out
 
 
-def staging_bytes(units: list[UnitCost], lag: int) -> int:
-    """The tensor manager's staging need (as its own minimum budget) plus one unit's prefetch."""
-    need = 0
-    for u in units:
-        held = u.weight_bytes + u.grad_bytes
-        working = held + u.master_bytes + u.state_bytes
-        need = max(need, working if lag == 0 else (lag + 1) * held + working - held)
-    return need + max(u.weight_bytes for u in units)
+def staging_bytes(units: list[UnitCost], lag: int, prefetch_units: int = 1) -> int:
+    """The staging budget the tensor manager takes for ``units`` at ``lag`` unless told otherwise: the
+    staging rule's automatic budget (:func:`~lightning_greedysnake.planner.staging.staging_budget`)."""
+    return staging_budget([u.staging() for u in units], lag, prefetch_units).automatic_bytes
+
+
+def second_working_set_bytes(units: list[UnitCost]) -> int:
+    """Staging for a second optimizer step in flight (its reads overlap the previous step's write-back):
+    the largest unit's step (its compute weights on SSD, master weights and state)."""
+    return max(s.weights + s.step for s in (u.staging() for u in units))
 
 
 def read_ahead_bytes(units: list[UnitCost]) -> int:
-    """Staging for reading the window's last step (the first unit's) ahead: its master weights and state."""
-    return units[0].master_bytes + units[0].state_bytes
+    """Staging for reading the window's last step (the first unit's) ahead: its master weights and state
+    (where they are on SSD)."""
+    u = units[0]
+    return _ssd(u, "master_weights", u.master_bytes) + _ssd(u, "optimizer_states", u.state_bytes)
 
 
 def _ssd(u: UnitCost, kind: str, nbytes: int) -> int:
@@ -203,10 +210,11 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
          alphas: tuple[float, ...] = tuple(a / 20 for a in range(11)), lags: tuple[int, ...] = (0, 1, 2),
          layers_per_unit: tuple[int, ...] = (1, 2, 4),
          checkpoint_placements: tuple[str, ...] = ("host", "ssd"),
-         recompute: tuple[bool, ...] = (True, False)) -> Choice:
+         recompute: tuple[bool, ...] = (True, False), prefetch_units: int = 1) -> Choice:
     """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory).
 
-    ``units``: per-layer costs (one block each); ``checkpoint_bytes``: one unit input of one micro-batch.
+    ``units``: per-layer costs (one block each); ``checkpoint_bytes``: one unit input of one micro-batch;
+    ``prefetch_units``: the weights prefetches the staging budget holds room for (``offload.prefetch_units``).
     Keeping the graphs is considered only where every recomputed unit's activation bytes were measured.
     """
     measured = all(u.activation_bytes > 0 for u in units[:-1])
@@ -217,26 +225,26 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
     smallest = None
     for lpu in layers_per_unit:
         merged = merge(units, lpu)
-        second_set = max(u.master_bytes + u.state_bytes + u.weight_bytes for u in merged)
+        second_set = second_working_set_bytes(merged)
         for lag in lags:
             for double, ahead in ((False, False), (True, False), (False, True), (True, True)):
                 if ahead and lag == 0:
                     continue  # the synchronous step reads in line anyway
-                staging = (staging_bytes(merged, lag) + (second_set if double else 0)
+                staging = (staging_bytes(merged, lag, prefetch_units) + (second_set if double else 0)
                            + (read_ahead_bytes(merged) if ahead else 0))
                 for recomputing, checkpoints in options:
                     if recomputing:
                         host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
                     else:  # every unit's graph for every micro-batch, but the fused last unit's
                         host_ckpt = k * sum(u.activation_bytes for u in merged[:-1])
-                    host = staging + (16 << 20) + host_ckpt
+                    host = staging + host_ckpt
                     smallest = host if smallest is None else min(smallest, host)
                     if host > host_budget_bytes:
                         continue
                     for alpha in alphas:
                         f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints, double,
                                      recompute=recomputing, read_ahead=ahead)
-                        choice = Choice(alpha, lag, lpu, checkpoints, staging + (16 << 20), host, f + b, f, b,
+                        choice = Choice(alpha, lag, lpu, checkpoints, staging, host, f + b, f, b,
                                         recomputing, ahead)
                         # ties: less memory, then recompute (the method's default)
                         key = (choice.step_s, choice.host_bytes, not choice.recompute)

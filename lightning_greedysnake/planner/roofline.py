@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_greedysnake.planner.staging import UnitStaging, unit_staging
+
 ON_SSD = frozenset({"weights", "master_weights", "optimizer_states", "gradients"})
 """Every kind with a per-unit region: ZeRO-Infinity's placement, the default."""
 
@@ -45,6 +47,16 @@ class UnitCost:
     on_ssd: frozenset[str] = ON_SSD
     """The kinds whose region of this unit lives on SSD; the others are in host memory and move no
     SSD bytes (a kind split between host and SSD has some units of each)."""
+    on_device: frozenset[str] = frozenset()
+    """The kinds whose region of this unit is resident on the device (compute weights kept on a GPU):
+    no SSD bytes, but a step stages their new values on the host on the way there."""
+
+    def staging(self) -> UnitStaging:
+        """What this unit puts through the staging pool (the staging rule's input)."""
+        sizes = {"weights": self.weight_bytes, "gradients": self.grad_bytes,
+                 "master_weights": self.master_bytes, "optimizer_states": self.state_bytes}
+        return unit_staging(sizes, {kind: "ssd" if kind in self.on_ssd else "device" if kind in self.on_device
+                                    else "host" for kind in sizes})
 
 
 @dataclass(frozen=True)

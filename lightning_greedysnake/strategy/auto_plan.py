@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_greedysnake.config import GreedySnakeConfig, Tier
 from lightning_greedysnake.offload.preflight import disk_free_bytes
-from lightning_greedysnake.offload.staging import min_budget_bytes
+from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner import Choice, Machine, PlanError, plan, predict
 from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate, unit_costs, unit_times
 from lightning_greedysnake.strategy.placement import host_budget_bytes
@@ -111,7 +111,8 @@ class WarmStepPlan:
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
             device_tier = manager.copies is not None
             lags = tuple(lag for lag in lags
-                         if min_budget_bytes(manager.state, manager.config, lag, device_tier) <= explicit_budget)
+                         if staging_budget_of(manager.state, manager.config, lag, device_tier).minimum_bytes
+                         <= explicit_budget)
         options: dict[str, Any] = {
             "alphas": tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
             "lags": lags or (config.lag,),
@@ -119,7 +120,8 @@ class WarmStepPlan:
             "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",)}
         try:
             choice: Choice | str = disks if machine is None else plan(
-                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,), **options)
+                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
+                prefetch_units=manager.config.prefetch_units, **options)
         except PlanError as e:
             choice = str(e)
         choice = broadcast(choice)  # rank 0's, a choice or why there is none: every rank does the same

@@ -9,14 +9,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Split, TensorKind, Tier
+from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, OffloadConfig, Split, TensorKind, Tier
 from lightning_greedysnake.layout import StateLayout, unit_tiers
-from lightning_greedysnake.offload.staging import (
-    AUTO_BUDGET_EXTRA_BYTES,
-    REGION_KINDS,
-    SLOTTED,
-    min_budget_bytes,
-)
+from lightning_greedysnake.offload.staging import SLOTTED, staging_budget_of
 from lightning_greedysnake.planner.placement import PlacementPlan, plan_placement
 from lightning_greedysnake.planner.roofline import UnitCost
 from lightning_greedysnake.strategy.device_plan import DeviceSide, weights_room_bytes
@@ -61,9 +56,7 @@ def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int, devic
     weights none outside a step). ``device_tier``: units placed on ``device`` are in device memory."""
     if offload.buffer_budget_bytes is not None:
         return offload.buffer_budget_bytes
-    weights = state.all_region_bytes(TensorKind.WEIGHTS)
-    return (min_budget_bytes(state, offload, lag, device_tier) + max(weights, default=0) * max(1, offload.prefetch_units)
-            + AUTO_BUDGET_EXTRA_BYTES)
+    return staging_budget_of(state, offload, lag, device_tier).automatic_bytes
 
 
 def budget_error(settings: GreedySnakeConfig, budget: int, staging: int, lag: int) -> str:
@@ -77,7 +70,8 @@ def budget_error(settings: GreedySnakeConfig, budget: int, staging: int, lag: in
     what = (f"offload.buffer_budget_bytes={settings.offload.buffer_budget_bytes:,}"
             if settings.offload.buffer_budget_bytes is not None else
             f"the staging the tensor manager needs at lag {lag} ({staging:,} bytes: one unit's working set"
-            " on SSD, the queued steps' weights and gradients, one prefetch)")
+            f" on SSD, the queued steps' weights and gradients, {settings.offload.prefetch_units} unit(s)' weights"
+            " prefetched)")
     if settings.offload.buffer_budget_bytes is not None:
         fix += " or lower offload.buffer_budget_bytes"
     else:

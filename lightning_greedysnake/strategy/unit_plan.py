@@ -15,7 +15,7 @@ import torch
 from lightning_greedysnake.config import GreedySnakeConfig, Tier
 from lightning_greedysnake.layout import StateLayout, unit_tiers
 from lightning_greedysnake.models import LayerChain, make_units
-from lightning_greedysnake.offload.staging import REGION_KINDS
+from lightning_greedysnake.config import REGION_KINDS
 from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, probe_sizes, request_bandwidth
 from lightning_greedysnake.planner.roofline import traffic
 from lightning_greedysnake.strategy.device_plan import DeviceSide, device_side
@@ -80,7 +80,9 @@ def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], opt
         costs = unit_costs_at_setup(state, config.alpha or 0.0)
         tiers = {kind: unit_tiers(state.all_region_bytes(kind), config.offload.tier(kind)) for kind in REGION_KINDS}
         costs = [dataclasses.replace(c, on_ssd=frozenset(kind.value for kind in REGION_KINDS
-                                                         if tiers[kind][u] is Tier.SSD))
+                                                         if tiers[kind][u] is Tier.SSD),
+                                     on_device=frozenset(kind.value for kind in REGION_KINDS
+                                                         if device.tier and tiers[kind][u] is Tier.DEVICE))
                  for u, c in enumerate(costs)]
         schedule = config.schedule.value
         placed[lpu] = (costs, traffic(costs, schedule, k, clip_norm=clip_norm and schedule == "vertical"),

@@ -66,7 +66,7 @@ def test_the_device_tier_matches_lightning(simulated, placement, schedule):
     got = run(GreedySnakeStrategy(auto=False, schedule=schedule, offload=PLACEMENTS[placement], alpha=0.25, lag=1), "gpt", 3,
               callbacks=(seen,))
     assert_matches(got, ref)
-    assert seen.copies is not None and seen.copies.copies > 0
+    assert seen.copies is not None and seen.copies.counts.copies > 0
     assert seen.bound_to_device and all(seen.bound_to_device)
 
 
@@ -112,7 +112,7 @@ def test_memory_on_the_simulated_device_is_freed_after_fit(simulated):
     seen = DeviceTierSeen()
     run(GreedySnakeStrategy(auto=False, offload={"checkpoints": "ssd"}), "gpt", 3, callbacks=(seen,))
     copies, seen.copies, seen._manager = seen.copies, None, None
-    assert copies is not None and copies.copies > 0
+    assert copies is not None and copies.counts.copies > 0
     gc.collect()
     assert copies.memory_allocated() == 0  # no weights, gradient or checkpoint left on the device
     # the tensor manager closed its device tier: the copy threads are gone
@@ -125,7 +125,7 @@ class CopiedBytes(L.Callback):
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         self._manager.drain()
-        self.to_host = self._manager.copies.bytes_to_host
+        self.to_host = self._manager.copies.counts.bytes_to_host
         self.grad_bytes = sum(lay.numel * 4 for lay in self._manager.layouts)
 
 

@@ -45,8 +45,8 @@ class Resident(L.Callback):
         self.manager = manager = trainer.strategy.tensor_manager
         assert isinstance(manager.copies, SimulatedCopies)
         self.copies = manager.copies
-        self.to_device_at_start = manager.copies.bytes_to_device
-        self.to_host_at_start = manager.copies.bytes_to_host
+        self.to_device_at_start = manager.copies.counts.bytes_to_device
+        self.to_host_at_start = manager.copies.counts.bytes_to_host
         self.tiers = {t.value for t in manager.arena.unit_tiers[TensorKind.WEIGHTS]}
 
     def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
@@ -61,8 +61,8 @@ class Resident(L.Callback):
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         self.manager.drain()
-        self.to_device = self.copies.bytes_to_device - self.to_device_at_start
-        self.to_host = self.copies.bytes_to_host - self.to_host_at_start
+        self.to_device = self.copies.counts.bytes_to_device - self.to_device_at_start
+        self.to_host = self.copies.counts.bytes_to_host - self.to_host_at_start
         self.grad_bytes = sum(lay.numel * 4 for lay in self.manager.layouts)
         self.ssd_weight_bytes = (self.manager.stats.bytes_read("weights") + self.manager.stats.bytes_written("weights"))
         self.files = [p.name for p in self.manager.files]

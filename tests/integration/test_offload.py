@@ -16,7 +16,7 @@ import torch
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload import OffloadDirLock
-from lightning_greedysnake.offload.staging import REGION_KINDS
+from lightning_greedysnake.config import REGION_KINDS
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 from tests.helpers import TinyGPTModule, make_trainer, mounted, token_loader
 

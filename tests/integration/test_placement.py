@@ -12,7 +12,8 @@ import torch
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
-from lightning_greedysnake.offload.staging import FILE_NAMES, REGION_KINDS
+from lightning_greedysnake.config import REGION_KINDS
+from lightning_greedysnake.offload.staging import FILE_NAMES
 from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
 
 K = 3

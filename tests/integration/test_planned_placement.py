@@ -18,7 +18,7 @@ import torch
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, Split, Tier
 from lightning_greedysnake.offload.device import simulate_device_enabled
-from lightning_greedysnake.offload.staging import REGION_KINDS
+from lightning_greedysnake.config import REGION_KINDS
 from lightning_greedysnake.strategy.placement import CHECKPOINT_SHARE
 from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
 

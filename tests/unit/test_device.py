@@ -100,8 +100,8 @@ def test_a_host_region_handle_waits_for_a_copy_reading_it_before_it_is_released(
 
 
 def test_a_pooled_buffer_returns_to_the_pool_only_after_the_copy_out_of_it(copies):
-    pool = BufferPool(1 << 20, debug=True)  # poisons what comes back: an early return corrupts the copy
-    pool.pinner = (copies.pin, copies.unpin)
+    # poisons what comes back: an early return corrupts the copy
+    pool = BufferPool(1 << 20, debug=True, pinner=(copies.pin, copies.unpin))
     buf = pool.acquire(4096, what="weights")
     assert buf is not None
     held = Staged(buf, pool, "weights")
@@ -149,3 +149,40 @@ def test_devices_the_tensor_manager_does_not_run_on_are_refused_with_the_fix(mon
     check_device(resident, torch.device("cpu"), distributed=False)
     with pytest.raises(ValueError, match=r"'cpu' or 'cuda' devices, not 'mps'.*Fix"):
         check_device(default, torch.device("mps"), distributed=False)
+
+
+def test_the_byte_counters_are_exact_under_concurrent_copy_issuers():
+    """The training thread and the optimizer lane (a step's new resident weights) both issue copies:
+    the counters add every copy's bytes, whichever threads issue them at once (an unlocked ``+=`` loses
+    some when a thread switch lands between its read and its write: switching is made frequent here, and
+    the tensors' ``numel`` is Python code, where CPython may switch threads)."""
+    import sys
+
+    class Tensor(torch.Tensor):
+        def numel(self) -> int:
+            return super().numel()
+
+    copies = SimulatedCopies(max_delay_s=0.0, seed=0)
+    threads, per_thread = 8, 400
+    src = torch.ones(4).as_subclass(Tensor)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def issue() -> None:
+            dst = copies.empty(4, torch.float32).as_subclass(Tensor)
+            back = torch.empty(4).as_subclass(Tensor)
+            for _ in range(per_thread):
+                copies.to_device(src, dst)
+                copies.to_host(dst, back)
+
+        workers = [threading.Thread(target=issue) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+        copies.close()
+    assert copies.counts.bytes_to_device == threads * per_thread * 16
+    assert copies.counts.bytes_to_host == threads * per_thread * 16
+    assert copies.counts.copies == 2 * threads * per_thread

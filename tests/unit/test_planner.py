@@ -53,7 +53,7 @@ def test_a_tight_budget_moves_checkpoints_to_ssd_and_lowers_lag():
     disk = Machine(read_bytes_per_s=2e9, write_bytes_per_s=2e9, optimizer_elements_per_s=1e12)
     roomy = plan(layers(), disk, k=16, host_budget_bytes=10**12, checkpoint_bytes=64 * MB, layers_per_unit=(1,))
     assert roomy.checkpoints == "host"  # seven checkpoint writes per micro-batch would cost disk time
-    tight_budget = staging_bytes(layers(), 0) + 20 * MB  # the 16 MiB SSD-checkpoint slack, and 4 MiB: not lag 1
+    tight_budget = staging_bytes(layers(), 0) + 4 * MB  # (the budget holds its 16 MiB slack) 4 MiB: not lag 1
     tight = plan(layers(), disk, k=16, host_budget_bytes=tight_budget, checkpoint_bytes=64 * MB,
                  layers_per_unit=(1,))
     assert tight.checkpoints == "ssd" and tight.lag == 0 and tight.host_bytes <= tight_budget
@@ -64,27 +64,38 @@ def test_nothing_fits_is_a_clear_error_with_the_smallest_need():
         plan(layers(), FAST, k=4, host_budget_bytes=1000, checkpoint_bytes=MB)
 
 
-def test_the_planners_memory_model_is_the_tensor_managers():
-    """staging_bytes must be what the tensor manager itself requires (its minimum budget) plus one
-    unit's weights for prefetch, for every lag."""
+@pytest.mark.parametrize("placement", ["ssd", "split"])
+def test_the_planners_memory_model_is_the_tensor_managers(placement, tmp_path):
+    """One staging rule: the planner's budget (staging_bytes), the setup placement's estimate
+    (staging_estimate) and the budget the tensor manager takes are the same number, for every lag and
+    number of prefetched units, with every kind on SSD and with weights and state split host/SSD."""
     import torch
 
     from lightning_greedysnake import GPT, GPTConfig, OffloadConfig
+    from lightning_greedysnake.config import Split
     from lightning_greedysnake.models import find_layered_model, make_units
     from lightning_greedysnake.planner.measure import unit_costs
+    from lightning_greedysnake.strategy.placement import staging_estimate
     from lightning_greedysnake.tensor_manager import TieredTensorStore
 
-    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=64, block_size=8))
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=8))
     _, _, chain = find_layered_model(model)
     units = make_units(chain, 1)
     opt = torch.optim.AdamW(model.parameters())
-    for lag in (0, 1, 2):
-        manager = TieredTensorStore(units, {}, opt, OffloadConfig(), lag=lag)
-        try:
-            costs = unit_costs(manager)
-            assert staging_bytes(costs, lag) == manager.min_budget_bytes + max(c.weight_bytes for c in costs)
-        finally:
-            manager.close()
+    kinds = {} if placement == "ssd" else {"weights": Split(host=0.5, ssd=0.5),
+                                          "optimizer_states": Split(host=0.5, ssd=0.5)}
+    for prefetch_units in (0, 1, 2, 3):
+        config = OffloadConfig(prefetch_units=prefetch_units, **kinds)
+        for lag in (0, 1, 2):
+            manager = TieredTensorStore(units, {}, opt, config, lag=lag)
+            try:
+                manager.open(tmp_path)
+                costs = unit_costs(manager)
+                budget = manager.pool.budget_bytes
+                assert staging_bytes(costs, lag, prefetch_units) == budget, (prefetch_units, lag)
+                assert staging_estimate(manager.state, manager.config, lag) == budget, (prefetch_units, lag)
+            finally:
+                manager.close()
 
 
 def test_the_plan_command_measures_and_prints_a_strategy(tmp_path, capsys):
@@ -112,7 +123,7 @@ def test_spare_memory_buys_a_second_optimizer_buffer_that_overlaps_the_optimizer
     double = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=True)
     assert sum(double) < sum(lean)
     roomy = plan(layers(), disk, k=1, host_budget_bytes=10**12, checkpoint_bytes=MB, layers_per_unit=(1,))
-    assert roomy.buffer_budget_bytes > staging_bytes(layers(), roomy.lag) + (16 << 20)
+    assert roomy.buffer_budget_bytes > staging_bytes(layers(), roomy.lag)
 
 
 @pytest.mark.parametrize("state_units_on_ssd", [8, 3])
@@ -157,7 +168,7 @@ def test_keeping_the_graphs_is_chosen_when_they_fit_and_saves_the_recompute():
 
 def test_graphs_that_do_not_fit_mean_recompute():
     units = _with_graphs(layers(), activation_bytes=64 * MB)
-    budget = staging_bytes(units, 2) + 16 * MB + 4 * 7 * MB + 10 * MB  # host checkpoints fit, graphs do not
+    budget = staging_bytes(units, 2) + 4 * 7 * MB + 10 * MB  # host checkpoints fit, graphs do not
     choice = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB, layers_per_unit=(1,))
     assert choice.recompute and choice.host_bytes <= budget
 
@@ -215,8 +226,8 @@ def test_the_planner_buys_read_ahead_with_spare_memory_and_does_without_when_tig
     disk = Machine(read_bytes_per_s=1e9, write_bytes_per_s=1e9, optimizer_elements_per_s=1e8)
     roomy = plan(units, disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB, layers_per_unit=(1,), lags=(1,))
     assert roomy.read_ahead
-    assert roomy.buffer_budget_bytes >= staging_bytes(units, 1) + read_ahead_bytes(units) + (16 << 20)
-    tight_budget = staging_bytes(units, 1) + (16 << 20) + 7 * 4 * MB + read_ahead_bytes(units) // 2
+    assert roomy.buffer_budget_bytes >= staging_bytes(units, 1) + read_ahead_bytes(units)
+    tight_budget = staging_bytes(units, 1) + 7 * 4 * MB + read_ahead_bytes(units) // 2
     tight = plan(units, disk, k=4, host_budget_bytes=tight_budget, checkpoint_bytes=MB, layers_per_unit=(1,),
                  lags=(1,), checkpoint_placements=("host",))
     assert not tight.read_ahead and tight.host_bytes <= tight_budget

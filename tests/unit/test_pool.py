@@ -25,14 +25,21 @@ def test_a_request_larger_than_the_budget_names_the_setting():
     pool.close()
 
 
-def test_prefetch_headroom_and_non_blocking():
-    pool = BufferPool(4 * 4096)
-    held = pool.acquire(4096)
-    assert pool.acquire(4096, block=False, headroom=3 * 4096) is None  # would leave too little
-    extra = pool.acquire(4096, block=False, headroom=2 * 4096)
-    assert extra is not None
-    pool.release(extra)
-    pool.release(held)
+def test_non_blocking_returns_none_when_the_budget_is_full_and_a_larger_budget_wakes_a_waiter():
+    pool = BufferPool(2 * 4096)
+    held = pool.acquire(2 * 4096)
+    assert pool.acquire(4096, block=False) is None
+    pool.will_return()  # (something will come back: a blocking acquisition waits instead of failing)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(4096)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting for room
+    pool.set_budget(3 * 4096)
+    waiter.join(5)
+    assert not waiter.is_alive() and got[0] is not None
+    pool.release(got[0])
+    pool.release(held, returning=True)
     pool.close()
 
 
