@@ -222,3 +222,67 @@ def test_ctrl_c_while_waiting_for_a_lane_slot_gives_the_steps_handles_back(tmp_p
         signal.signal(signal.SIGALRM, previous)
         release_lane.set()
         store.close()
+
+
+@pytest.mark.parametrize("drop", ["step_read_ahead", "weights_prefetch"])
+def test_a_read_dropped_in_flight_never_lands_in_a_buffer_handed_out_again(tmp_path, monkeypatch, drop):
+    """Dropping work ahead of need whose read is still in flight (``PartStepper.drop_read_ahead``, when a
+    unit's weights or state are about to change; ``WeightsResidency.drop_prefetch``, when its step is
+    submitted) must give the buffer back only once the read landed, through the handle's waiting
+    release. With the read held at the gate, the buffer is dropped, then a buffer of the same size is
+    taken from the (poisoning) pool and filled with a pattern before the gate opens: had the drop sent
+    the buffer straight back to the pool, the pool would hand out that very buffer (the last one freed
+    of its size) and the late read would overwrite the pattern. Afterwards the unit's values still
+    read back right, and reusing buffers of that size finds no write into a free one."""
+    monkeypatch.setenv("GREEDYSNAKE_DEBUG_POOL", "1")
+    gated = "master_weights.bin" if drop == "step_read_ahead" else "weights.bin"
+    engine = GatedEngine(gated=gated)
+    store, _ = _store(tmp_path, engine, compute_dtype=torch.bfloat16)
+    unit = 1
+    expected = [p.detach().clone() for p in _model()[unit].parameters()]  # (the same seed: the stored values)
+    mine = None
+    try:
+        assert store.pool.debug
+        engine.reads.clear()
+        if drop == "step_read_ahead":
+            store.prefetch_step(unit)
+            assert store.stepper.parts.has_read_ahead(unit)
+        else:
+            store.prefetch(unit)
+            assert store.weights.is_staged(unit)
+        assert [name for name, _ in engine.reads] == [gated]  # went out, held at the gate
+        in_flight = engine.reads[0][1]
+        nbytes = in_flight.nbytes
+        if drop == "step_read_ahead":
+            store.stepper.parts.drop_read_ahead(unit)
+            assert not store.stepper.parts.has_read_ahead(unit)
+        else:
+            store.weights.drop_prefetch(unit)
+            assert not store.weights.is_staged(unit)
+        mine = store.pool.acquire(nbytes, what="the test, while the dropped read is in flight")
+        assert mine is not None and mine.tensor is not None
+        mine.tensor.fill_(0x5A)
+        engine.gate.set()
+        store.flush()  # the dropped read has landed, wherever it landed
+        changed = int((mine.tensor != 0x5A).sum())
+        assert changed == 0, (
+            f"the read dropped in flight ({gated}) landed in a buffer the pool had handed out again: "
+            f"{changed} of its {nbytes} bytes overwritten")
+        assert engine.errors == []
+        store.pool.release(mine)
+        mine = None
+        for _ in range(2):  # a cached buffer of that size is checked for writes while it was free
+            again = store.pool.acquire(nbytes, what="the test, after the read landed")
+            assert again is not None
+            store.pool.release(again)
+        for got, want in zip(store.unit_master_weights(unit), expected, strict=True):
+            assert torch.equal(got, want)
+        store.acquire_unit(unit)
+        for p, want in zip(store.params[unit], expected, strict=True):
+            assert torch.equal(p.data, want.to(torch.bfloat16))
+        store.release_unit(unit)
+    finally:
+        engine.gate.set()
+        if mine is not None:
+            store.pool.release(mine)
+        store.close()
