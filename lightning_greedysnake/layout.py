@@ -230,10 +230,6 @@ class StateLayout:
         lo, hi = self.bounds(u)
         return self.byte_ranges(kind, u, lo, hi) if lo < hi else []
 
-    def kept_bytes(self, kind: TensorKind) -> int:
-        """Bytes of ``kind`` this rank keeps in its file (partitioned state: its chunks only)."""
-        return sum(self.kept_unit_bytes(kind, u) for u in range(self.num_units))
-
     def kept_unit_bytes(self, kind: TensorKind, u: int) -> int:
         """Bytes of unit ``u``'s region of ``kind`` this rank keeps (partitioned state: its chunk only)."""
         if not self.sharded(kind):

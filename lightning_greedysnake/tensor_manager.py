@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,15 @@ from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload import unit_values
 from lightning_greedysnake.offload.activations import ActivationStore
 from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.offload.gradients import GradientAccumulator
 from lightning_greedysnake.offload.pool import BufferPool
 from lightning_greedysnake.offload.residency import UpdateGate, WeightsResidency
 from lightning_greedysnake.offload.staging import StagingArena
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper, discover_slots
+from lightning_greedysnake.optim.lane import StepLane
+from lightning_greedysnake.optim.protocols import StepCollectives
 from lightning_greedysnake.optim.state_format import StateFormat, state_format_for
 
 __all__ = ["ClipPolicy", "TieredTensorStore"]
@@ -146,26 +150,39 @@ def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torc
                        state_itemsize=state_format.itemsize, state_codec=codec.layout if codec else ())
 
 
+@dataclass(frozen=True)
+class DataParallelHooks:
+    """The ranks' collectives, as the tensor manager is built with them (None: one process)."""
+
+    steps: StepCollectives
+    """The optimizer lane's: gradient averaging on the host, the partitioned weights gather."""
+    host_group: Any = None
+    """The process group for host tensors (gloo beside NCCL; None: the default group)."""
+    device_reducer: DeviceGradientReducer | None = None
+    """On a device tier: averages each unit's gradient on the device before its copy to the host."""
+
+
 class TieredTensorStore(_StateBetweenWindows):
     """The SSD/host tensor manager behind the :class:`TensorStore` protocol, plus the optimizer step."""
-
-    owns_optimizer_step = True
 
     def __init__(self, units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
                  config: OffloadConfig, compute_dtype: torch.dtype = torch.float32, clip: ClipPolicy | None = None,
                  alpha: float = 0.0, lag: int = 0, shard: tuple[int, int] | None = None,
-                 copies: DeviceCopies | None = None, loss_scaler: Any = None) -> None:
+                 copies: DeviceCopies | None = None, loss_scaler: Any = None,
+                 data_parallel: DataParallelHooks | None = None,
+                 gradient_observer: Callable[[int, Tensor], None] | None = None) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
         ``lag``: how many units the background optimizer may trail backward by (0: synchronous);
         ``shard``: ``(rank, world)`` of data parallel with partitioned state: this process steps only its
-        chunk of every unit, and the stepper's ``weights_gatherer`` brings the other chunks' weights.
+        chunk of every unit, and ``data_parallel``'s gather brings the other chunks' weights.
         ``copies``: the device tier (a GPU's copy streams, or the simulated device), which this store
         closes; None: the CPU computes on the host tier's memory. ``loss_scaler`` (fp16): where no
         clipping defers the steps, each unit is stepped speculatively as its gradient completes, into
         a second slot of its regions, and a window found to hold an inf or NaN is undone
-        (:meth:`finish_step`)."""
+        (:meth:`finish_step`). ``data_parallel``: the ranks' collectives (None: one process).
+        ``gradient_observer``: see :class:`~lightning_greedysnake.optim.stepper.UnitStepper`."""
         config = config.placed()  # (a kind left unset: its fixed default; the strategy plans them before)
         self.config = config
         self.optimizer = optimizer
@@ -182,22 +199,26 @@ class TieredTensorStore(_StateBetweenWindows):
         self.state = state_layout(units, param_names, optimizer, config, compute_dtype, shard, self.slots,
                                   self.state_format)
         self.speculative = loss_scaler is not None and not self.clip.defer
-        self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1,
-                                  copies=copies)
         self.copies = copies
-        self.host_group: Any = None  # data parallel: the process group for host tensors (gloo beside NCCL)
+        self.host_group: Any = data_parallel.host_group if data_parallel is not None else None
+        """Data parallel: the process group for host tensors (gloo beside NCCL; None: the default group)."""
+        # built in dependency order, each complete: the lane first (the pool asks it whether buffers are
+        # on their way back; the weights wait on it), then the staging, the weights, the stepper
+        lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
+        self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1,
+                                  copies=copies, others_active=lambda: not lane.idle)
         self.gate = UpdateGate(len(units))
-        self.stepper = UnitStepper(optimizer, self.state, self.slots, self.arena, self.gate, compute_dtype,
-                                   self.clip, alpha, lag, state_format=self.state_format,
-                                   on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
-        self.stepper.speculative, self.stepper.loss_scaler = self.speculative, loss_scaler
-        self.stepper.check_finite = loss_scaler is None  # (an overflow is the loss scaler's to handle)
         self.weights = WeightsResidency(self.arena, self.state, self.params, compute_dtype, self.gate,
-                                        wait_for=lambda event: self.stepper.lane.wait_for(event), copies=copies)
-        self.stepper.keep_weights = self.weights.keep_as_prefetch
-        self.grads = GradientAccumulator(self.arena, self.state, self.params, copies)
+                                        wait_for=lane.wait_for, copies=copies)
+        self.stepper = UnitStepper(optimizer, self.state, self.slots, self.arena, self.gate, compute_dtype,
+                                   self.clip, alpha, lane, state_format=self.state_format,
+                                   keep_weights=self.weights.keep_as_prefetch,
+                                   collectives=data_parallel.steps if data_parallel is not None else None,
+                                   loss_scaler=loss_scaler, speculative=self.speculative,
+                                   gradient_observer=gradient_observer)
+        self.grads = GradientAccumulator(self.arena, self.state, self.params, copies,
+                                         data_parallel.device_reducer if data_parallel is not None else None)
         self.activations = ActivationStore(self.arena, config, self.stats, copies)
-        self.pool.others_active = lambda: not self.stepper.lane.idle
 
     # -- views of the components (read-only) ------------------------------------------------------------
     @property
@@ -257,7 +278,7 @@ class TieredTensorStore(_StateBetweenWindows):
 
     @property
     def checkpoint_prefetches(self) -> int:
-        """SSD checkpoint reads started ahead of need, since construction."""
+        """SSD activation-checkpoint reads started ahead of need, since construction."""
         return self.activations.prefetches
 
     @property
@@ -438,19 +459,19 @@ class TieredTensorStore(_StateBetweenWindows):
             need += self.arena.ssd_region_bytes(TensorKind.GRADIENTS, unit)
         return need
 
-    def save_checkpoint(self, unit: int, microbatch: int, hidden: Tensor) -> None:
+    def save_activation(self, unit: int, microbatch: int, hidden: Tensor) -> None:
         self.activations.save(unit, microbatch, hidden)
 
-    def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
+    def load_activation(self, unit: int, microbatch: int) -> Tensor:
         return self.activations.load(unit, microbatch)
 
-    def release_checkpoint(self, unit: int, microbatch: int) -> None:
+    def release_activation(self, unit: int, microbatch: int) -> None:
         self.activations.release(unit, microbatch)
 
-    def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
+    def prefetch_activation(self, unit: int, microbatch: int) -> None:
         self.activations.prefetch(unit, microbatch)
 
-    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
+    def drop_activation(self, unit: int, microbatch: int) -> None:
         self.activations.drop(unit, microbatch)
 
     @property
@@ -465,7 +486,8 @@ class TieredTensorStore(_StateBetweenWindows):
             return  # (no gradient reached this unit in this window: torch skips such parameters too)
         if self.clip.defer:
             reducer = self.grads.reducer
-            self.grads.record_norms(unit, reducer.average if reducer is not None else self.stepper.grad_reducer)
+            self.grads.record_norms(unit, reducer.average if reducer is not None else (
+                self.stepper.collectives.average_gradient if self.stepper.collectives is not None else None))
             self.stepper.wait_for_clipping(unit)
             if not self.weights.is_held(unit):
                 self.grads.spill(unit)  # wait on the gradients tier until finish_step (else: at release)

@@ -143,9 +143,8 @@ def regression_loader(num_batches: int, batch_size: int = 4, seed: int = 0) -> D
 
 class UnitGradients(L.Callback):
     """Every window's gradient as the tensor manager's stepper steps it (``param.grad`` is never populated
-    with offloading): the stepper's ``gradient_observer``, installed at the start of training, copies each
-    unit's complete gradient per parameter name (the unit looked up in the tensor manager in effect, which
-    a re-layout into larger units replaces). :meth:`windows` gives one dict per optimizer step."""
+    with offloading), through the strategy's public :meth:`register_gradient_hook`, installed at the start
+    of training. :meth:`windows` gives one dict per optimizer step."""
 
     def __init__(self) -> None:
         self.per_name: dict[str, list[torch.Tensor]] = {}
@@ -153,14 +152,8 @@ class UnitGradients(L.Callback):
     def on_train_start(self, trainer: Any, module: Any) -> None:
         if getattr(trainer.strategy, "tensor_manager", None) is None:
             return
-
-        def observe(unit: int, flat: torch.Tensor) -> None:  # on the optimizer lane
-            for slot in trainer.strategy.tensor_manager.layouts[unit].params:
-                if slot.group is not None:
-                    grad = flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape).clone()
-                    self.per_name.setdefault(slot.name, []).append(grad)
-
-        trainer.strategy.tensor_manager.stepper.gradient_observer = observe
+        trainer.strategy.register_gradient_hook(
+            lambda name, grad: self.per_name.setdefault(name, []).append(grad.clone()))  # on the lane
 
     def windows(self) -> list[dict[str, torch.Tensor]]:
         if not self.per_name:

@@ -399,7 +399,7 @@ class WindowEngine:
 
     # -- ops ----------------------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
-        self._hint_next_checkpoint()
+        self._hint_next_activation()
         self._hint_next_unit()
         if self.observer is not None and op.kind is not OpKind.OPTIMIZER:
             if op.kind is OpKind.FORWARD or self._inputs(op.microbatch).act_grad is not None:
@@ -443,10 +443,10 @@ class WindowEngine:
                 hidden = leaf
             out = self._blocks(unit, hidden, mb.ctx)
         if recompute:
-            self.store.save_checkpoint(u + 1, m, out)
+            self.store.save_activation(u + 1, m, out)
             if u > 0 and (u, m) not in w.kept_inputs:
                 # read back again for backward: an offloading store frees it now (just in time)
-                self.store.release_checkpoint(u, m)
+                self.store.release_activation(u, m)
         else:
             w.graphs[(u, m)] = (leaf, out)
             w.kept_inputs[(u + 1, m)] = out.detach().requires_grad_(out.is_floating_point())
@@ -456,12 +456,12 @@ class WindowEngine:
         w = self._require_window()
         if (u, m) in w.kept_inputs:
             return w.kept_inputs[(u, m)]
-        stored = self.store.load_checkpoint(u, m)
+        stored = self.store.load_activation(u, m)
         return stored.detach().requires_grad_(stored.is_floating_point()) if for_grad else stored
 
     def _drop_input(self, u: int, m: int) -> None:
         if self._require_window().kept_inputs.pop((u, m), None) is None:
-            self.store.drop_checkpoint(u, m)
+            self.store.drop_activation(u, m)
 
     def _backward(self, u: int, m: int) -> None:
         w = self._require_window()
@@ -513,15 +513,15 @@ class WindowEngine:
         for nxt in self._next_units_after_cursor(u):
             self.store.prefetch(nxt)
 
-    def _hint_next_checkpoint(self) -> None:
-        """The op after the current one reads a checkpoint (any op on a unit past the first): let the
-        store start reading it while the current op computes."""
+    def _hint_next_activation(self) -> None:
+        """The op after the current one reads an activation checkpoint (any op on a unit past the first):
+        let the store start reading it while the current op computes."""
         w = self._window
         if w is None or w.cursor + 1 >= len(w.plan.ops):
             return
         nxt = w.plan.ops[w.cursor + 1]
         if nxt.kind is not OpKind.OPTIMIZER and nxt.unit > 0:
-            self.store.prefetch_checkpoint(nxt.unit, nxt.microbatch)
+            self.store.prefetch_activation(nxt.unit, nxt.microbatch)
 
     def _hint_next_unit(self) -> None:
         """Ask again for the next unit's weights before every op: the prefetch at acquisition may have

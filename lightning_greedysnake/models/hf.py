@@ -145,7 +145,6 @@ class HFInitializer:
         self.names = {id(m): n for n, m in model.named_modules()}
         path = getattr(model, _PRETRAINED, None)
         self.index = safetensors_index(Path(path)) if path else None
-        self.tensors_read = 0
 
     def weight_init_generator(self) -> Any:
         return None
@@ -158,7 +157,6 @@ class HFInitializer:
                     init(sub)
             return
         load_module_weights(self.model, modules, self.index, self.names)
-        self.tensors_read += sum(1 for m in modules for _ in m.parameters())
 
 
 def load_module_weights(model: nn.Module, modules: Sequence[nn.Module], index: dict[str, Path],

@@ -34,14 +34,14 @@ from lightning_greedysnake.offload.staging import Staged, StagingArena
 
 class GradientAccumulator:
     def __init__(self, arena: StagingArena, state: StateLayout, params: list[list[nn.Parameter]],
-                 copies: DeviceCopies | None = None) -> None:
+                 copies: DeviceCopies | None = None, reducer: DeviceGradientReducer | None = None) -> None:
         self._arena = arena
         self._copies = copies
         self._on_device: dict[int, Tensor] = {}
         """Device tier: accumulators in device memory (instead of ``_grads``)."""
-        self.reducer: DeviceGradientReducer | None = None
+        self.reducer = reducer
         """Data parallel on the device tier: averages each gradient over the ranks before :meth:`take`
-        copies it (set by the strategy)."""
+        copies it."""
         self._state = state
         self.params = params
         self.where: dict[int, tuple[int, int]] = {

@@ -42,7 +42,8 @@ class PoolCorruptionError(AssertionError):
 
 class BufferPool:
     def __init__(self, budget_bytes: int, wait_timeout_s: float = 120.0, debug: bool | None = None,
-                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None) -> None:
+                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None,
+                 others_active: Callable[[], bool] | None = None) -> None:
         self.debug = debug_pool_enabled() if debug is None else debug
         """Poison released buffers and check them on reuse (see the module's docstring)."""
         self._last_owner: dict[int, str] = {}
@@ -63,7 +64,7 @@ class BufferPool:
         """Buffers whose owners released them but that wait for I/O to finish before coming back."""
         self.pinner = pinner
         """``(pin, unpin)`` of the device tier: every new buffer is page-locked for asynchronous copies."""
-        self.others_active: Callable[[], bool] | None = None
+        self.others_active = others_active
         """Whether another thread (the optimizer lane) holds buffers it will give back: then waiting for
         memory makes sense even when no I/O is in flight."""
 

@@ -184,9 +184,11 @@ class StagingArena:
     regions order their own transfers, the pool locks itself, and ``_lock`` guards the slack counters."""
 
     def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, lag: int, slots: int = 1,
-                 copies: DeviceCopies | None = None) -> None:
+                 copies: DeviceCopies | None = None, others_active: Callable[[], bool] | None = None) -> None:
         """``copies``: the device tier (a GPU, or the simulated device), where units placed on ``device``
-        keep their regions (:class:`DeviceRegions`); None: the CPU computes, ``device`` is host RAM."""
+        keep their regions (:class:`DeviceRegions`); None: the CPU computes, ``device`` is host RAM.
+        ``others_active``: whether another thread (the optimizer lane) holds buffers it will give back
+        (see :class:`BufferPool`)."""
         self.state = state
         self.config = config
         self.stats = stats
@@ -234,7 +236,8 @@ class StagingArena:
                 f"least {self._min_bytes}, lower layers_per_unit, or leave it None (automatic)."
             )
         self.pool = BufferPool(budget if budget is not None else rule.automatic_bytes,
-                               pinner=(copies.pin, copies.unpin) if copies is not None else None)
+                               pinner=(copies.pin, copies.unpin) if copies is not None else None,
+                               others_active=others_active)
 
     @property
     def min_budget_bytes(self) -> int:

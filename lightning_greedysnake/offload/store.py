@@ -1,6 +1,10 @@
 """The tensor manager seam: the engine asks it for each unit's weights and activation checkpoints, and
 hands it each unit's finished gradient. The in-memory implementation keeps everything where it is; the
-SSD tier plugs in behind the same Protocol."""
+SSD tier plugs in behind the same Protocol.
+
+An *activation checkpoint* (the ``*_activation`` methods) is a unit's input for one micro-batch, kept from
+forward for backward's recompute; it is not a training checkpoint (the strategy's ``save_checkpoint`` /
+``load_checkpoint``, see ``checkpoint/``)."""
 
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ from torch import Tensor
 @runtime_checkable
 class TensorStore(Protocol):
     def begin_window(self, num_microbatches: int) -> None:
-        """A window of ``num_microbatches`` begins (its checkpoints: the input of every unit but the
-        first, per micro-batch)."""
+        """A window of ``num_microbatches`` begins (its activation checkpoints: the input of every unit
+        but the first, per micro-batch)."""
 
     def acquire_unit(self, unit: int) -> None:
         """Make ``unit``'s compute weights usable on the compute device until ``release_unit``."""
@@ -22,19 +26,20 @@ class TensorStore(Protocol):
     def release_unit(self, unit: int) -> None:
         """The engine is done with ``unit``'s weights for now."""
 
-    def save_checkpoint(self, unit: int, microbatch: int, hidden: Tensor) -> None:
-        """Keep the input of ``unit`` for ``microbatch`` (the output of ``unit - 1``)."""
+    def save_activation(self, unit: int, microbatch: int, hidden: Tensor) -> None:
+        """Keep the input of ``unit`` for ``microbatch`` (the output of ``unit - 1``): its activation
+        checkpoint."""
 
-    def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
-        """The tensor saved by ``save_checkpoint``; it stays stored until ``drop_checkpoint``. The tensor
-        returned is valid until ``release_checkpoint`` or ``drop_checkpoint`` of it."""
+    def load_activation(self, unit: int, microbatch: int) -> Tensor:
+        """The tensor saved by ``save_activation``; it stays stored until ``drop_activation``. The tensor
+        returned is valid until ``release_activation`` or ``drop_activation`` of it."""
 
-    def release_checkpoint(self, unit: int, microbatch: int) -> None:
+    def release_activation(self, unit: int, microbatch: int) -> None:
         """The op that loaded it is done with the tensor for now (it stays stored for backward); an
         offloading store may free its memory and read it back at the next load."""
 
-    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
-        """The checkpoint will not be read again in this window."""
+    def drop_activation(self, unit: int, microbatch: int) -> None:
+        """The activation checkpoint will not be read again in this window."""
 
     def gradient_ready(self, unit: int) -> None:
         """``unit``'s parameter gradient for this window is complete (the optimizer may step it)."""
@@ -42,16 +47,16 @@ class TensorStore(Protocol):
     def prefetch(self, unit: int) -> None:
         """A hint: ``unit``'s weights will be acquired next; start bringing them in if that is cheap."""
 
-    def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
-        """A hint: that checkpoint will be loaded soon; start reading it if that is cheap."""
+    def prefetch_activation(self, unit: int, microbatch: int) -> None:
+        """A hint: that activation checkpoint will be loaded soon; start reading it if that is cheap."""
 
     def prefetch_step(self, unit: int, last: bool = True) -> None:
         """A hint: ``unit``'s optimizer step comes next (``last``: it is the window's last, which the next
         forward waits for); start reading what it reads if that is cheap."""
 
     def end_window(self, completed: bool = True) -> None:
-        """The window is over: forget its checkpoints; ``completed=False``: it was abandoned before its
-        optimizer step, so its gradients are dropped too."""
+        """The window is over: forget its activation checkpoints; ``completed=False``: it was abandoned
+        before its optimizer step, so its gradients are dropped too."""
 
     def close(self) -> None:
         """Release every resource (buffers, files, threads). Idempotent."""
@@ -60,8 +65,6 @@ class TensorStore(Protocol):
 class InMemoryTensorStore:
     """Everything stays on the compute device; counts what an offloading store would have to move.
     Lightning steps the user's optimizer on the resident parameters."""
-
-    owns_optimizer_step = False
 
     def __init__(self) -> None:
         self._checkpoints: dict[tuple[int, int], Tensor] = {}
@@ -79,18 +82,18 @@ class InMemoryTensorStore:
     def release_unit(self, unit: int) -> None:
         pass
 
-    def save_checkpoint(self, unit: int, microbatch: int, hidden: Tensor) -> None:
+    def save_activation(self, unit: int, microbatch: int, hidden: Tensor) -> None:
         key = (unit, microbatch)
-        assert key not in self._checkpoints, f"checkpoint {key} saved twice in one window"
+        assert key not in self._checkpoints, f"activation {key} saved twice in one window"
         self._checkpoints[key] = hidden
 
-    def load_checkpoint(self, unit: int, microbatch: int) -> Tensor:
+    def load_activation(self, unit: int, microbatch: int) -> Tensor:
         return self._checkpoints[(unit, microbatch)]
 
-    def release_checkpoint(self, unit: int, microbatch: int) -> None:
+    def release_activation(self, unit: int, microbatch: int) -> None:
         pass
 
-    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
+    def drop_activation(self, unit: int, microbatch: int) -> None:
         self._checkpoints.pop((unit, microbatch), None)
 
     def gradient_ready(self, unit: int) -> None:
@@ -99,7 +102,7 @@ class InMemoryTensorStore:
     def prefetch(self, unit: int) -> None:
         pass
 
-    def prefetch_checkpoint(self, unit: int, microbatch: int) -> None:
+    def prefetch_activation(self, unit: int, microbatch: int) -> None:
         pass
 
     def prefetch_step(self, unit: int, last: bool = True) -> None:

@@ -24,12 +24,6 @@ from lightning_greedysnake.layout import FileLayout, build_file_layout
 from lightning_greedysnake.offload.stats import IOStats
 
 
-def _done_future() -> Future[None]:
-    f: Future[None] = Future()
-    f.set_result(None)
-    return f
-
-
 class HostRegions:
     tier = "host"
 
@@ -280,6 +274,3 @@ class SSDScratch:
         """Close the file once no transfer is in flight on it (a dropped read-ahead may still be)."""
         self.wait_all()
         self.file.close()
-
-
-Regions = HostRegions | SSDRegions

@@ -154,6 +154,13 @@ class StepLane:
                         self._heavy -= 1
                     self._cond.notify_all()
 
+    def set_lag(self, lag: int) -> None:
+        """Between steps, with the lane drained (training thread, the only submitter): a new depth. A
+        background thread started before stays; a synchronous lane (0) runs every job inline."""
+        with self._cond:
+            assert not self._jobs and not self._running and not self._heavy, "set_lag on a busy lane"
+            self.lag = lag
+
     def close(self) -> None:
         """Finish queued jobs (unless one failed) and stop the thread. Idempotent; never raises."""
         self._closed = True

@@ -39,10 +39,9 @@ class PartStepper:
         """Master weights and optimizer state read ahead for a unit's coming step (its first part):
         (master, states), each None where not read ahead (guarded by ``_lock``)."""
         self._lock = threading.Lock()
-        self.steps_taken = 0
-        """Parts stepped, since construction (written by the stepping thread; read after a drain)."""
         self.steps_read_ahead = 0
-        """Steps that found their master weights or state read ahead, since construction (likewise)."""
+        """Steps that found their master weights or state read ahead, since construction (written by the
+        stepping thread; read after a drain)."""
         self.read_ahead_by_unit: dict[int, int] = {}
         """Per unit, its steps that found their reads done (likewise)."""
 
@@ -197,7 +196,6 @@ class PartStepper:
             for held in owned:
                 held.release()
             raise
-        self.steps_taken += 1
         self._write_back(unit, lo, hi, master, states, compute, weights_held, mflat, compute_ranges)
         trim_heap((hi - lo) * 4)
 

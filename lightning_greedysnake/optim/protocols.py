@@ -4,6 +4,8 @@ new weights through these seams and imports nothing of ``offload``. (``offload.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -94,3 +96,16 @@ class UpdateGate(Protocol):
     def publish(self, unit: int) -> None: ...
 
     def is_current(self, unit: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class StepCollectives:
+    """Data parallel's part in the steps (given at construction; None in one process). Both run on the
+    optimizer lane, in unit order on every rank."""
+
+    average_gradient: Callable[[Tensor], None]
+    """Averages a unit's complete fp32 host gradient over the ranks, in place, before its step (not called
+    when the device tier averaged it already)."""
+    gather_weights: Callable[[Tensor, list[tuple[int, int]]], None]
+    """Partitioned state: fills a unit's flat compute weights with every rank's chunk (given every rank's
+    bounds), after this rank stepped its own."""

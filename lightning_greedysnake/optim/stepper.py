@@ -29,7 +29,7 @@ from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.optim.part_step import PartStepper
-from lightning_greedysnake.optim.protocols import StagedBuffer, Staging, UpdateGate
+from lightning_greedysnake.optim.protocols import StagedBuffer, StepCollectives, Staging, UpdateGate
 from lightning_greedysnake.optim.state_format import StateFormat
 from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer, split_numel
 
@@ -48,37 +48,39 @@ class ClipPolicy:
 class UnitStepper:
     def __init__(self, optimizer: torch.optim.Optimizer | None, state: StateLayout, slots: tuple[str, ...],
                  staging: Staging, gate: UpdateGate, compute_dtype: torch.dtype, clip: ClipPolicy,
-                 alpha: float, lag: int, on_busy: Callable[[float, float], None] | None = None,
-                 state_format: StateFormat | None = None) -> None:
+                 alpha: float, lane: StepLane, *, state_format: StateFormat | None = None,
+                 keep_weights: Callable[[int, StagedBuffer], bool] | None = None,
+                 collectives: StepCollectives | None = None, loss_scaler: Any = None, speculative: bool = False,
+                 gradient_observer: Callable[[int, Tensor], None] | None = None) -> None:
+        """``lane``: the optimizer lane the steps run on (its depth is the lag), the caller's to share
+        (the pool asks it whether buffers are on their way back); this stepper closes it.
+        ``keep_weights``: offered unit 0's new weights after its step: True when it kept them (and owns
+        the handle). ``collectives``: data parallel's. ``loss_scaler`` (fp16): each gradient is unscaled
+        by its ``inv_scale`` (read when the step is submitted, on the training thread, which alone
+        updates the scale, after the window); an overflow is the loss scaler's to handle, so no unit
+        checks its gradient for non-finite values then. ``speculative``: steps run as gradients complete,
+        before the window is known to be finite; each writes its unit's other slot (:meth:`Staging.flip`
+        at its end), undone by :meth:`roll_back`. ``gradient_observer``: told ``(unit, flat fp32
+        gradient)`` once per window for every stepped unit: the complete gradient (averaged over the
+        ranks, before clipping), on the thread running the step, valid only during the call."""
         self.optimizer = optimizer
         self.state = state
         self.slots = slots
         self.clip = clip
         self.compute_dtype = compute_dtype
         self.alpha = alpha
-        self.lag = lag
         self._staging = staging
         self._gate = gate
-        self._on_busy = on_busy
         self.unit_optimizers: list[UnitOptimizer | None] = [self._unit_optimizer(u) for u in range(state.num_units)]
         self.parts = PartStepper(staging, self.unit_optimizers, slots, compute_dtype, state_format)
         self._state_format = state_format
-        self.lane = StepLane(lag, on_busy=on_busy)
-        self.keep_weights: Callable[[int, StagedBuffer], bool] = lambda unit, held: False
-        """Offered unit 0's new weights after its step: True when it kept them (and owns the handle)."""
-        self.grad_reducer: Callable[[Tensor], None] | None = None
-        """Data parallel: averages a unit's complete fp32 gradient over the ranks, in place, before its
-        step (called on the optimizer lane, in unit order on every rank)."""
-        self.weights_gatherer: Callable[[Tensor, list[tuple[int, int]]], None] | None = None
-        """Partitioned state: fills a unit's flat compute weights with every rank's chunk (given every
-        rank's bounds), after this rank stepped its own (on the lane, in unit order on every rank)."""
-        self.gradient_observer: Callable[[int, Tensor], None] | None = None
-        """Told ``(unit, flat fp32 gradient)`` once per window for every stepped unit: the complete
-        gradient (averaged over the ranks, before clipping), on the thread running the step, valid only
-        during the call. With offloading ``param.grad`` is never populated: this is how to see it. The
-        unit is an index into the layouts of the tensor manager in effect (``strategy.tensor_manager``:
-        after a re-layout into larger units, a new one, which keeps this observer)."""
-        self.check_finite = True
+        self.lane = lane
+        self.keep_weights = keep_weights or (lambda unit, held: False)
+        self.collectives = collectives
+        self.gradient_observer = gradient_observer
+        self.loss_scaler = loss_scaler
+        self.speculative = speculative
+        self.check_finite = loss_scaler is None
         """Look for a non-finite value in every unit's complete gradient (one sum on the lane)."""
         self.nonfinite: list[int] = []
         """Units whose gradient had a non-finite value since the training thread last took the list
@@ -93,15 +95,14 @@ class UnitStepper:
         """Units whose complete gradient waits for clipping (deferred mode)."""
         self._clip_coef: Tensor | None = None
         self._value_clips: list[float] = []
-        self.speculative = False
-        """fp16 loss scaling: steps run as gradients complete, before the window is known to be finite;
-        each writes its unit's other slot (:meth:`Staging.flip` at its end), undone by :meth:`roll_back`."""
-        self.loss_scaler: Any = None
-        """Loss scaling (its ``inv_scale``: each gradient is unscaled by it before its step; read when the
-        step is submitted, on the training thread, which alone updates the scale, after the window)."""
         self._journal: dict[int, tuple[tuple[int, ...], Any]] = {}
         """Speculative steps of this window: per unit, its slots and scalar state before it (training
         thread: written at submission, read by :meth:`roll_back` with the lane drained)."""
+
+    @property
+    def lag(self) -> int:
+        """How many units the background optimizer may trail backward by (the lane's depth)."""
+        return self.lane.lag
 
     def _unit_optimizer(self, u: int) -> UnitOptimizer | None:
         if self.optimizer is None:
@@ -141,7 +142,7 @@ class UnitStepper:
     def reconfigure(self, alpha: float, lag: int) -> None:
         """Between steps, with the lane drained: re-split every unit keeping its state, resize the lane."""
         self.parts.drop_all_read_aheads()  # read for the old split
-        self.alpha, self.lag = alpha, lag
+        self.alpha = alpha
         for u, old in enumerate(self.unit_optimizers):
             if old is None:
                 continue
@@ -151,8 +152,7 @@ class UnitStepper:
                 if old.param_initialized(j):
                     new.set_param_scalar_state(j, old.param_scalar_state(j))
             self.unit_optimizers[u] = new  # in place: the part stepper shares the list
-        self.lane.close()
-        self.lane = StepLane(lag, on_busy=self._on_busy)
+        self.lane.set_lag(lag)
 
     # -- submitting (training thread) ------------------------------------------------------------------------
     def _hyper(self) -> list[dict[str, Any]]:
@@ -199,8 +199,8 @@ class UnitStepper:
             try:
                 grad.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
                 flat = grad.view(torch.float32, numel)
-                if self.grad_reducer is not None and not averaged:
-                    self.grad_reducer(flat)  # data parallel: the ranks' gradients averaged, as DDP does
+                if self.collectives is not None and not averaged:
+                    self.collectives.average_gradient(flat)  # data parallel: the ranks' gradients averaged, as DDP does
                 if inv_scale is not None:
                     flat.mul_(inv_scale)  # (GradScaler's order: unscale, clip, step)
                 self._observe(unit, flat)
@@ -359,11 +359,11 @@ class UnitStepper:
         compute weights into the weights tier (all ranks call this in the same unit order)."""
         if self.state.shard is None:
             return
-        assert self.weights_gatherer is not None, "partitioned state needs a weights gatherer"
+        assert self.collectives is not None, "partitioned state needs a weights gatherer"
         held = self._staging.stage(TensorKind.WEIGHTS, unit, read=True)
         try:
             flat = held.view(self.compute_dtype, self.state.units[unit].numel)
-            self.weights_gatherer(flat, [self.state.bounds(unit, r) for r in range(self.state.shard[1])])
+            self.collectives.gather_weights(flat, [self.state.bounds(unit, r) for r in range(self.state.shard[1])])
         except BaseException:
             held.release()
             raise

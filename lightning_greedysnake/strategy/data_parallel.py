@@ -26,9 +26,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_greedysnake.distributed import gather_chunks
+from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
+from lightning_greedysnake.optim.protocols import StepCollectives
 from lightning_greedysnake.strategy.lightning_api import init_process_group, subprocess_launcher, sync_reduce
 from lightning_greedysnake.strategy.manager_setup import move_all_but_units
+from lightning_greedysnake.tensor_manager import DataParallelHooks
 
 
 def _destroy_process_groups() -> None:
@@ -216,19 +219,20 @@ class DataParallelStrategy(ParallelStrategy):
             return
         super().teardown()
 
-    def connect_collectives(self, manager: Any) -> None:
-        """Data parallel: the stepper averages each unit's gradient over the ranks before its step (on a
-        device tier: the gradient accumulator, on the device, before the gradient's copy to the host), and
-        gathers every rank's chunk of a partitioned unit's new weights after it (on the lane)."""
-        stepper = manager.stepper
-        if self.is_distributed:
-            if manager.copies is not None:
-                self._device_reducer = DeviceGradientReducer(manager.copies, self.global_rank, self.world_size,
-                                                             partitioned=manager.shard is not None)
-                manager.grads.reducer = self._device_reducer
-            manager.host_group = self._dp.host_group
-            stepper.grad_reducer = lambda grad: self._dp.average_gradient(grad, self.world_size)
-            stepper.weights_gatherer = lambda flat, b: self._dp.gather_weights(flat, b, self.global_rank)
+    def data_parallel_hooks(self, copies: DeviceCopies | None, partitioned: bool) -> DataParallelHooks | None:
+        """Data parallel's part in a new tensor manager (None in one process): the stepper averages each
+        unit's gradient over the ranks before its step (on a device tier: the gradient accumulator, on the
+        device, before the gradient's copy to the host), and gathers every rank's chunk of a partitioned
+        unit's new weights after it (on the lane)."""
+        if not self.is_distributed:
+            return None
+        if copies is not None:
+            self._device_reducer = DeviceGradientReducer(copies, self.global_rank, self.world_size,
+                                                         partitioned=partitioned)
+        steps = StepCollectives(
+            average_gradient=lambda grad: self._dp.average_gradient(grad, self.world_size),
+            gather_weights=lambda flat, b: self._dp.gather_weights(flat, b, self.global_rank))
+        return DataParallelHooks(steps, self._dp.host_group, self._device_reducer if copies is not None else None)
 
     def broadcast_parameters(self, params: list[nn.Parameter]) -> None:
         """Data parallel: every rank starts from rank 0's weights (as DDP does at setup)."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_greedysnake.checkpoint import is_checkpoint_dir
@@ -114,6 +116,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         self._batch_idx = 0
         """The epoch-local index of the batch in progress (from ``on_train_batch_start``)."""
         self._warned: set[str] = set()
+        self._gradient_hooks: OrderedDict[int, Callable[[str, Tensor], None]] = OrderedDict()
+        """:meth:`register_gradient_hook`'s hooks (registered on the training thread, between steps)."""
         self._failed = False
         self._unusable: after_fit.UnusableUntilLoaded | None = None
         """After a teardown that could not give the module its state back: its fail-on-use hooks."""
@@ -159,6 +163,31 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def tensor_manager(self) -> TieredTensorStore | None:
         """The SSD/host tensor manager, when the placement uses one (None: everything on the device)."""
         return self._store if isinstance(self._store, TieredTensorStore) else None
+
+    def register_gradient_hook(self, hook: Callable[[str, Tensor], None]) -> RemovableHandle:
+        """Call ``hook(name, grad)`` once per optimizer step for every trainable parameter that the tensor
+        manager steps, with its complete gradient: accumulated over the window's micro-batches, averaged
+        over the ranks (with ``shard_state``, only this rank's chunk is sure to be), unscaled under fp16,
+        before clipping. With offloading ``param.grad`` is never populated: this is how to see gradients.
+        ``name`` is the parameter's name in the LightningModule. The hook runs on the thread that runs the
+        step (the optimizer lane) and ``grad`` is valid only during the call: clone what you keep.
+        Returns a handle whose ``remove()`` unregisters the hook."""
+        handle = RemovableHandle(self._gradient_hooks)
+        self._gradient_hooks[handle.id] = hook
+        return handle
+
+    def gradient_hooks(self, unit: int, flat: Tensor) -> None:
+        """The tensor manager's gradient observer: ``unit``'s complete flat gradient to every registered
+        hook, parameter by parameter (on the thread running the step)."""
+        hooks = list(self._gradient_hooks.values())
+        manager = self.tensor_manager
+        if not hooks or manager is None:
+            return
+        for slot in manager.layouts[unit].params:
+            if slot.group is not None:
+                grad = flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)
+                for hook in hooks:
+                    hook(slot.name, grad)
 
     def io_stats(self) -> dict[str, float]:
         """The tensor manager's I/O counters so far: ``{"ssd/weights/bytes_read": ..., ...}`` (bytes,

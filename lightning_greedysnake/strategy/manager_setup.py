@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
-from lightning_greedysnake.offload.device import device_copies_for
+from lightning_greedysnake.offload.device import DeviceCopies, device_copies_for
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.strategy.placement import plan_checkpoints
 from lightning_greedysnake.strategy.unit_plan import plan_setup
-from lightning_greedysnake.tensor_manager import TieredTensorStore
+from lightning_greedysnake.tensor_manager import DataParallelHooks, TieredTensorStore
 
 Broadcast = Callable[[list[nn.Parameter]], None]
 """Every rank's copy of these parameters becomes rank 0's (a no-op in one process)."""
@@ -98,16 +98,22 @@ def check_device(config: GreedySnakeConfig, device: torch.device, distributed: b
 
 def new_tensor_manager(units: list[Unit], module: nn.Module, optimizer: torch.optim.Optimizer | None,
                        config: GreedySnakeConfig, compute_dtype: torch.dtype, device: torch.device,
-                       clip: ClipPolicy, shard: tuple[int, int] | None, loss_scaler: Any = None) -> TieredTensorStore:
+                       clip: ClipPolicy, shard: tuple[int, int] | None, loss_scaler: Any = None,
+                       data_parallel: Callable[[DeviceCopies | None, bool], DataParallelHooks | None] | None = None,
+                       gradient_observer: Callable[[int, Tensor], None] | None = None) -> TieredTensorStore:
     """The tensor manager for ``units``, with the device tier ``device`` needs (CUDA copy streams, the
     simulated device, or none: the CPU computes in host memory), which it owns from then on.
-    ``loss_scaler``: fp16's (see :class:`~lightning_greedysnake.loss_scale.LossScaler`), or None."""
+    ``loss_scaler``: fp16's (see :class:`~lightning_greedysnake.loss_scale.LossScaler`), or None;
+    ``data_parallel``: the ranks' collectives for that device tier and ``shard`` (None: one process);
+    ``gradient_observer``: the strategy's gradient hooks (see :meth:`GreedySnakeStrategy.register_gradient_hook`)."""
     copies = device_copies_for(device)
     try:
         return TieredTensorStore(
             units, {id(p): n for n, p in module.named_parameters()}, optimizer, config.offload,
             compute_dtype=compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
-            copies=copies, loss_scaler=loss_scaler)
+            copies=copies, loss_scaler=loss_scaler,
+            data_parallel=data_parallel(copies, shard is not None) if data_parallel is not None else None,
+            gradient_observer=gradient_observer)
     except BaseException:
         if copies is not None:
             copies.close()
@@ -164,9 +170,9 @@ def open_manager(strategy: Any, trainer: Any, module: nn.Module, chain: Any, uni
         strategy, trainer, chain, units, optimizer, dtype, shard, speculative=scaler is not None and not clip.defer,
         clip_norm=clip.defer, report=rank_zero_info)
     manager = new_tensor_manager(units, module, optimizer, config, dtype, strategy.root_device, clip=clip,
-                                 shard=shard, loss_scaler=scaler)
+                                 shard=shard, loss_scaler=scaler, data_parallel=strategy.data_parallel_hooks,
+                                 gradient_observer=strategy.gradient_hooks)
     plan_checkpoints(manager.activations, strategy.settings, strategy.num_processes, rank_zero_info)
-    strategy.connect_collectives(manager)
     directories = OffloadDirectories(config.offload)
     open_tensor_manager(manager, directories, Path(trainer.default_root_dir),
                         (strategy.global_rank, strategy.local_rank, strategy.is_distributed), units,

