@@ -152,13 +152,13 @@ def test_a_resume_continues_bit_for_bit(simulated, tmp_path: Path):
 
 class MinimumAfterThePlan(L.Callback):
     def on_train_end(self, trainer: Any, module: Any) -> None:
-        from lightning_greedysnake.offload.staging import min_budget_bytes
+        from lightning_greedysnake.offload.staging import staging_budget_of
 
         manager = trainer.strategy.tensor_manager
         arena = manager.arena
         self.lag = manager.lag
         self.minimum = arena.min_budget_bytes - arena._checkpoint_reserve
-        self.expected = min_budget_bytes(manager.state, manager.config, manager.lag, device_tier=True)
+        self.expected = staging_budget_of(manager.state, manager.config, manager.lag, device_tier=True).minimum_bytes
 
 
 def test_the_first_step_plans_staging_minimum_counts_the_steps_copy_of_resident_weights(simulated):
