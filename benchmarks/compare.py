@@ -15,8 +15,7 @@ DeepSpeed is optional and kept out of CI. To include it on a CPU machine:
 
 Each run's step time is the median of its steps after the second (``--steps``, default 4: steps 3 and 4),
 every system alike: the first steps are warm-up (DeepSpeed's, and greedysnake's first steps run at the
-fixed settings until ``auto=True``'s plan after step 2, which may also copy the state into larger units
-then). Results measured before this rule (commits up to 3749a5f) took the median after the first of 3.
+fixed settings until ``auto=True``'s plan after step 2). Results measured before this rule (commits up to 3749a5f) took the median after the first of 3.
 
 Writes a table, ``benchmarks/results/compare.json`` and a plot of tokens/s against K per system with
 greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench]``).

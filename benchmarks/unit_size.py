@@ -6,10 +6,8 @@ processes, rounds apart.
     python benchmarks/unit_size.py --n-embd 1024 --n-layer 12 --seq 128 --placement ssd --rounds 2
 
 Every kind is on SSD (``--placement ssd``; ``host``: in RAM), the rest as the defaults plan it (alpha,
-lag, recompute and the staging budget after the first step, which may also move the state into larger
-units). Reports each system's step time (the median of steps 2..N, rounds' median), its ratio to the
-fastest fixed size, the wall time of steps 2..N (a re-layout's copy is in it), the size in effect at
-the end, the plan's predicted step for it, and the first step's report on larger units. Prints a table and writes JSON (default ``benchmarks/results/unit_size.json``).
+lag, recompute and the staging budget after the second step, which may also suggest larger units). Reports each system's step time (the median of steps 2..N, rounds' median), its ratio to the
+fastest fixed size, the wall time of steps 2..N, the size setup chose, the plan's predicted step for it, and the first step's report on larger units. Prints a table and writes JSON (default ``benchmarks/results/unit_size.json``).
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Module()
     marks: list[float] = []
-    at_setup: list[int] = []  # the unit size setup chose (before any re-layout)
+    at_setup: list[int] = []  # the unit size setup chose
 
     class Timer(L.Callback):
         def on_train_start(self, trainer: Any, *_: Any) -> None:
@@ -51,7 +49,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     placement = {k: args.placement for k in ("weights", "master_weights", "optimizer_states", "gradients")}
     lpu = None if args.child == "planned" else int(args.child.split("_")[1])
-    notes: list[str] = []  # the first step's report on larger units (predicted step times, moved or why not)
+    notes: list[str] = []  # the warm step's suggestion of larger units
 
     class Notes(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:

@@ -87,20 +87,6 @@ class StepRecorder:
         self.trace_steps = 0
         self.trace_path: Path | None = None
         self._trace_start: float | None = None
-        self._traced: dict[str, list[tuple[float, float, str]]] = {}
-        """A trace's spans from managers replaced while it ran (see :meth:`follow`)."""
-
-    def follow(self, manager: Observed) -> None:
-        """Read ``manager``'s counters from now on (it replaced the one read so far: a re-layout, whose
-        copy counts in this step's wall time but not in its bytes). A trace in progress keeps the
-        replaced manager's spans."""
-        if self._trace_start is not None:
-            for lane, spans in self.manager.stats.lanes.spans(self._trace_start, time.perf_counter()).items():
-                self._traced.setdefault(lane, []).extend(spans)
-        manager.stats.lanes.keep_all = self.manager.stats.lanes.keep_all
-        self.manager = manager
-        self._counters = manager.stats.snapshot()
-        self._lane_wait = manager.optimizer_wait_seconds
 
     def start_trace(self, steps: int, path: Path) -> None:
         """Keep every interval of the next ``steps`` steps and write them as a Chrome trace to ``path``."""
@@ -146,10 +132,7 @@ class StepRecorder:
         del self.history[: -self.keep]
         if self.trace_path is not None and self._trace_start is not None and self._step >= self.trace_steps:
             spans = self.manager.stats.lanes.spans(self._trace_start, now)
-            for lane, earlier in self._traced.items():
-                spans[lane] = earlier + spans.get(lane, [])
             write_chrome_trace(spans, self._trace_start, self.trace_path)
-            self._traced = {}
             self.manager.stats.lanes.keep_all = False
             self._trace_start = None
         return entry

@@ -55,8 +55,9 @@ def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
 
 LARGER_UNITS_GAIN = 0.05
 """How much faster (a fraction of the step) larger units must be predicted for the warm-step plan to
-move the state into them (:mod:`~lightning_greedysnake.strategy.relayout`), or to suggest them for
-the next run where it cannot."""
+suggest them for the next run (the files are shaped by the unit size: a run keeps the size it started
+with; moving the state mid-run was measured no faster than setup's choice, see
+``benchmarks/results/unit_size_relayout_disk.json``)."""
 
 
 class WarmStepPlan:
@@ -77,8 +78,6 @@ class WarmStepPlan:
         from here."""
         self.unit_seconds: tuple[list[float], list[float]] | None = None
         """The warm step's forward and backward seconds per micro-batch of each unit, as planned with."""
-        self.larger: tuple[Choice, int] | None = None
-        """Larger units predicted :data:`LARGER_UNITS_GAIN` faster: their plan and ``layers_per_unit``."""
 
     def step_ended(self) -> bool:
         """An optimizer step ended: whether the plan is due now (it runs once)."""
@@ -140,7 +139,9 @@ class WarmStepPlan:
         report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
                f"elements/s; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
                f"{'binding resource':<22}{bound:>20}")
-        self.larger = self.larger_units(costs, machine, k, budget, manager, choice, config.layers_per_unit, options)
+        larger = self.larger_units(costs, machine, k, budget, manager, choice, config.layers_per_unit, options)
+        if larger is not None:
+            report(larger_units_note(*larger, choice))
         return config
 
     def larger_units(self, costs: list, machine: Machine, k: int, budget: int, manager: TieredTensorStore,
@@ -161,10 +162,9 @@ class WarmStepPlan:
         return best, best.layers_per_unit * lpu
 
 
-def larger_units_note(best: Choice, lpu: int, current: Choice, outcome: str | None) -> str:
-    """What the report says of larger units: moved into (``outcome`` None), or why not."""
-    head = (f"larger units are faster here: layers_per_unit={lpu} is predicted at {best.step_s:.3f} s a step against "
-            f"{current.step_s:.3f} s (its last unit recomputes nothing; staging {best.buffer_budget_bytes:,} bytes)")
-    if outcome is None:
-        return f"{head}: moving the state into them now"
-    return f"{head}, but the state stays in the units it has ({outcome}). Set layers_per_unit={lpu} for the next run."
+def larger_units_note(best: Choice, lpu: int, current: Choice) -> str:
+    """The report's suggestion of larger units for the next run."""
+    return (f"greedysnake: larger units are faster here: layers_per_unit={lpu} is predicted at {best.step_s:.3f} s a "
+            f"step against {current.step_s:.3f} s (its last unit recomputes nothing; staging "
+            f"{best.buffer_budget_bytes:,} bytes). Set layers_per_unit={lpu} for the next run (a run keeps the unit "
+            "size its files were laid out in).")

@@ -60,7 +60,6 @@ from lightning_greedysnake.strategy.manager_setup import (
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.strategy.placement import PlacementPlan
-from lightning_greedysnake.strategy.relayout import grow_units
 from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
@@ -255,7 +254,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self._install(InMemoryTensorStore(), units, chain)
 
     def _install(self, store: TensorStore, units: list, chain: Any) -> None:
-        """Route the window's hooks to ``store`` and a new engine over ``units`` (setup; a re-layout)."""
+        """Route the window's hooks to ``store`` and a new engine over ``units`` (setup)."""
         self._store = store
         manager = store if isinstance(store, TieredTensorStore) else None
         self.precision_plugin.attach(self._finish_window, manager, self._after_step if manager else None)
@@ -399,22 +398,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
                                                self.broadcast, rank_zero_info)
             self.engine.config = self.config  # between windows: the engine reads it op by op
             self.plan_choice = self._warm_plan.choice
-            if self._warm_plan.larger is not None:
-                self._grow_units(trainer)
         progress.log_step(self.lightning_module.trainer, entry)
-
-    def _grow_units(self, trainer: Any) -> None:
-        """Move the state into the larger units the warm-step plan found faster, where that pays."""
-        chain = self.engine.chain
-        self.engine.close()  # (between windows it holds nothing: closing only makes sure, before the store goes)
-        grown = grow_units(self, trainer, self._warm_plan, chain, rank_zero_info)
-        if grown is None:
-            return
-        self.config, self.placement_plan, self.plan_choice = grown.config, grown.placement, grown.choice
-        self.units_stay_on_host = grown.units
-        assert self._telemetry is not None
-        self._telemetry.follow(grown.manager)
-        self._install(grown.manager, grown.units, chain)
 
     # -- state dicts and checkpoints (the tensor manager holds the real values) -------------------------
     @property

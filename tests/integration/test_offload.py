@@ -254,11 +254,10 @@ def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
 
 
 def _killed_run(directory: Path, pid: int = 999_999_999) -> None:
-    """What a run killed with SIGKILL leaves: its offload files and its lock file, held by nobody (here
-    killed while it moved its state into larger units: one old file still renamed aside)."""
+    """What a run killed with SIGKILL leaves: its offload files and its lock file, held by nobody."""
     directory.mkdir(parents=True)
     (directory / ".greedysnake.lock").write_text(f"{pid}\n")
-    for name in ("weights.bin", "optimizer_states.bin", "gradients.bin.relayout-old"):
+    for name in ("weights.bin", "optimizer_states.bin", "gradients.bin"):
         (directory / name).write_bytes(b"\0" * 8192)
 
 
