@@ -135,7 +135,7 @@ FIXED_PLACEMENT = {
 """Where an unset kind goes with ``auto=False``: ZeRO-Infinity's placement."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadConfig:
     """Where each kind of tensor lives, and the tensor manager's resources (Hydra group
     ``strategy.offload``). The default is ZeRO-Infinity's placement: weights, master weights, optimizer
@@ -206,8 +206,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         for kind in TensorKind:
             if getattr(self, kind.value) is not None:
-                setattr(self, kind.value, _placement(f"offload.{kind.value}", getattr(self, kind.value)))
-        self.optimizer_state_dtype = _state_dtype(self.optimizer_state_dtype)
+                object.__setattr__(self, kind.value, _placement(f"offload.{kind.value}", getattr(self, kind.value)))
+        object.__setattr__(self, "optimizer_state_dtype", _state_dtype(self.optimizer_state_dtype))
         if self.optimizer_state_dtype != "float32" and not self.uses_tensor_manager:
             raise ValueError(
                 f"offload.optimizer_state_dtype={self.optimizer_state_dtype!r} needs the tensor manager, but every "
@@ -224,7 +224,7 @@ class OffloadConfig:
                     f"offload.path={self.path!r} must name one directory or several different ones. Fix: e.g. "
                     "offload.path=['/mnt/nvme0/gs', '/mnt/nvme1/gs']."
                 )
-            self.path = paths if several else paths[0]
+            object.__setattr__(self, "path", paths if several else paths[0])
         if self.optimizer_states is Tier.DEVICE and self.uses_tensor_manager:
             raise ValueError(
                 "offload.optimizer_states='device' needs every other kind on 'device' too (then Lightning "
@@ -323,7 +323,7 @@ FIXED_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "lag": 2, "recompute": True, "l
 unset ``layers_per_unit`` until (with ``auto=True``) setup plans it; with ``auto=False``, for the run."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class GreedySnakeConfig:
     """Settings of the greedysnake strategy (Hydra group ``strategy``)."""
 
@@ -416,18 +416,26 @@ class GreedySnakeConfig:
 
     def resolved(self, placement: Mapping[TensorKind, Tier | Split] | None = None) -> GreedySnakeConfig:
         """The settings in effect: unset kinds placed by ``placement`` (else their fixed default), unset
-        alpha, lag and recompute at their fixed defaults (the first steps'; the plan may change them)."""
+        alpha, lag and recompute at their fixed defaults (the first steps'; the plan may change them).
+        Resolved settings resolve to themselves."""
+        if self.is_resolved:
+            return self
         values: dict[str, Any] = {name: v for name, v in FIXED_DEFAULTS.items() if getattr(self, name) is None}
         return dataclasses.replace(self, offload=self.offload.placed(placement), **values)
 
+    @property
+    def is_resolved(self) -> bool:
+        """Every setting has its value in effect (the staging budget aside: None is the automatic one)."""
+        return not self.offload.unset() and all(getattr(self, name) is not None for name in FIXED_DEFAULTS)
+
     def __post_init__(self) -> None:
-        self.offload = OffloadConfig.from_value(self.offload)
+        object.__setattr__(self, "offload", OffloadConfig.from_value(self.offload))
         if isinstance(self.trace_steps, bool) or not isinstance(self.trace_steps, int) or self.trace_steps < 0:
             raise ValueError(
                 f"trace_steps={self.trace_steps!r} must be a non-negative integer (optimizer steps to trace). "
                 "Fix: e.g. trace_steps=3, or 0 for no trace."
             )
-        self.schedule = _enum_value(ScheduleKind, "schedule", self.schedule)
+        object.__setattr__(self, "schedule", _enum_value(ScheduleKind, "schedule", self.schedule))
         if self.layers_per_unit is None:
             pass
         elif isinstance(self.layers_per_unit, bool) or not isinstance(self.layers_per_unit, int):
@@ -446,7 +454,7 @@ class GreedySnakeConfig:
                 f"alpha={self.alpha!r} must be a fraction in [0, 1] (the share of each unit's update deferred "
                 "into the next forward). Fix: e.g. alpha=0.25, or alpha=0 to step everything during backward."
             )
-        self.alpha = None if self.alpha is None else float(self.alpha)
+        object.__setattr__(self, "alpha", None if self.alpha is None else float(self.alpha))
         if self.lag is not None and (isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0):
             raise ValueError(
                 f"lag={self.lag!r} must be a non-negative integer (units the background optimizer may trail "

@@ -183,7 +183,8 @@ class TieredTensorStore(_StateBetweenWindows):
         a second slot of its regions, and a window found to hold an inf or NaN is undone
         (:meth:`finish_step`). ``data_parallel``: the ranks' collectives (None: one process).
         ``gradient_observer``: see :class:`~lightning_greedysnake.optim.stepper.UnitStepper`."""
-        config = config.placed()  # (a kind left unset: its fixed default; the strategy plans them before)
+        if config.unset():
+            raise ValueError(f"the tensor manager needs every kind placed (OffloadConfig.placed()), not {config}")
         self.config = config
         self.optimizer = optimizer
         self.compute_dtype = compute_dtype

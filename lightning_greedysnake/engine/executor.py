@@ -217,15 +217,19 @@ class WindowEngine:
         store: TensorStore,
         device: torch.device,
         forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+        observer: Callable[[str, float, float], None] | None = None,
     ) -> None:
-        """``forward_context``: entered around every forward the engine runs itself (the precision
-        plugin's autocast), as Lightning enters it around ``training_step``."""
+        """``config``: resolved (every setting in effect: :meth:`GreedySnakeConfig.resolved`).
+        ``forward_context``: entered around every forward the engine runs itself (the precision plugin's
+        autocast), as Lightning enters it around ``training_step``. ``observer``: told ``(op name, start,
+        end)`` of every forward and backward op the engine runs (telemetry)."""
+        if not config.is_resolved:
+            raise ValueError(f"the engine needs resolved settings (GreedySnakeConfig.resolved()), not {config}")
         self.forward_context = forward_context
-        self.observer: Callable[[str, float, float], None] | None = None
-        """Told ``(op name, start, end)`` of every forward and backward op the engine runs (telemetry)."""
+        self.observer = observer
         self.chain = chain
         self.units = units
-        self.config = config.resolved()  # (unset settings at their fixed defaults: the engine needs values)
+        self.config = config
         self.store = store
         self.device = device
         self._window: _Window | None = None
@@ -233,6 +237,13 @@ class WindowEngine:
         self.activation_bytes: dict[int, int] = {}
         """Per unit, the bytes its autograd graph holds for one micro-batch (measured at the first
         recompute of each unit): what keeping the graphs instead would cost."""
+
+    def replan(self, config: GreedySnakeConfig) -> None:
+        """Run with ``config`` (resolved: the warm-step plan's) from the next window on."""
+        assert self._window is None, "replan inside a window"
+        if not config.is_resolved:
+            raise ValueError(f"the engine needs resolved settings (GreedySnakeConfig.resolved()), not {config}")
+        self.config = config
 
     # -- window lifecycle ---------------------------------------------------------------------------
     @property

@@ -126,24 +126,9 @@ def plan_device(settings: GreedySnakeConfig, module: nn.Module, device: torch.de
     return dataclasses.replace(settings, offload=offload)
 
 
-def planned_settings(strategy: Any, module: nn.Module) -> GreedySnakeConfig:
-    """:func:`plan_device` for ``strategy``'s settings at setup (rank 0 reports)."""
-    from lightning.pytorch.utilities import rank_zero_info
-
-    from lightning_greedysnake.offload.device import simulate_device_enabled
-
-    return plan_device(strategy.settings, module, strategy.root_device, simulated=simulate_device_enabled(),
-                       loss_scaling=getattr(strategy.precision_plugin, "loss_scaler", None) is not None,
-                       broadcast=strategy.broadcast, report=rank_zero_info)
-
-
-def device_side(strategy: Any) -> DeviceSide:
-    """What setup's placement may put on ``strategy``'s device: with ``auto=True`` and the weights
-    unset, on a GPU (or the simulated device, with an explicit budget), the device budget."""
-    from lightning_greedysnake.offload.device import simulate_device_enabled
-
-    settings, device = strategy.settings, strategy.root_device
-    tier = device.type == "cuda" or (device.type == "cpu" and simulate_device_enabled())
-    if not tier or not settings.auto or settings.offload.weights is not None:
-        return DeviceSide(tier)
-    return DeviceSide(tier, device_budget_bytes(settings, device))
+def device_side(settings: GreedySnakeConfig, device: torch.device, device_tier: bool) -> DeviceSide:
+    """What setup's placement may put on ``device`` (``device_tier``: units placed there live in device
+    memory): with ``auto=True`` and the weights unset, the device budget."""
+    if not device_tier or not settings.auto or settings.offload.weights is not None:
+        return DeviceSide(device_tier)
+    return DeviceSide(device_tier, device_budget_bytes(settings, device))

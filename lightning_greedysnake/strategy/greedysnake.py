@@ -13,7 +13,8 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
   Lightning's own path runs: ``on_before_optimizer_step``, gradient clipping, ``optimizer.step()``,
   LR schedulers, ``global_step``.
 
-Each concern beside the routing lives in its own module of this package: data-parallel plumbing
+Each concern beside the routing lives in its own module of this package: a run's parts, built at setup
+and closed at teardown (``run``), data-parallel plumbing
 (``data_parallel``), the offload directory (``offload_dir``), window inputs (``inputs``), meta models
 (``materialize``), checks (``checks``), the auto plan (``auto_plan``), checkpoints (``checkpoints``),
 progress (``progress``), and the Lightning internals it needs (``lightning_api``).
@@ -43,24 +44,18 @@ from lightning_greedysnake.checkpoint.streamed import load_streamed
 from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Tier
 from lightning_greedysnake.distributed import ShardedStateView
 from lightning_greedysnake.engine import WindowEngine
-from lightning_greedysnake.models import check_parameter_ownership, find_layered_model, make_units
-from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
+from lightning_greedysnake.offload import TensorStore
+from lightning_greedysnake.offload.device import simulate_device_enabled
+from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.planner import Choice
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import after_fit, checks, progress
-from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
 from lightning_greedysnake.strategy.checkpoints import StreamedCheckpoints
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
-from lightning_greedysnake.strategy.device_plan import planned_settings
-from lightning_greedysnake.strategy.inputs import WindowInputs, forward_replaced, loss_of, tokens_in
-from lightning_greedysnake.strategy.manager_setup import (
-    check_device,
-    open_manager,
-    stand_in_for_meta_parameters,
-)
-from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
-from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
+from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, tokens_in
 from lightning_greedysnake.strategy.placement import PlacementPlan
-from lightning_greedysnake.telemetry import StepRecorder, StepTelemetry
+from lightning_greedysnake.strategy.run import Run, SetupContext, cut_model, open_run
+from lightning_greedysnake.telemetry import StepTelemetry
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -98,20 +93,13 @@ class GreedySnakeStrategy(DataParallelStrategy):
         # validate first: bad settings fail at construction, before Lightning does anything
         self.settings = GreedySnakeConfig.from_kwargs(config, **settings)
         """What the user set (``None``: unset, the planner's with ``auto=True``)."""
-        self.config = self.settings.resolved()
-        """The settings in effect: unset ones at their fixed defaults until setup plans the placement."""
         super().__init__(checkpoint_io=checkpoint_io)
         self._gs_precision: GreedySnakePrecision | None = None
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
-        self._engine: WindowEngine | None = None
-        self._store: TensorStore | None = None
-        self._layered: nn.Module | None = None
-        self._layered_path: str | None = None
-        self._inputs: WindowInputs | None = None
-        self._dir: OffloadDirectories | None = None
+        self._run: Run | None = None
+        """This setup's parts (kept after teardown, closed, for what the run planned and measured)."""
         self._checkpoints = StreamedCheckpoints()
-        self._telemetry: StepRecorder | None = None
         self._batch_idx = 0
         """The epoch-local index of the batch in progress (from ``on_train_batch_start``)."""
         self._warned: set[str] = set()
@@ -120,10 +108,6 @@ class GreedySnakeStrategy(DataParallelStrategy):
         self._failed = False
         self._unusable: after_fit.UnusableUntilLoaded | None = None
         """After a teardown that could not give the module its state back: its fail-on-use hooks."""
-        self.plan_choice: Any = None
-        """The planner's choice when ``auto=True`` (after the first optimizer step)."""
-        self.placement_plan: PlacementPlan | None = None
-        """The placement planned at setup (``auto=True`` and a kind left unset)."""
 
     # -- the precision plugin ----------------------------------------------------------------------
     @property  # type: ignore[override]
@@ -149,19 +133,41 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     # -- what the strategy exposes ------------------------------------------------------------------
     @property
+    def config(self) -> GreedySnakeConfig:
+        """The settings in effect: the run's one resolved configuration, which its engine and tensor
+        manager were built from (the warm-step plan's after it ran); before setup, the settings with
+        every unset one at its fixed default."""
+        return self._run.config if self._run is not None else self.settings.resolved()
+
+    @property
+    def placement_plan(self) -> PlacementPlan | None:
+        """The placement planned at setup (``auto=True`` and a kind left unset)."""
+        return self._run.placement if self._run is not None else None
+
+    @property
+    def plan_choice(self) -> Choice | None:
+        """The warm-step plan's choice when ``auto=True`` (after the second optimizer step)."""
+        run = self._run
+        return run.warm_plan.choice if run is not None and run.warm_plan is not None else None
+
+    @property
     def engine(self) -> WindowEngine:
-        assert self._engine is not None, "the strategy is not set up"
-        return self._engine
+        return self._open_run().engine
 
     @property
     def store(self) -> TensorStore:
-        assert self._store is not None, "the strategy is not set up"
-        return self._store
+        return self._open_run().store
 
     @property
     def tensor_manager(self) -> TieredTensorStore | None:
-        """The SSD/host tensor manager, when the placement uses one (None: everything on the device)."""
-        return self._store if isinstance(self._store, TieredTensorStore) else None
+        """The SSD/host tensor manager, when the placement uses one (None: everything on the device, or
+        not set up)."""
+        run = self._run
+        return run.tensor_manager if run is not None and not run.closed else None
+
+    def _open_run(self) -> Run:
+        assert self._run is not None and not self._run.closed, "the strategy is not set up"
+        return self._run
 
     def register_gradient_hook(self, hook: Callable[[str, Tensor], None]) -> RemovableHandle:
         """Call ``hook(name, grad)`` once per optimizer step for every trainable parameter that the tensor
@@ -179,7 +185,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """The tensor manager's gradient observer: ``unit``'s complete flat gradient to every registered
         hook, parameter by parameter (on the thread running the step)."""
         hooks = list(self._gradient_hooks.values())
-        manager = self.tensor_manager
+        manager = self._run.tensor_manager if self._run is not None else None  # (closing too: the last steps)
         if not hooks or manager is None:
             return
         for slot in manager.layouts[unit].params:
@@ -198,7 +204,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def step_telemetry(self) -> list[StepTelemetry]:
         """Per optimizer step: lane busy seconds (SSD read, SSD write, optimizer), compute, the seconds the
         training thread waited on reads and on the optimizer, bytes per kind. Empty without offload."""
-        return self._telemetry.history if self._telemetry is not None else []
+        telemetry = self._run.telemetry if self._run is not None else None
+        return telemetry.history if telemetry is not None else []
 
     @property
     def last_checkpoint_seconds(self) -> float | None:
@@ -221,55 +228,32 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self._unusable.remove()
             self._unusable = None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.config = planned_settings(self, module).resolved()  # on the GPU where it all fits
-        self._warm_plan = WarmStepPlan(self.settings, self.num_processes)
-        if fitting:
-            checks.check_module_for_training(module, self._warn_once)
-        path, layered, chain = find_layered_model(module, self.config.layered_module)
-        units = make_units(chain, self.config.layers_per_unit)
-        if fitting:
-            check_parameter_ownership(module, path, units)
-        on_meta = stand_in_for_meta_parameters(module, units, self.config.offload.uses_tensor_manager)
-        if self.config.offload.uses_tensor_manager:
-            check_device(self.config, self.root_device, self.is_distributed)
-            self.units_stay_on_host = units  # the tensor manager brings them to the device unit by unit
+        ctx = SetupContext(
+            self.settings, self.root_device, simulate_device_enabled(), self.global_rank, self.local_rank,
+            self.world_size, self.num_processes, trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
+            fitting, self.precision_plugin, self.broadcast, self.broadcast_parameters, self.data_parallel_hooks,
+            self.gradient_hooks, self._warn_once, rank_zero_info)
+        cut = cut_model(ctx, module)
+        uses_manager = cut.config.offload.uses_tensor_manager
+        if uses_manager:
+            self.units_stay_on_host = cut.units  # the tensor manager brings them to the device unit by unit
         super().setup(trainer)  # model to device, optimizers, precision plugin
         if fitting:
             checks.check_optimizers(self.optimizers)
             checks.check_cpu_precision(self.precision_plugin, self.root_device, self._warn_once)
-            checks.check_loss_scaling(self.precision_plugin, self.config.offload.uses_tensor_manager)
-        self._layered, self._layered_path = layered, path
-        self._inputs = WindowInputs(layered, path)
-        self._guard = NonFiniteGuard(self.config.on_nonfinite, self._warn_once, self.precision_plugin.loss_scaler)
-        if self.config.offload.uses_tensor_manager:
-            manager, units, self.config, self.placement_plan, self._dir = open_manager(
-                self, trainer, module, chain, units, fitting, layered if on_meta else None, self._warn_once)
-            self._telemetry = StepRecorder(manager)
-            if fitting and self.config.trace_steps:
-                trace = Path(self.config.trace_path or Path(trainer.default_root_dir) / "greedysnake_trace.json")
-                self._telemetry.start_trace(self.config.trace_steps, trace)
-            self._install(manager, units, chain)
-        else:
-            self.broadcast_parameters([p for unit in units for p in unit.parameters()])
-            self._install(InMemoryTensorStore(), units, chain)
-
-    def _install(self, store: TensorStore, units: list, chain: Any) -> None:
-        """Route the window's hooks to ``store`` and a new engine over ``units`` (setup)."""
-        self._store = store
-        manager = store if isinstance(store, TieredTensorStore) else None
+            checks.check_loss_scaling(self.precision_plugin, uses_manager)
+        optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
+        clip = checks.clip_policy(trainer, module, self._warn_once) if fitting and uses_manager else ClipPolicy()
+        self._run = run = open_run(ctx, module, cut, optimizer, clip)
+        manager = run.tensor_manager
         self.precision_plugin.attach(self._finish_window, manager, self._after_step if manager else None)
-        self._engine = WindowEngine(chain, units, self.config, store, self.root_device,
-                                    self.precision_plugin.forward_context)
-        if manager is not None:
-            lanes = manager.stats.lanes
-            self._engine.observer = lambda name, a, b: lanes.add("compute", a, b, name)
 
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
         """``trainer.init_module(empty_init=True)``: with the tensor manager, build the model on the meta
         device; setup then materializes it one unit at a time straight into its tiers."""
-        if empty_init and self.config.offload.uses_tensor_manager:
+        if empty_init and self.settings.resolved().offload.uses_tensor_manager:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
         else:
@@ -284,29 +268,22 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        manager = self.tensor_manager
         failed, self._failed = self._failed, False
+        run = self._run
         try:
-            if self._engine is not None:
-                self._engine.close()
-            if manager is not None and not manager.closed and self._layered is not None:
-                # the LightningModule should be usable after fit, as with any other strategy
-                view = ShardedStateView(manager, self.global_rank, self.world_size) if manager.shard else manager
-                self._unusable = after_fit.hand_back(
-                    manager, self._layered, manager.optimizer, failed=failed, distributed=self.is_distributed,
-                    weights=view.unit_master_weights, unit_state=view.unit_optimizer_state,
-                    global_step=self.lightning_module.trainer.global_step, warn=rank_zero_warn)
+            if run is not None:
+                run.close(lambda manager: self._hand_back(run, manager, failed))
         finally:
-            try:
-                if self._store is not None:
-                    self._store.close()
-            finally:
-                if self._dir is not None:
-                    self._dir.cleanup(manager.files if manager is not None else [])
-                    self._dir = None
-                self.precision_plugin.attach(None)
-                self._engine = self._store = self._inputs = None
-                super().teardown()
+            self.precision_plugin.attach(None)
+            super().teardown()
+
+    def _hand_back(self, run: Run, manager: TieredTensorStore, failed: bool) -> None:
+        """The LightningModule should be usable after fit, as with any other strategy."""
+        view = ShardedStateView(manager, self.global_rank, self.world_size) if manager.shard else manager
+        self._unusable = after_fit.hand_back(
+            manager, run.layered, manager.optimizer, failed=failed, distributed=self.is_distributed,
+            weights=view.unit_master_weights, unit_state=view.unit_optimizer_state,
+            global_step=self.lightning_module.trainer.global_step, warn=rank_zero_warn)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -317,9 +294,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING or self._inputs is None:
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or self._run is None or self._run.closed:
             return dataloader
-        return self._inputs.wrap(dataloader, trainer.accumulate_grad_batches)
+        return self._run.inputs.wrap(dataloader, trainer.accumulate_grad_batches)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -328,8 +305,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
     # -- the training step ------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        engine, inputs = self.engine, self._inputs
-        assert inputs is not None
+        run = self._open_run()
+        engine, inputs, telemetry = run.engine, run.inputs, run.telemetry
         module = self.lightning_module
         trainer = module.trainer
         microbatch = inputs.open_window(engine, self._batch_idx, trainer.accumulate_grad_batches,
@@ -339,8 +316,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         engine.run_until_fused(microbatch)
 
         def fused(*a: Any, **kw: Any) -> Any:
-            if self._telemetry is not None:
-                self._telemetry.tokens += tokens_in(a, kw)
+            if telemetry is not None:
+                telemetry.tokens += tokens_in(a, kw)
             t0 = time.perf_counter()
             out = engine.fused_forward(microbatch, a, kw)
             self._observe(f"L{engine.units[-1].index}.{microbatch} forward", t0)
@@ -350,8 +327,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
             output = super().training_step(*args, **kwargs)
         if engine.fused_pending != microbatch:
             raise ValueError(inputs.no_model_call_message())
-        if microbatch == 0 and self._telemetry is not None:
-            progress.show_progress(module, self._telemetry.history[-1] if self._telemetry.history else None)
+        if microbatch == 0 and telemetry is not None:
+            progress.show_progress(module, telemetry.history[-1] if telemetry.history else None)
         if loss_of(output) is None:
             # Lightning skips backward when training_step returns no loss: this micro-batch adds nothing
             engine.fused_backward_done(microbatch)
@@ -368,13 +345,13 @@ class GreedySnakeStrategy(DataParallelStrategy):
         t0 = time.perf_counter()
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._observe(f"L{engine.units[-1].index}.{microbatch} backward", t0)
-        self._guard.after_backward(engine, module, closure_loss, microbatch)
+        self._open_run().guard.after_backward(engine, module, closure_loss, microbatch)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
     def _finish_window(self) -> None:
-        if not self._guard.end_window(self.lightning_module.trainer.global_step):
+        if not self._open_run().guard.end_window(self.lightning_module.trainer.global_step):
             self.engine.finish_window()
         if self.is_distributed and self.tensor_manager is None:
             self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
@@ -385,20 +362,17 @@ class GreedySnakeStrategy(DataParallelStrategy):
             manager.stats.lanes.add("compute", start, time.perf_counter(), name)
 
     def _after_step(self) -> None:
-        """The step's telemetry to the loggers; the auto plan after the warm step."""
-        assert self._telemetry is not None
-        entry = self._telemetry.record()
-        manager = self.tensor_manager
-        if manager is not None:
-            self._guard.check_gradients(manager.stepper.take_nonfinite(), self.lightning_module.trainer.global_step)
-        if manager is not None and self._warm_plan.step_ended():
-            trainer = self.lightning_module.trainer
-            self.config = self._warm_plan.run(manager, self.engine.activation_bytes, self.config,
-                                               trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
-                                               self.broadcast, rank_zero_info)
-            self.engine.config = self.config  # between windows: the engine reads it op by op
-            self.plan_choice = self._warm_plan.choice
-        progress.log_step(self.lightning_module.trainer, entry)
+        """The step's telemetry to the loggers; the auto plan after the warm step (tensor manager only)."""
+        run = self._open_run()
+        manager, warm_plan = run.tensor_manager, run.warm_plan
+        assert manager is not None and run.telemetry is not None and warm_plan is not None
+        entry = run.telemetry.record()
+        trainer = self.lightning_module.trainer
+        run.guard.check_gradients(manager.stepper.take_nonfinite(), trainer.global_step)
+        if warm_plan.step_ended():  # between windows: the engine reads its settings op by op
+            run.replan(warm_plan.run(manager, run.engine.activation_bytes, run.config, trainer.accumulate_grad_batches,
+                                     Path(trainer.default_root_dir), self.broadcast, rank_zero_info))
+        progress.log_step(trainer, entry)
 
     # -- state dicts and checkpoints (the tensor manager holds the real values) -------------------------
     @property
@@ -439,7 +413,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self._checkpoints.save(manager, checkpoint, filepath, storage_options, rank=self.global_rank,
                                world=self.world_size, global_step=self.lightning_module.trainer.global_step,
-                               layered_prefix=f"{self._layered_path}." if self._layered_path else "",
+                               layered_prefix=f"{self._run.layered_path}." if self._run and self._run.layered_path else "",
                                precision=str(self.precision_plugin.precision))
 
     @override
@@ -485,5 +459,4 @@ class GreedySnakeStrategy(DataParallelStrategy):
             return super().predict_step(*args, **kwargs)
 
     def _layered_module(self) -> nn.Module:
-        assert self._layered is not None, "the strategy is not set up"
-        return self._layered
+        return self._open_run().layered

@@ -14,18 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
 from lightning_greedysnake.offload.device import DeviceCopies, device_copies_for
 from lightning_greedysnake.optim import ClipPolicy
-from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.strategy.placement import plan_checkpoints
-from lightning_greedysnake.strategy.unit_plan import plan_setup
 from lightning_greedysnake.tensor_manager import DataParallelHooks, TieredTensorStore
 
 Broadcast = Callable[[list[nn.Parameter]], None]
@@ -153,28 +149,3 @@ def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectorie
         manager.close()
         directory.cleanup(manager.files)
         raise
-
-
-def open_manager(strategy: Any, trainer: Any, module: nn.Module, chain: Any, units: list[Unit], fitting: bool,
-                 meta_model: nn.Module | None, warn: Callable[[str, str], None]
-                 ) -> tuple[TieredTensorStore, list[Unit], GreedySnakeConfig, Any, OffloadDirectories]:
-    """Setup's tensor manager for ``strategy``: the unit size and placement planned, the manager made,
-    connected to the ranks and opened in its prepared directories. Returns it, its units (``units``
-    unless the plan chose another size: the same parameters), the settings in effect, the placement
-    plan (None: nothing planned) and the directories (locked: the strategy cleans them up)."""
-    optimizer = strategy.optimizers[0] if (fitting and strategy.optimizers) else None
-    clip = checks.clip_policy(trainer, module, warn) if fitting else ClipPolicy()
-    shard = (strategy.global_rank, strategy.world_size) if strategy.is_distributed and strategy.config.shard_state else None
-    scaler, dtype = strategy.precision_plugin.loss_scaler, strategy.precision_plugin.compute_dtype
-    config, placement, units = plan_setup(
-        strategy, trainer, chain, units, optimizer, dtype, shard, speculative=scaler is not None and not clip.defer,
-        clip_norm=clip.defer, report=rank_zero_info)
-    manager = new_tensor_manager(units, module, optimizer, config, dtype, strategy.root_device, clip=clip,
-                                 shard=shard, loss_scaler=scaler, data_parallel=strategy.data_parallel_hooks,
-                                 gradient_observer=strategy.gradient_hooks)
-    plan_checkpoints(manager.activations, strategy.settings, strategy.num_processes, rank_zero_info)
-    directories = OffloadDirectories(config.offload)
-    open_tensor_manager(manager, directories, Path(trainer.default_root_dir),
-                        (strategy.global_rank, strategy.local_rank, strategy.is_distributed), units,
-                        strategy.broadcast_parameters, meta_model, rank_zero_info)
-    return manager, units, config, placement, directories

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from lightning_greedysnake.strategy.placement import (
     unit_costs_at_setup,
 )
 from lightning_greedysnake.tensor_manager import discover_slots, state_format_for, state_layout
+
+if TYPE_CHECKING:
+    from lightning_greedysnake.strategy.run import SetupContext
 
 CANDIDATES = (1, 2, 4, 8)
 """The unit sizes considered (blocks per unit; those up to the model's number of blocks)."""
@@ -141,22 +144,29 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
     return result
 
 
-def plan_setup(strategy: Any, trainer: Any, chain: LayerChain, units: list, optimizer: Any, dtype: torch.dtype,
-               shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool,
-               report: Callable[[str], None]) -> tuple[GreedySnakeConfig, PlacementPlan | None, list]:
+@dataclasses.dataclass(frozen=True)
+class SetupPlan:
+    """What setup planned: the settings in effect, the placement plan (None: nothing planned) and the
+    units of the planned size."""
+
+    config: GreedySnakeConfig
+    placement: PlacementPlan | None
+    units: list
+
+
+def plan_setup(ctx: SetupContext, chain: LayerChain, optimizer: Any, dtype: torch.dtype,
+               shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool) -> SetupPlan:
     """What setup plans, in order: ``layers_per_unit``, then the placement of the unset kinds for the
-    units of that size. Returns the settings in effect, the placement plan (None: nothing planned) and
-    the units (``units``, made at the fixed default, unless the plan chose another size)."""
-    device = device_side(strategy)
+    units of that size."""
+    device = device_side(ctx.settings, ctx.device, ctx.device_tier)
     lpu = plan_layers_per_unit(
-        strategy.settings, chain, optimizer, dtype, shard, trainer.accumulate_grad_batches, speculative=speculative,
-        clip_norm=clip_norm, local_processes=strategy.num_processes, default_root=Path(trainer.default_root_dir),
-        is_global_zero=strategy.is_global_zero, broadcast=strategy.broadcast, report=report, device=device)
-    if lpu != strategy.config.layers_per_unit:  # (``units`` were made at the size in effect before the plan)
-        units = make_units(chain, lpu)
+        ctx.settings, chain, optimizer, dtype, shard, ctx.accumulate, speculative=speculative,
+        clip_norm=clip_norm, local_processes=ctx.local_processes, default_root=ctx.default_root,
+        is_global_zero=ctx.is_global_zero, broadcast=ctx.broadcast, report=ctx.report, device=device)
+    units = make_units(chain, lpu)
     config, plan = plan_at_setup(
-        dataclasses.replace(strategy.settings, layers_per_unit=lpu),
-        state_layout(units, {}, optimizer, strategy.config.offload, dtype, shard), trainer.accumulate_grad_batches,
-        speculative=speculative, clip_norm=clip_norm, local_processes=strategy.num_processes,
-        broadcast=strategy.broadcast, report=report, device=device)
-    return config, plan, units
+        dataclasses.replace(ctx.settings, layers_per_unit=lpu),
+        state_layout(units, {}, optimizer, ctx.settings.offload.placed(), dtype, shard), ctx.accumulate,
+        speculative=speculative, clip_norm=clip_norm, local_processes=ctx.local_processes,
+        broadcast=ctx.broadcast, report=ctx.report, device=device)
+    return SetupPlan(config, plan, units)

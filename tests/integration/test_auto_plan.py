@@ -64,7 +64,7 @@ def test_the_plan_measures_the_warm_step_not_the_first(monkeypatch):
 
     strategy = GreedySnakeStrategy(layers_per_unit=1, auto_host_budget_bytes=1 << 30, offload=ALL_SSD)
     _fit(strategy, [FirstStepSlow()])
-    warm = strategy._warm_plan
+    warm = strategy._run.warm_plan
     assert strategy.plan_choice is not None and warm.steps == PLAN_STEP > 1
     fwd, bwd = warm.unit_seconds
     assert len(bwd) == 3 and all(0 < t < slow / 3 for t in bwd + fwd)  # step 1's sleep is not in it
@@ -72,7 +72,7 @@ def test_the_plan_measures_the_warm_step_not_the_first(monkeypatch):
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, offload=ALL_SSD)  # a run too short to plan
     L.seed_everything(0, verbose=False)
     make_trainer(strategy, 3, max_steps=PLAN_STEP - 1).fit(TinyGPTModule(n_layer=3, lr=3e-3), token_loader(12))
-    assert strategy.plan_choice is None and strategy._warm_plan.pending
+    assert strategy.plan_choice is None and strategy._run.warm_plan.pending
 
 
 def test_the_first_step_plan_keeps_every_setting_given():
@@ -146,8 +146,7 @@ def test_auto_can_switch_to_kept_graphs_mid_run_exactly():
                 Switch.fired = True
                 assert set(strategy.engine.activation_bytes) >= {0, 1}  # measured at the first recompute
                 assert all(v > 0 for v in strategy.engine.activation_bytes.values())
-                strategy.config = dataclasses.replace(strategy.config, recompute=False)
-                strategy.engine.config = strategy.config
+                strategy._run.replan(dataclasses.replace(strategy.config, recompute=False))
 
     def fit(callbacks: list) -> dict:
         L.seed_everything(0, verbose=False)
@@ -173,3 +172,40 @@ def test_larger_units_predicted_faster_are_suggested_for_the_next_run_and_the_un
         _fit(strategy)
     assert "larger units are faster here" in caplog.text and "Set layers_per_unit=" in caplog.text
     assert strategy.config.layers_per_unit == 1 and strategy.tensor_manager is None  # (torn down after fit)
+
+
+def test_the_engine_the_tensor_manager_and_the_plans_see_the_one_resolved_config(monkeypatch):
+    """The settings in effect are resolved once at setup (the placement planned) and once more by the
+    warm-step plan, each time into one object that every part reads: the engine's config is the
+    strategy's, the tensor manager's offload settings are its ``offload``, and the warm-step plan is
+    handed the one in effect and returns the next."""
+    from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
+
+    handed: list[tuple[object, object]] = []
+    real_run = WarmStepPlan.run
+
+    def run(self, manager, activation_bytes, config, *args, **kwargs):
+        out = real_run(self, manager, activation_bytes, config, *args, **kwargs)
+        handed.append((config, out))
+        return out
+
+    monkeypatch.setattr(WarmStepPlan, "run", run)
+
+    class Seen(L.Callback):
+        configs: list = []
+
+        def on_train_batch_end(self, trainer, module, *args):
+            strategy = trainer.strategy
+            config = strategy.config
+            assert config.is_resolved and strategy.engine.config is config
+            assert strategy.tensor_manager.config is config.offload
+            if not Seen.configs or Seen.configs[-1] is not config:
+                Seen.configs.append(config)
+
+    strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, offload={"weights": "ssd"})
+    _fit(strategy, [Seen()])
+    assert strategy.placement_plan is not None and strategy.plan_choice is not None  # both plans ran
+    assert len(handed) == 1 and len(Seen.configs) == 2
+    assert handed[0] == (Seen.configs[0], Seen.configs[1])
+    assert handed[0][0] is Seen.configs[0] and handed[0][1] is Seen.configs[1]
+    assert (Seen.configs[1].alpha, Seen.configs[1].lag) == (strategy.plan_choice.alpha, strategy.plan_choice.lag)

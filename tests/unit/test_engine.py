@@ -37,7 +37,7 @@ def test_window_gradients_equal_plain_autograd(schedule, layers_per_unit, k):
         _loss(reference(x), y, k).backward()
 
     model = _model()
-    config = GreedySnakeConfig(schedule=schedule, layers_per_unit=layers_per_unit)
+    config = GreedySnakeConfig(schedule=schedule, layers_per_unit=layers_per_unit).resolved()
     chain = model.layer_chain()
     store = InMemoryTensorStore()
     engine = WindowEngine(chain, make_units(chain, layers_per_unit), config, store, torch.device("cpu"))
@@ -61,7 +61,7 @@ def test_window_gradients_equal_plain_autograd(schedule, layers_per_unit, k):
 def test_eval_forward_equals_the_model():
     model = _model()
     chain = model.layer_chain()
-    engine = WindowEngine(chain, make_units(chain, 2), GreedySnakeConfig(), InMemoryTensorStore(),
+    engine = WindowEngine(chain, make_units(chain, 2), GreedySnakeConfig().resolved(), InMemoryTensorStore(),
                           torch.device("cpu"))
     x = _batches(1)[0][0]
     with torch.no_grad():
@@ -91,7 +91,7 @@ def test_the_engine_asks_for_the_next_prefetch_units_units_in_plan_order(depth):
     model = _model()
     chain = model.layer_chain()
     store = _PrefetchLog()
-    config = GreedySnakeConfig(offload=OffloadConfig(prefetch_units=depth))
+    config = GreedySnakeConfig(offload=OffloadConfig(prefetch_units=depth)).resolved()
     engine = WindowEngine(chain, make_units(chain, 1), config, store, torch.device("cpu"))
     engine.begin_window(2)
     for m, (x, y) in enumerate(batches):

@@ -55,7 +55,7 @@ def _store(tmp_path: Path, engine: ThreadedIOEngine, compute_dtype: torch.dtype 
     units = make_units(sequential_chain(model), 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     names = {id(p): n for n, p in model.named_parameters()}
-    config = OffloadConfig(**{"buffer_budget_bytes": 64 << 20, **offload})  # type: ignore[arg-type]
+    config = OffloadConfig(**{"buffer_budget_bytes": 64 << 20, **offload}).placed()  # type: ignore[arg-type]
     store = TieredTensorStore(units, names, optimizer, config, compute_dtype=compute_dtype)
     store.open(tmp_path, io_engine=engine)
     store.initialize_from_parameters()
@@ -193,7 +193,7 @@ def test_ctrl_c_while_waiting_for_a_lane_slot_gives_the_steps_handles_back(tmp_p
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     release_lane = threading.Event()
     store = TieredTensorStore(units, {id(p): n for n, p in model.named_parameters()}, optimizer,
-                              OffloadConfig(buffer_budget_bytes=64 << 20), lag=1, alpha=0.25,
+                              OffloadConfig(buffer_budget_bytes=64 << 20).placed(), lag=1, alpha=0.25,
                               gradient_observer=lambda unit, flat: release_lane.wait(30))  # the lane's first step waits
     store.open(tmp_path, io_engine=engine)
     store.initialize_from_parameters()

@@ -85,7 +85,7 @@ def test_the_planners_memory_model_is_the_tensor_managers(placement, tmp_path):
     kinds = {} if placement == "ssd" else {"weights": Split(host=0.5, ssd=0.5),
                                           "optimizer_states": Split(host=0.5, ssd=0.5)}
     for prefetch_units in (0, 1, 2, 3):
-        config = OffloadConfig(prefetch_units=prefetch_units, **kinds)
+        config = OffloadConfig(prefetch_units=prefetch_units, **kinds).placed()
         for lag in (0, 1, 2):
             manager = TieredTensorStore(units, {}, opt, config, lag=lag)
             try:

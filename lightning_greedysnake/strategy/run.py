@@ -1,0 +1,220 @@
+"""A run's parts, built complete at setup from what setup reads of the strategy and the Trainer, and
+closed together.
+
+:class:`SetupContext` is everything the planners and builders take (never the strategy itself);
+:func:`cut_model` finds the layered model and cuts it into units (before Lightning moves the model);
+:func:`open_run` plans the run (the unit size and the placement, with ``auto=True``), builds the tensor
+manager, the engine and the window's helpers, and returns them as one :class:`Run`, whose ``config`` is
+the one resolved configuration every part was built from (a new one after the warm-step plan,
+:meth:`Run.replan`).
+
+Threads: all of it runs on the training thread, at setup, between windows and at teardown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.engine import WindowEngine
+from lightning_greedysnake.models import LayerChain, Unit, check_parameter_ownership, find_layered_model, make_units
+from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
+from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.precision import GreedySnakePrecision
+from lightning_greedysnake.strategy import checks
+from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
+from lightning_greedysnake.strategy.device_plan import plan_device
+from lightning_greedysnake.strategy.inputs import WindowInputs
+from lightning_greedysnake.strategy.manager_setup import (
+    check_device,
+    new_tensor_manager,
+    open_tensor_manager,
+    stand_in_for_meta_parameters,
+)
+from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
+from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
+from lightning_greedysnake.strategy.placement import PlacementPlan, plan_checkpoints
+from lightning_greedysnake.strategy.unit_plan import plan_setup
+from lightning_greedysnake.telemetry import StepRecorder
+from lightning_greedysnake.tensor_manager import DataParallelHooks, TieredTensorStore
+
+
+@dataclass(frozen=True)
+class SetupContext:
+    """What setup needs of the strategy and the Trainer, read once at the start of setup."""
+
+    settings: GreedySnakeConfig
+    """What the user set (``None``: the planner's, with ``auto=True``)."""
+    device: torch.device
+    simulated: bool
+    """The simulated device is on (units placed on ``device`` then live in a device tier on the CPU)."""
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_processes: int
+    """Processes on this node (they share its host memory budget)."""
+    accumulate: int
+    """``accumulate_grad_batches``: the window's micro-batches, K."""
+    default_root: Path
+    fitting: bool
+    precision: GreedySnakePrecision
+    broadcast: Callable[[Any], Any]
+    """Rank 0's object on every rank (identity in one process)."""
+    broadcast_parameters: Callable[[list[nn.Parameter]], None]
+    """Every rank's copy of these parameters becomes rank 0's (a no-op in one process)."""
+    data_parallel: Callable[[DeviceCopies | None, bool], DataParallelHooks | None]
+    """The ranks' collectives for a new tensor manager (None in one process)."""
+    gradient_observer: Callable[[int, Tensor], None]
+    """The strategy's gradient hooks (see ``GreedySnakeStrategy.register_gradient_hook``)."""
+    warn: Callable[[str, str], None]
+    """Warns once per key (rank 0)."""
+    report: Callable[[str], None]
+    """The planners' reports (rank 0's log)."""
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def device_tier(self) -> bool:
+        """Units placed on the device live in device memory (a GPU, or the simulated device)."""
+        return self.device.type == "cuda" or (self.device.type == "cpu" and self.simulated)
+
+
+@dataclass(frozen=True)
+class ModelCut:
+    """The layered model found in the LightningModule and cut into units, with the settings in effect
+    before the tensor manager's plan (the device plan's: every kind on the GPU where it all fits)."""
+
+    config: GreedySnakeConfig
+    layered: nn.Module
+    path: str
+    chain: LayerChain
+    units: list[Unit]
+    on_meta: bool
+    """The layered model was built on the meta device: the tensor manager materializes it."""
+
+
+def cut_model(ctx: SetupContext, module: nn.Module) -> ModelCut:
+    """Plan the device, find the layered model and cut it into units of the settings' size (the unit
+    plan may choose another at :func:`open_run`); refuse what cannot train, before any work."""
+    config = plan_device(ctx.settings, module, ctx.device, simulated=ctx.simulated,
+                         loss_scaling=ctx.precision.loss_scaler is not None, broadcast=ctx.broadcast,
+                         report=ctx.report).resolved()
+    if ctx.fitting:
+        checks.check_module_for_training(module, ctx.warn)
+    path, layered, chain = find_layered_model(module, config.layered_module)
+    units = make_units(chain, config.layers_per_unit)
+    if ctx.fitting:
+        check_parameter_ownership(module, path, units)
+    on_meta = stand_in_for_meta_parameters(module, units, config.offload.uses_tensor_manager)
+    if config.offload.uses_tensor_manager:
+        check_device(config, ctx.device, ctx.is_distributed)
+    return ModelCut(config, layered, path, chain, units, on_meta)
+
+
+class Run:
+    """One fit's (or evaluation's) parts, built complete by :func:`open_run`, closed together by
+    :meth:`close`. Owned by the training thread."""
+
+    def __init__(self, config: GreedySnakeConfig, cut: ModelCut, units: list[Unit], store: TensorStore,
+                 engine: WindowEngine, guard: NonFiniteGuard, *, placement: PlacementPlan | None = None,
+                 telemetry: StepRecorder | None = None, warm_plan: WarmStepPlan | None = None,
+                 directories: OffloadDirectories | None = None) -> None:
+        self._config = config
+        self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
+        self.units = units
+        self.store = store
+        self.engine = engine
+        self.inputs = WindowInputs(cut.layered, cut.path)
+        self.guard = guard
+        self.placement = placement
+        """The placement planned at setup (``auto=True`` and a kind left unset; else None)."""
+        self.telemetry = telemetry
+        self.warm_plan = warm_plan
+        """``auto=True``'s plan after the warm step (with the tensor manager)."""
+        self.directories = directories
+        self.closed = False
+
+    @property
+    def config(self) -> GreedySnakeConfig:
+        """The settings in effect: resolved once, at setup (a new one after the warm-step plan); the
+        engine and the tensor manager were built from this object."""
+        return self._config
+
+    @property
+    def tensor_manager(self) -> TieredTensorStore | None:
+        return self.store if isinstance(self.store, TieredTensorStore) else None
+
+    def replan(self, config: GreedySnakeConfig) -> None:
+        """The warm-step plan's settings, from the next window on (between windows)."""
+        self._config = config
+        self.engine.replan(config)
+
+    def close(self, before_store: Callable[[TieredTensorStore], None] | None = None) -> None:
+        """Close the engine, then (``before_store``: the hand-back of the trained state) the store, then
+        clean up the offload directories; each step runs even when an earlier one raised. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        manager = self.tensor_manager
+        try:
+            self.engine.close()
+            if before_store is not None and manager is not None and not manager.closed:
+                before_store(manager)
+        finally:
+            try:
+                self.store.close()
+            finally:
+                if self.directories is not None:
+                    self.directories.cleanup(manager.files if manager is not None else [])
+
+
+def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: torch.optim.Optimizer | None,
+             clip: ClipPolicy) -> Run:
+    """Plan, build and open the run over ``cut`` (after Lightning's own setup: ``optimizer`` is the one
+    it configured, None outside fitting). With the tensor manager: the unit size and the placement
+    planned, the manager made, connected to the ranks and opened in its prepared directories with the
+    model's initial weights; otherwise the units stay on the device with rank 0's weights."""
+    guard = NonFiniteGuard(cut.config.on_nonfinite, ctx.warn, ctx.precision.loss_scaler)
+    if not cut.config.offload.uses_tensor_manager:
+        ctx.broadcast_parameters([p for unit in cut.units for p in unit.parameters()])
+        engine = WindowEngine(cut.chain, cut.units, cut.config, InMemoryTensorStore(), ctx.device,
+                              ctx.precision.forward_context)
+        return Run(cut.config, cut, cut.units, engine.store, engine, guard)
+    shard = (ctx.global_rank, ctx.world_size) if ctx.is_distributed and cut.config.shard_state else None
+    dtype, scaler = ctx.precision.compute_dtype, ctx.precision.loss_scaler
+    planned = plan_setup(ctx, cut.chain, optimizer, dtype, shard,
+                         speculative=scaler is not None and not clip.defer, clip_norm=clip.defer)
+    config = planned.config
+    manager = new_tensor_manager(planned.units, module, optimizer, config, dtype, ctx.device, clip=clip, shard=shard,
+                                 loss_scaler=scaler, data_parallel=ctx.data_parallel,
+                                 gradient_observer=ctx.gradient_observer)
+    try:
+        plan_checkpoints(manager.activations, ctx.settings, ctx.local_processes, ctx.report)
+        directories = OffloadDirectories(config.offload)
+        open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
+                            planned.units, ctx.broadcast_parameters, cut.layered if cut.on_meta else None, ctx.report)
+    except BaseException:
+        manager.close()
+        raise
+    telemetry = StepRecorder(manager)
+    if ctx.fitting and config.trace_steps:
+        telemetry.start_trace(config.trace_steps,
+                              Path(config.trace_path or ctx.default_root / "greedysnake_trace.json"))
+    lanes = manager.stats.lanes
+    engine = WindowEngine(cut.chain, planned.units, config, manager, ctx.device, ctx.precision.forward_context,
+                          observer=lambda name, a, b: lanes.add("compute", a, b, name))
+    return Run(config, cut, planned.units, manager, engine, guard, placement=planned.placement, telemetry=telemetry,
+               warm_plan=WarmStepPlan(ctx.settings, ctx.local_processes), directories=directories)
