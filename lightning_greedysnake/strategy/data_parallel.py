@@ -1,27 +1,24 @@
-"""Data-parallel plumbing of the strategy: processes and ranks (Lightning's launcher, the process
-groups), and the collectives its hooks and the tensor manager call (DDP's conventions: rank 0's weights
-broadcast at setup, gradients averaged). :class:`DataParallelStrategy` is the strategy's base class
-with these Lightning hooks; :class:`DataParallel` holds the groups.
+"""Data-parallel plumbing of the strategy, on Lightning's DDP strategy: its launcher, ranks, default
+process group, DistributedSampler arguments, ``barrier``/``broadcast``/``reduce`` and teardown are DDP's;
+what greedysnake adds is here. :class:`DataParallelStrategy` is the strategy's base class (DDP without its
+``DistributedDataParallel`` wrapper, as Lightning's DeepSpeed strategy is); :class:`DataParallel` holds the
+extra process groups and the collectives the tensor manager calls (DDP's conventions: rank 0's weights
+broadcast at setup, gradients averaged).
 
 The optimizer lane's collectives (a unit's gradient all-reduce, a partitioned unit's weights gather)
 run on the lane's thread, in unit order on every rank: they get their own process group, so they never
-interleave with the training thread's (logging, barriers, checkpoint gathers).
+interleave with the training thread's on the default group (logging, barriers, checkpoint gathers).
 """
 
 from __future__ import annotations
 
 import atexit
 from collections.abc import Iterable
-from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -29,23 +26,22 @@ from lightning_greedysnake.distributed import gather_chunks
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.optim.protocols import StepCollectives
-from lightning_greedysnake.strategy.lightning_api import init_process_group, subprocess_launcher, sync_reduce
+from lightning_greedysnake.strategy.lightning_api import keep_dataloader_samplers
 from lightning_greedysnake.strategy.manager_setup import move_all_but_units
 from lightning_greedysnake.tensor_manager import DataParallelHooks
 
 
-def _destroy_process_groups() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def ready() -> bool:
+def _ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def _destroy_process_groups() -> None:
+    if _ready():
+        torch.distributed.destroy_process_group()  # every group, the default one too
+
+
 class DataParallel:
-    def __init__(self, timeout: timedelta) -> None:
-        self.timeout = timeout
+    def __init__(self) -> None:
         self.lane_group: Any = None
         """The optimizer lane's own process group (created at :meth:`setup`; gloo: it moves host tensors)."""
         self.host_group: Any = None
@@ -56,40 +52,23 @@ class DataParallel:
         and receives about twice that) and, with partitioned state, its chunks of the weights gathers.
         Written by the optimizer lane, read between steps."""
 
-    def setup(self, cluster_environment: ClusterEnvironment, backend: str) -> None:
-        init_process_group(cluster_environment, backend, self.timeout)
+    def setup(self, backend: str) -> None:
+        """The groups beside the default one (which must exist: ``new_group`` is collective on it)."""
         # gloo's worker threads abort the interpreter's exit ("terminate called without an active
-        # exception") when a process group outlives it: destroy them while Python is still alive
+        # exception") when a process group outlives it, and Lightning destroys the default group at exit
+        # under NCCL only: destroy them all while Python is still alive (registered once)
+        atexit.unregister(_destroy_process_groups)
         atexit.register(_destroy_process_groups)
         self.lane_group = torch.distributed.new_group(backend="gloo")
         self.host_group = torch.distributed.new_group(backend="gloo") if backend != "gloo" else None
 
     def teardown(self) -> None:
         for group in (self.lane_group, self.host_group):
-            if group is not None and ready():
+            if group is not None and _ready():
                 torch.distributed.destroy_process_group(group)
         self.lane_group = self.host_group = None
 
     # -- the training thread ---------------------------------------------------------------------------
-    @staticmethod
-    def barrier() -> None:
-        if ready():
-            torch.distributed.barrier()
-
-    @staticmethod
-    def broadcast(obj: Any, src: int = 0) -> Any:
-        if not ready():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
-        return box[0]
-
-    @staticmethod
-    def reduce(tensor: Any, group: Any | None, reduce_op: Any) -> Any:
-        if isinstance(tensor, Tensor) and ready():
-            return sync_reduce(tensor, group, reduce_op)
-        return tensor
-
     def broadcast_parameters(self, params: Iterable[nn.Parameter]) -> None:
         """Every rank starts from rank 0's weights (as DDP does at setup)."""
         for p in params:
@@ -114,17 +93,18 @@ class DataParallel:
         self.collective_bytes += gather_chunks(flat, bounds, rank, self.lane_group)
 
 
-class DataParallelStrategy(ParallelStrategy):
-    """Processes and ranks for ``Trainer(devices=N, num_nodes=M)``, as Lightning's DDP strategy has them:
-    Lightning's subprocess launcher, torch.distributed (gloo on CPU, nccl on CUDA), DistributedSampler
-    sharding, ``barrier``/``broadcast``/``reduce`` for user code and metrics."""
+class DataParallelStrategy(DDPStrategy):
+    """Processes and ranks for ``Trainer(devices=N, num_nodes=M)``: Lightning's DDP strategy (its subprocess
+    launcher, torch.distributed with gloo on CPU and nccl on CUDA, DistributedSampler sharding,
+    ``barrier``/``broadcast``/``reduce`` for user code and metrics), without the ``DistributedDataParallel``
+    wrapper: the strategy averages the gradients itself. In one process nothing of DDP's runs: no launcher,
+    no process group, the dataloaders' own samplers."""
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
         # Lightning's accelerator connector fills parallel_devices, the cluster environment and the
         # number of nodes from Trainer(accelerator=..., devices=..., num_nodes=...)
         super().__init__(checkpoint_io=checkpoint_io)
-        self._num_nodes = 1
-        self._dp = DataParallel(default_pg_timeout)
+        self._dp = DataParallel()
         self._device_reducer: DeviceGradientReducer | None = None
         self.units_stay_on_host: list[Any] | None = None
         """The units whose parameters the tensor manager keeps in its tiers: ``model_to_device`` leaves
@@ -132,32 +112,9 @@ class DataParallelStrategy(ParallelStrategy):
 
     @property
     @override
-    def root_device(self) -> torch.device:
-        if self.parallel_devices:
-            return torch.device(self.parallel_devices[self.local_rank])
-        return torch.device("cpu")
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices else 1
-
-    @property
     def is_distributed(self) -> bool:
-        """More than one process: Lightning then shards the data with a DistributedSampler."""
+        """More than one process (DDP's own answers True, deprecated, whatever the count)."""
         return self.num_nodes * self.num_processes > 1
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def collective_bytes(self) -> int:
@@ -165,38 +122,40 @@ class DataParallelStrategy(ParallelStrategy):
         device = self._device_reducer.collective_bytes if self._device_reducer is not None else 0
         return self._dp.collective_bytes + device
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """No names of its own: DDP's (``"ddp"``, ...) stay DDP's."""
+
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self.is_distributed and not self.cluster_environment.creates_processes_externally:
-            self._launcher = subprocess_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        if self.is_distributed:
+            super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
-        if self.is_distributed:
-            reset_seed()
-            self.set_world_ranks()
-            assert self.cluster_environment is not None
-            self._dp.setup(self.cluster_environment, "nccl" if self.root_device.type == "cuda" else "gloo")
+        module = self.lightning_module
+        if not self.is_distributed and module is not None:
+            keep_dataloader_samplers(module.trainer)
         super().setup_environment()
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self._dp.barrier()
+    def setup_distributed(self) -> None:
+        if not self.is_distributed:
+            return
+        super().setup_distributed()  # DDP's default process group
+        assert self.process_group_backend is not None
+        self._dp.setup(self.process_group_backend)
 
     @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._dp.broadcast(obj, src)
+    def setup(self, trainer: Any) -> None:
+        # the generic setup, not DDP's: no DistributedDataParallel wrapper (``_setup_model`` below), no
+        # SyncBatchNorm, no broadcast of the module's states outside fitting (the units may be on the host)
+        ParallelStrategy.setup(self, trainer)
 
     @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return self._dp.reduce(tensor, group, reduce_op)
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model  # (training_step calls the LightningModule itself)
 
     @override
     def model_to_device(self) -> None:

@@ -3,36 +3,25 @@
 Lightning offers no public route for these. Nothing else in this package touches them, and
 ``tests/unit/test_lightning_api.py`` exercises each against the installed Lightning, so an upgrade that
 moves or changes one fails there, by name, instead of in the middle of someone's run. (The protected
-``Strategy`` members a subclass is meant to set, ``_launcher`` in ``_configure_launcher`` and
-``_precision_plugin``, are set by the strategy itself, as Lightning's own strategies do.)
+``Strategy`` members a subclass is meant to override or set, ``_configure_launcher``, ``_setup_model`` and
+``_precision_plugin``, are the strategy's own, as in Lightning's own strategies.)
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 
-def init_process_group(cluster_environment: ClusterEnvironment, backend: str, timeout: timedelta) -> None:
-    """``torch.distributed.init_process_group`` from Lightning's cluster environment (as DDP does)."""
-    _init_dist_connection(cluster_environment, backend, timeout=timeout)
-
-
-def sync_reduce(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
-    """Lightning's reduction for ``self.log(..., sync_dist=True)`` and ``strategy.reduce`` (as DDP does)."""
-    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-
-def subprocess_launcher(cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int) -> Any:
-    """Lightning's launcher that re-runs the script once per extra local process (as DDP's default)."""
-    return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+def keep_dataloader_samplers(trainer: Any) -> None:
+    """In one process, the dataloaders keep their own samplers. Lightning's Trainer puts a
+    ``DistributedSampler`` in whenever the strategy is a ``DDPStrategy``, one process or not (it asks the
+    class, not the process count), which would reorder a shuffled dataset. The switch is the Trainer's
+    ``use_distributed_sampler``, held by its private accelerator connector."""
+    trainer._accelerator_connector.use_distributed_sampler = False
 
 
 def before_batch_transfer(module: LightningModule, batch: Any) -> Any:

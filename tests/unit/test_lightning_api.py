@@ -4,39 +4,37 @@ or changes one fails here, by name."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.fabric.utilities import distributed as fabric_distributed
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import Strategy
-from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from lightning_greedysnake import GreedySnakeStrategy
-from lightning_greedysnake.strategy import lightning_api
 from tests.helpers import SequentialModule, make_trainer
 
 
-def test_the_process_group_helpers_take_what_the_strategy_passes():
-    init = inspect.signature(fabric_distributed._init_dist_connection).parameters
-    assert list(init)[:2] == ["cluster_environment", "torch_distributed_backend"]
-    # timeout= goes on to torch.distributed.init_process_group
-    assert "timeout" in init or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in init.values())
-    sync = inspect.signature(fabric_distributed._sync_ddp_if_available).parameters
-    assert list(sync)[:2] == ["result", "group"] and "reduce_op" in sync
-    # one process, nothing initialized: the reduction is the identity, as the strategy relies on
-    t = torch.tensor([3.0])
-    assert lightning_api.sync_reduce(t, None, "mean") is t
-
-
-def test_the_subprocess_launcher_is_built_as_ddp_builds_it():
-    launcher = lightning_api.subprocess_launcher(LightningEnvironment(), 2, 1)
-    assert launcher.num_processes == 2 and launcher.num_nodes == 1
-    assert hasattr(launcher, "launch") and launcher.is_interactive_compatible is False
+def test_in_one_process_the_strategy_is_ddp_without_its_wrapper_launcher_or_sampler():
+    """Built on DDPStrategy: in one process, no launcher, no process group, no DistributedDataParallel
+    wrapper, and a shuffled dataloader keeps its RandomSampler (Lightning would put in a DistributedSampler
+    for any DDPStrategy: the switch ``keep_dataloader_samplers`` sets is the one Lightning reads)."""
+    assert Trainer(accelerator="cpu", logger=False)._accelerator_connector.use_distributed_sampler is True
+    assert "_setup_model" in vars(Strategy) and "setup_distributed" in vars(DDPStrategy)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g))
+    module = SequentialModule()
+    trainer = make_trainer(GreedySnakeStrategy(auto=False), 2, max_epochs=1)
+    trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
+    assert trainer.strategy.launcher is None and not torch.distributed.is_initialized()
+    assert trainer.strategy.model is module
+    assert type(trainer.train_dataloader.sampler) is RandomSampler
+    # the ddp names stay DDP's
+    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy
+    assert StrategyRegistry["greedysnake"]["strategy"] is GreedySnakeStrategy
 
 
 def test_the_protected_strategy_members_are_what_lightning_reads():
