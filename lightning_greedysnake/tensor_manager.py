@@ -4,9 +4,9 @@ activation checkpoints on the tier the placement names, and the optimizer step t
 It is a composition of components, each one owner of one concern (this module only wires them and
 routes the :class:`~lightning_greedysnake.offload.TensorStore` protocol to them):
 
-- :class:`~lightning_greedysnake.offload.staging.StagingArena`: the pool and its budget, every kind's
-  regions on their tiers, and the :class:`~lightning_greedysnake.offload.staging.Staged` handles that
-  own a buffer and every transfer on it;
+- :class:`~lightning_greedysnake.offload.staging.StagingArena`: the
+  :class:`~lightning_greedysnake.offload.staging.Staged` handles that own a buffer and every transfer on
+  it, over every kind's regions on their tiers (``offload.regions``), and the pool under its budget;
 - :class:`~lightning_greedysnake.offload.residency.WeightsResidency`: compute weights bound to the
   parameters, prefetch, the :class:`~lightning_greedysnake.offload.residency.UpdateGate`;
 - :class:`~lightning_greedysnake.offload.gradients.GradientAccumulator`: hooks, flat fp32 gradients,
@@ -174,15 +174,15 @@ class TieredTensorStore:
 
     @property
     def pool(self) -> BufferPool:
-        return self.arena.pool
+        return self.arena.budget.pool
 
     @property
     def min_budget_bytes(self) -> int:
-        return self.arena.min_budget_bytes
+        return self.arena.budget.minimum_bytes
 
     @property
     def files(self) -> list[Path]:
-        return [*self.arena.files, *self.activations.files]
+        return [*self.arena.regions.files, *self.activations.files]
 
     @property
     def alpha(self) -> float:
@@ -235,10 +235,10 @@ class TieredTensorStore:
         return self.state.region_bytes(kind, u)
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool:
-        return self.arena.on_ssd(kind, u)
+        return self.arena.regions.on_ssd(kind, u)
 
     def on_device(self, kind: TensorKind, u: int) -> bool:
-        return self.arena.on_device(kind, u)
+        return self.arena.regions.on_device(kind, u)
 
     def deferred_bytes(self, kind: TensorKind, u: int) -> int:
         """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""
@@ -251,12 +251,12 @@ class TieredTensorStore:
 
     def ssd_bytes(self, directory: int | None = None) -> dict[str, int]:
         """Bytes each SSD-resident kind keeps in offload directory ``directory`` (by index, as striped
-        by ``arena.stripe``; None: in all of them), for preflight."""
-        return self.arena.ssd_bytes(directory)
+        by ``arena.regions.stripe``; None: in all of them), for preflight."""
+        return self.arena.regions.ssd_bytes(directory)
 
     def open_files(self) -> list[OffloadFile]:
         """The offload files open now (each kind's regions, the checkpoint scratch)."""
-        return [*self.arena.open_files(), *self.activations.open_files()]
+        return [*self.arena.regions.open_files(), *self.activations.open_files()]
 
     # -- state between windows (training thread; see :class:`StateBetweenWindows`) -----------------------------
     def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
@@ -297,8 +297,8 @@ class TieredTensorStore:
             engines = [io_engine or default_engine(io) for _ in dirs]
             self._engines = list({id(e): e for e in engines}.values())  # (a given engine serves every one)
         try:
-            self.arena.stripe(max(1, len(dirs)))
-            self.arena.open(dirs, engines)
+            self.arena.regions.stripe(max(1, len(dirs)))
+            self.arena.regions.open(dirs, engines)
             self.activations.open(dirs, engines)
         except BaseException:
             self._close_files()
@@ -346,7 +346,7 @@ class TieredTensorStore:
         pending step, re-splits each unit's optimizer keeping its state, resizes the lane and the pool."""
         self.drain()
         self.stepper.reconfigure(alpha, lag)
-        self.arena.set_budget(buffer_budget_bytes, lag)
+        self.arena.budget.set_budget(buffer_budget_bytes, lag)
 
     @property
     def closed(self) -> bool:
@@ -411,9 +411,9 @@ class TieredTensorStore:
     def _unit_need_bytes(self, unit: int) -> int:
         """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither
         held nor prefetched, its gradient accumulator if not started."""
-        need = 0 if self.weights.is_staged(unit) else self.arena.ssd_region_bytes(TensorKind.WEIGHTS, unit)
+        need = 0 if self.weights.is_staged(unit) else self.arena.regions.ssd_region_bytes(TensorKind.WEIGHTS, unit)
         if not self.grads.in_memory(unit):
-            need += self.arena.ssd_region_bytes(TensorKind.GRADIENTS, unit)
+            need += self.arena.regions.ssd_region_bytes(TensorKind.GRADIENTS, unit)
         return need
 
     def save_activation(self, unit: int, microbatch: int, hidden: Tensor) -> None:

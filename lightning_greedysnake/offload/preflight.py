@@ -180,7 +180,7 @@ def preflight(
 
 _RUN_FILES = ("weights.bin", "master_weights.bin", "optimizer_states.bin", "gradients.bin", "checkpoints.bin")
 LEFTOVER_FILES = (*_RUN_FILES, *(f"{name}.relayout-old" for name in _RUN_FILES))
-"""The files a run keeps in its offload directory (``offload.staging.FILE_NAMES``), and the same renamed
+"""The files a run keeps in its offload directory (``offload.regions.FILE_NAMES``), and the same renamed
 aside while a re-layout copies them (:data:`lightning_greedysnake.strategy.relayout.ASIDE`)."""
 
 

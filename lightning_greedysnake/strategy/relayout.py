@@ -82,7 +82,7 @@ def refusal(settings: GreedySnakeConfig, *, distributed: bool, loss_scaling: boo
 
 def space_shortfall(manager: TieredTensorStore, dirs: list[Path]) -> str | None:
     """Where an offload directory lacks the room for ``manager``'s files (None: every one has it)."""
-    manager.arena.stripe(max(1, len(dirs)))
+    manager.arena.regions.stripe(max(1, len(dirs)))
     for d, directory in enumerate(dirs):
         need = sum(manager.ssd_bytes(d).values())
         free = disk_free_bytes(directory)
@@ -209,7 +209,7 @@ def grow_units(strategy: Any, trainer: Any, warm_plan: Any, chain: Any, report: 
     reason = refusal(settings, distributed=strategy.is_distributed,
                      loss_scaling=strategy.precision_plugin.loss_scaler is not None, choice=best, current=current,
                      left=steps_left(trainer), copy_s=copy_seconds(old, warm_plan.machine),
-                     resident_weights=any(old.arena.on_device(TensorKind.WEIGHTS, u) for u in range(old.num_units)))
+                     resident_weights=any(old.on_device(TensorKind.WEIGHTS, u) for u in range(old.num_units)))
     if reason is None:
         units = make_units(chain, lpu)
         dtype, k = strategy.precision_plugin.compute_dtype, trainer.accumulate_grad_batches
