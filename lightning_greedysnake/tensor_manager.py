@@ -4,16 +4,18 @@ activation checkpoints on the tier the placement names, and the optimizer step t
 It is a composition of components, each one owner of one concern (this module only wires them and
 routes the :class:`~lightning_greedysnake.offload.TensorStore` protocol to them):
 
-- :class:`~lightning_greedysnake.offload.staging.StagingArena`: the pool and its budget, every kind's
-  regions on their tiers, and the :class:`~lightning_greedysnake.offload.staging.Staged` handles that
-  own a buffer and every transfer on it;
+- :class:`~lightning_greedysnake.offload.staging.StagingArena`: the
+  :class:`~lightning_greedysnake.offload.staging.Staged` handles that own a buffer and every transfer on
+  it, over every kind's regions on their tiers (``offload.regions``), and the pool under its budget;
 - :class:`~lightning_greedysnake.offload.residency.WeightsResidency`: compute weights bound to the
   parameters, prefetch, the :class:`~lightning_greedysnake.offload.residency.UpdateGate`;
 - :class:`~lightning_greedysnake.offload.gradients.GradientAccumulator`: hooks, flat fp32 gradients,
   spill, norms;
 - :class:`~lightning_greedysnake.offload.activations.ActivationStore`: activation checkpoints;
 - :class:`~lightning_greedysnake.optim.UnitStepper`: each unit's optimizer step on the lane, through
-  the staging Protocols.
+  the staging Protocols;
+- :class:`~lightning_greedysnake.between_windows.StateBetweenWindows`: weights and optimizer state in
+  and out of the tiers between windows (initialization, checkpoints, the end of a run).
 
 Threads: the training thread calls everything here; the optimizer lane runs the stepper's jobs; I/O
 threads complete transfers and give buffers back. Each component's docstring says what it shares.
@@ -30,13 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_greedysnake.checkpoint import optimizer_state as opt_state
+from lightning_greedysnake.between_windows import StateBetweenWindows
 from lightning_greedysnake.config import OffloadConfig, TensorKind
 from lightning_greedysnake.io import IOConfig, IOEngine, OffloadFile, default_engine
 from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.layout import PARAM_ALIGN_NUMEL, StateLayout, UnitLayout, build_unit_layout
 from lightning_greedysnake.models import Unit
-from lightning_greedysnake.offload import unit_values
 from lightning_greedysnake.offload.activations import ActivationStore
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
@@ -55,74 +56,6 @@ __all__ = ["ClipPolicy", "TieredTensorStore"]
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-class _StateBetweenWindows:
-    """Weights and optimizer state as checkpoints, initialization and the end of a run see them: read out
-    of and written into the tiers unit by unit (training thread, between windows). A part of
-    :class:`TieredTensorStore`, by concern; it uses the store's components and its drain and flush."""
-
-    optimizer: torch.optim.Optimizer | None
-    compute_dtype: torch.dtype
-    stepper: UnitStepper
-    arena: StagingArena
-    grads: GradientAccumulator
-    weights: WeightsResidency
-    slots: tuple[str, ...]
-    state_format: StateFormat
-    num_units: int
-    unit_optimizers: list[UnitOptimizer | None]
-    drain: Callable[[], None]
-    flush: Callable[[], None]
-
-    # -- weights in and out (training thread, between windows) ------------------------------------------------
-    def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
-        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
-        self.stepper.parts.drop_read_ahead(u)  # read before these new values
-        unit_values.write_unit(self.arena, u, values, self.compute_dtype)
-
-    def unit_master_weights(self, u: int) -> list[Tensor]:
-        """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
-        self.drain()
-        return unit_values.read_unit(self.arena, u, self.compute_dtype)
-
-    def restore_parameters(self, master: Callable[[int], list[Tensor]] | None = None) -> None:
-        """Give the parameters real memory again, holding the trained weights (end of a run).
-        ``master``: where unit u's full-precision weights come from (partitioned state: gathered)."""
-        for u in range(self.num_units):
-            self.weights.restore(u, (master or self.unit_master_weights)(u))
-
-    # -- optimizer state ---------------------------------------------------------------------------------
-    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
-        """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout
-        (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
-        assert self.optimizer is not None
-        self.drain()
-        self.stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
-        return opt_state.unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u,
-                                             self.state_format.codec)
-
-    def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
-        """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
-        assert self.optimizer is not None
-        self.drain()
-        self.stepper.parts.drop_read_ahead(u)  # read before this new state
-        opt_state.load_unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u, entries,
-                                            self.state_format.codec)
-
-    def optimizer_state(self) -> dict[int, dict[str, Any]]:
-        """The optimizer's per-parameter state in ``torch.optim`` form (the ``state`` entry of
-        ``optimizer.state_dict()``). Holds it all in memory: checkpoints stream it unit by unit."""
-        assert self.optimizer is not None
-        return opt_state.optimizer_state(self.optimizer, self.grads.where, self.num_units, self.unit_optimizer_state)
-
-    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
-        """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
-        assert self.optimizer is not None
-        self.drain()
-        for u, entries in opt_state.split_optimizer_state(self.optimizer, self.grads.where, state).items():
-            self.load_unit_optimizer_state(u, entries)
-        self.flush()
 
 
 def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
@@ -162,7 +95,7 @@ class DataParallelHooks:
     """On a device tier: averages each unit's gradient on the device before its copy to the host."""
 
 
-class TieredTensorStore(_StateBetweenWindows):
+class TieredTensorStore:
     """The SSD/host tensor manager behind the :class:`TensorStore` protocol, plus the optimizer step."""
 
     def __init__(self, units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
@@ -220,6 +153,8 @@ class TieredTensorStore(_StateBetweenWindows):
         self.grads = GradientAccumulator(self.arena, self.state, self.params, copies,
                                          data_parallel.device_reducer if data_parallel is not None else None)
         self.activations = ActivationStore(self.arena, config, self.stats, copies)
+        self.between_windows = StateBetweenWindows(optimizer, self.arena, self.weights, self.stepper, self.grads.where,
+                                                   self.slots, self.state_format, compute_dtype, self.drain)
 
     # -- views of the components (read-only) ------------------------------------------------------------
     @property
@@ -240,15 +175,15 @@ class TieredTensorStore(_StateBetweenWindows):
 
     @property
     def pool(self) -> BufferPool:
-        return self.arena.pool
+        return self.arena.budget.pool
 
     @property
     def min_budget_bytes(self) -> int:
-        return self.arena.min_budget_bytes
+        return self.arena.budget.minimum_bytes
 
     @property
     def files(self) -> list[Path]:
-        return [*self.arena.files, *self.activations.files]
+        return [*self.arena.regions.files, *self.activations.files]
 
     @property
     def alpha(self) -> float:
@@ -301,10 +236,10 @@ class TieredTensorStore(_StateBetweenWindows):
         return self.state.region_bytes(kind, u)
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool:
-        return self.arena.on_ssd(kind, u)
+        return self.arena.regions.on_ssd(kind, u)
 
     def on_device(self, kind: TensorKind, u: int) -> bool:
-        return self.arena.on_device(kind, u)
+        return self.arena.regions.on_device(kind, u)
 
     def deferred_bytes(self, kind: TensorKind, u: int) -> int:
         """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""
@@ -317,12 +252,34 @@ class TieredTensorStore(_StateBetweenWindows):
 
     def ssd_bytes(self, directory: int | None = None) -> dict[str, int]:
         """Bytes each SSD-resident kind keeps in offload directory ``directory`` (by index, as striped
-        by ``arena.stripe``; None: in all of them), for preflight."""
-        return self.arena.ssd_bytes(directory)
+        by ``arena.regions.stripe``; None: in all of them), for preflight."""
+        return self.arena.regions.ssd_bytes(directory)
 
     def open_files(self) -> list[OffloadFile]:
         """The offload files open now (each kind's regions, the checkpoint scratch)."""
-        return [*self.arena.open_files(), *self.activations.open_files()]
+        return [*self.arena.regions.open_files(), *self.activations.open_files()]
+
+    # -- state between windows (training thread; see :class:`StateBetweenWindows`) -----------------------------
+    def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
+        self.between_windows.load_unit_weights(u, values)
+
+    def unit_master_weights(self, u: int) -> list[Tensor]:
+        return self.between_windows.unit_master_weights(u)
+
+    def restore_parameters(self, master: Callable[[int], list[Tensor]] | None = None) -> None:
+        self.between_windows.restore_parameters(master)
+
+    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
+        return self.between_windows.unit_optimizer_state(u)
+
+    def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
+        self.between_windows.load_unit_optimizer_state(u, entries)
+
+    def optimizer_state(self) -> dict[int, dict[str, Any]]:
+        return self.between_windows.optimizer_state()
+
+    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
+        self.between_windows.load_optimizer_state(state)
 
     # -- lifetime -------------------------------------------------------------------------------------------
     def open(self, offload_dirs: Path | list[Path] | None, io_engine: IOEngine | None = None) -> None:
@@ -341,8 +298,8 @@ class TieredTensorStore(_StateBetweenWindows):
             engines = [io_engine or default_engine(io) for _ in dirs]
             self._engines = list({id(e): e for e in engines}.values())  # (a given engine serves every one)
         try:
-            self.arena.stripe(max(1, len(dirs)))
-            self.arena.open(dirs, engines)
+            self.arena.regions.stripe(max(1, len(dirs)))
+            self.arena.regions.open(dirs, engines)
             self.activations.open(dirs, engines)
         except BaseException:
             self._close_files()
@@ -390,7 +347,7 @@ class TieredTensorStore(_StateBetweenWindows):
         pending step, re-splits each unit's optimizer keeping its state, resizes the lane and the pool."""
         self.drain()
         self.stepper.reconfigure(alpha, lag)
-        self.arena.set_budget(buffer_budget_bytes, lag)
+        self.arena.budget.set_budget(buffer_budget_bytes, lag)
 
     @property
     def closed(self) -> bool:
@@ -455,9 +412,9 @@ class TieredTensorStore(_StateBetweenWindows):
     def _unit_need_bytes(self, unit: int) -> int:
         """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither
         held nor prefetched, its gradient accumulator if not started."""
-        need = 0 if self.weights.is_staged(unit) else self.arena.ssd_region_bytes(TensorKind.WEIGHTS, unit)
+        need = 0 if self.weights.is_staged(unit) else self.arena.regions.ssd_region_bytes(TensorKind.WEIGHTS, unit)
         if not self.grads.in_memory(unit):
-            need += self.arena.ssd_region_bytes(TensorKind.GRADIENTS, unit)
+            need += self.arena.regions.ssd_region_bytes(TensorKind.GRADIENTS, unit)
         return need
 
     def save_activation(self, unit: int, microbatch: int, hidden: Tensor) -> None:

@@ -32,7 +32,8 @@ from torch import Tensor
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import IOEngine, OffloadFile, align_up
 from lightning_greedysnake.offload.device import Copy, DeviceCopies, then
-from lightning_greedysnake.offload.staging import FILE_NAMES, Staged, StagingArena
+from lightning_greedysnake.offload.regions import FILE_NAMES
+from lightning_greedysnake.offload.staging import Staged, StagingArena
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import SSDScratch
 
@@ -170,7 +171,7 @@ class ActivationStore:
             else:
                 self._host[key] = hidden
             return
-        self._arena.reserve_checkpoints(nbytes)
+        self._arena.budget.reserve_checkpoints(nbytes)
         if not self._reserved:
             for scratch, count in zip(self._scratches, self._window_counts, strict=True):
                 scratch.reserve(count * align_up(nbytes))

@@ -179,7 +179,7 @@ def preflight(
 
 
 LEFTOVER_FILES = ("weights.bin", "master_weights.bin", "optimizer_states.bin", "gradients.bin", "checkpoints.bin")
-"""The files a run keeps in its offload directory (``offload.staging.FILE_NAMES``)."""
+"""The files a run keeps in its offload directory (``offload.regions.FILE_NAMES``)."""
 
 
 @dataclass

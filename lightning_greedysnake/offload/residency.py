@@ -119,7 +119,7 @@ class WeightsResidency:
         # must be complete: no forward ever reads a stale or half-updated weight
         self._wait_for(self.gate.event(unit))
         self.weight_loads[unit] += 1
-        if self._arena.on_device(TensorKind.WEIGHTS, unit):
+        if self._arena.regions.on_device(TensorKind.WEIGHTS, unit):
             assert self._copies is not None
             flat, last_write = self._arena.device_tensor(TensorKind.WEIGHTS, unit, self.compute_dtype)
             if last_write is not None:
@@ -170,7 +170,7 @@ class WeightsResidency:
 
     def is_staged(self, unit: int) -> bool:
         """Held, prefetched or device-resident: acquiring it stages nothing more."""
-        if self._arena.on_device(TensorKind.WEIGHTS, unit):
+        if self._arena.regions.on_device(TensorKind.WEIGHTS, unit):
             return True
         with self._lock:
             return unit in self._held or unit in self._prefetched
@@ -189,7 +189,7 @@ class WeightsResidency:
         """Start reading ``unit``'s weights now if they live on SSD and the budget's slack allows; on a
         device tier, start their device copy once the host bytes are in (called again before every op,
         so the copy starts at the first op after the read landed)."""
-        if unit in self._held or self._arena.on_device(TensorKind.WEIGHTS, unit):
+        if unit in self._held or self._arena.regions.on_device(TensorKind.WEIGHTS, unit):
             return  # (device-resident weights are always in place)
         if not self.gate.is_current(unit):
             return  # its step is still running: the weights on their tier are about to change
@@ -202,7 +202,7 @@ class WeightsResidency:
         self._device_prefetch[unit] = self._to_device(unit, held)
 
     def _start_host_prefetch(self, unit: int) -> Staged | None:
-        if not self._arena.on_ssd(TensorKind.WEIGHTS, unit):
+        if not self._arena.regions.on_ssd(TensorKind.WEIGHTS, unit):
             if self._copies is None:
                 return None  # host-tier weights are used in place
             held = self._arena.stage(TensorKind.WEIGHTS, unit, read=False)  # the region itself

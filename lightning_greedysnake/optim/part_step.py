@@ -50,7 +50,7 @@ class PartStepper:
         """Read ``unit``'s master weights and optimizer state for its coming step (the first part's
         range) where they live on SSD and the budget allows, all or nothing: half a read-ahead would
         still leave the step waiting for reads. The window's ``last`` step may also take what the
-        minimum reserves but that moment cannot use (:meth:`Staging.read_ahead_fits`); any other only
+        minimum reserves but that moment cannot use (:meth:`Budget.read_ahead_fits`); any other only
         the slack over the minimum, so the steps queued before it always find their staging."""
         opt = self._unit_optimizers[unit]
         with self._lock:
@@ -65,11 +65,11 @@ class PartStepper:
         if self._slots and opt.part_initialized(0):
             wanted.append((TensorKind.OPTIMIZER_STATES,
                            self._state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi)))
-        wanted = [(kind, ranges) for kind, ranges in wanted if self._staging.on_ssd(kind, unit)]
+        wanted = [(kind, ranges) for kind, ranges in wanted if self._staging.regions.on_ssd(kind, unit)]
         if not wanted:
             return
-        total = sum(self._staging.ssd_region_bytes(kind, unit) for kind, _ in wanted)
-        if not self._staging.read_ahead_fits(total, unit_need_bytes if last else None):
+        total = sum(self._staging.regions.ssd_region_bytes(kind, unit) for kind, _ in wanted)
+        if not self._staging.budget.read_ahead_fits(total, unit_need_bytes if last else None):
             return
         staged: dict[TensorKind, StagedBuffer] = {}
         for kind, ranges in wanted:
@@ -113,7 +113,7 @@ class PartStepper:
         :meth:`step_part` does: master weights (or the weights region as master under 32-true, when not
         held), optimizer state, and under a 16-bit compute dtype the compute weights when not held
         (device-resident ones included: the step casts them on the host on their way to the device)."""
-        ssd = self._staging.staged_region_bytes
+        ssd = self._staging.regions.staged_region_bytes
         need = ssd(TensorKind.OPTIMIZER_STATES, unit) if self._slots else 0
         if self._separate_master:
             need += ssd(TensorKind.MASTER_WEIGHTS, unit) + (0 if weights_held else ssd(TensorKind.WEIGHTS, unit))
@@ -131,7 +131,7 @@ class PartStepper:
         lo, hi = opt.part_range(part)
         if lo >= hi or opt.parts[part].shadow is None:
             return
-        if self._staging.slots > 1 and weights_held is not None and not weights_held.pooled:
+        if self._staging.slots.count > 1 and weights_held is not None and not weights_held.pooled:
             weights_held = None  # host-tier weights: stepped in the other slot (its owner gives it back)
         stage = self._staging.stage_update  # (a step writes the unit's next slot: the same one with one slot)
         state = self._state
@@ -174,7 +174,8 @@ class PartStepper:
                 if compute is None:
                     # device-resident weights with one slot: only the stepped parameters' bytes go back,
                     # so nothing is read first (a D2H copy would wait for the GPU's queue of compute)
-                    write_only = self._staging.slots == 1 and self._staging.on_device(TensorKind.WEIGHTS, unit)
+                    write_only = (self._staging.slots.count == 1
+                                  and self._staging.regions.on_device(TensorKind.WEIGHTS, unit))
                     if write_only:
                         compute_ranges = state.trained_weight_ranges(unit, lo, hi)
                     compute = stage(TensorKind.WEIGHTS, unit, read=not write_only, ranges=w_ranges, wait=False)

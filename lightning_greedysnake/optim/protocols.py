@@ -1,6 +1,7 @@
 """What the per-unit stepper needs from the tensor manager, as Protocols: it stages buffers and publishes
-new weights through these seams and imports nothing of ``offload``. (``offload.staging.StagingArena``,
-``offload.staging.Staged`` and ``offload.residency.UpdateGate`` implement them.)"""
+new weights through these seams and imports nothing of ``offload``. (``offload.staging.StagingArena``
+with its ``PoolBudget`` and ``offload.regions``' maps, ``offload.staging.Staged`` and
+``offload.residency.UpdateGate`` implement them.)"""
 
 from __future__ import annotations
 
@@ -36,13 +37,8 @@ class StagedBuffer(Protocol):
         """Give the buffer back once every transfer on it completed."""
 
 
-class Staging(Protocol):
-    """Stages units' regions of each kind in and out of their tiers, under the budget."""
-
-    state: StateLayout
-    slots: int
-    """2 when steps are speculative: a step stages with :meth:`stage_update`, writes with
-    ``put_back(..., next_slot=True)`` and completes with :meth:`flip`."""
+class Regions(Protocol):
+    """Where each unit's region of each kind lives, and what staging it takes."""
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool: ...
 
@@ -55,17 +51,53 @@ class Staging(Protocol):
     def staged_region_bytes(self, kind: TensorKind, u: int) -> int:
         """Pool bytes staging the region takes (0: on the host tier, used in place)."""
 
+
+class Slots(Protocol):
+    """Which slot holds each unit's current values."""
+
+    count: int
+    """2 when steps are speculative: a step stages with :meth:`Staging.stage_update`, writes with
+    ``put_back(..., next_slot=True)`` and completes with :meth:`flip`."""
+
+    def flip(self, u: int) -> None: ...
+
+    def of(self, u: int) -> tuple[int, ...]: ...
+
+    def restore(self, u: int, slots: tuple[int, ...]) -> None: ...
+
+
+class Budget(Protocol):
+    """The staging budget's accounting of work ahead of need and of submitted steps."""
+
+    def read_ahead_fits(self, nbytes: int, unit_need_bytes: int | None) -> bool:
+        """Whether a read-ahead of ``nbytes`` may be taken (``unit_need_bytes`` None: only from the slack)."""
+
+    def count_step_submitted(self, nbytes: int) -> None:
+        """A submitted step will stage ``nbytes`` (training thread)."""
+
+    def count_step_staged(self, nbytes: int) -> None:
+        """That step has staged them (the thread that ran it)."""
+
+
+class Staging(Protocol):
+    """Stages units' regions of each kind in and out of their tiers, under the budget."""
+
+    state: StateLayout
+
+    @property
+    def regions(self) -> Regions: ...
+
+    @property
+    def slots(self) -> Slots: ...
+
+    @property
+    def budget(self) -> Budget: ...
+
     def stage(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
               ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> StagedBuffer: ...
 
     def stage_update(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
                      ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> StagedBuffer: ...
-
-    def flip(self, u: int) -> None: ...
-
-    def slots_of(self, u: int) -> tuple[int, ...]: ...
-
-    def restore_slots(self, u: int, slots: tuple[int, ...]) -> None: ...
 
     def read_into(self, kind: TensorKind, u: int, held: StagedBuffer, ranges: list[tuple[int, int]] | None = None,
                   label: str | None = None) -> None: ...
@@ -77,15 +109,6 @@ class Staging(Protocol):
                  *, release: bool = True, label: str | None = None, next_slot: bool = False) -> None: ...
 
     def acquire_optional(self, nbytes: int, what: str, within_slack: bool = True) -> StagedBuffer | None: ...
-
-    def read_ahead_fits(self, nbytes: int, unit_need_bytes: int | None) -> bool:
-        """Whether a read-ahead of ``nbytes`` may be taken (``unit_need_bytes`` None: only from the slack)."""
-
-    def count_step_submitted(self, nbytes: int) -> None:
-        """A submitted step will stage ``nbytes`` (training thread)."""
-
-    def count_step_staged(self, nbytes: int) -> None:
-        """That step has staged them (the thread that ran it)."""
 
 
 class UpdateGate(Protocol):

@@ -183,7 +183,7 @@ class UnitStepper:
         opt = self.unit_optimizers[unit]
         assert opt is not None
         if self.speculative and unit not in self._journal:
-            self._journal[unit] = (self._staging.slots_of(unit), opt.snapshot())  # (no job of it in flight)
+            self._journal[unit] = (self._staging.slots.of(unit), opt.snapshot())  # (no job of it in flight)
         self._gate.begin(unit)
         deferred = self.defers(unit)
         inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else None
@@ -191,7 +191,7 @@ class UnitStepper:
             self._alpha_pending.append((unit, hyper, has_grad))
         value = self.clip.value
         staging = self.parts.staging_bytes(unit, weights is not None)
-        self._staging.count_step_submitted(staging)
+        self._staging.budget.count_step_submitted(staging)
         numel = self.state.units[unit].numel
 
         def backward_part() -> None:  # on the lane
@@ -209,7 +209,7 @@ class UnitStepper:
                 try:
                     self.parts.step_part(unit, 0, flat, weights, hyper, has_grad)
                 finally:
-                    self._staging.count_step_staged(staging)
+                    self._staging.budget.count_step_staged(staging)
                 lo, hi = opt.part_range(1)
                 grad_given_back = True
                 if deferred and lo < hi:
@@ -228,7 +228,7 @@ class UnitStepper:
                 ):
                     weights.release()
             if not deferred:
-                self._staging.flip(unit)  # (speculative: the step wrote the other slot)
+                self._staging.slots.flip(unit)  # (speculative: the step wrote the other slot)
                 self._gather_weights(unit)
                 self._publish(unit)
 
@@ -237,7 +237,7 @@ class UnitStepper:
         except BaseException:
             # not submitted (the lane failed, or Ctrl-C while waiting for a slot): nothing was stepped,
             # the unit's weights on their tier are current, and its handles go back here
-            self._staging.count_step_staged(staging)
+            self._staging.budget.count_step_staged(staging)
             if deferred:
                 self._alpha_pending.pop()
             grad.release()
@@ -264,7 +264,7 @@ class UnitStepper:
                         self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
                     finally:
                         held.release()
-                self._staging.flip(unit)
+                self._staging.slots.flip(unit)
                 self._gather_weights(unit)
                 self._publish(unit)
 
@@ -324,7 +324,7 @@ class UnitStepper:
                 self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
             finally:
                 held.release()
-            self._staging.flip(unit)
+            self._staging.slots.flip(unit)
             self._gather_weights(unit)
             self._publish(unit)
 
@@ -408,7 +408,7 @@ class UnitStepper:
         for unit, (slots, scalars) in self._journal.items():
             if unit not in half_done:
                 self.steps_completed[unit] -= 1  # (completed, and now undone)
-            self._staging.restore_slots(unit, slots)
+            self._staging.slots.restore(unit, slots)
             opt = self.unit_optimizers[unit]
             assert opt is not None
             opt.restore(scalars)

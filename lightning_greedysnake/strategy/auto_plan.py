@@ -104,7 +104,7 @@ class WarmStepPlan:
         fwd, bwd = self.unit_seconds = unit_times(manager.stats.lanes.spans(self.since, float("inf")),
                                                   manager.num_units)
         costs = unit_costs(manager, fwd, bwd, activation_bytes)
-        budget = host_budget_bytes(self.settings, self.local_processes) - manager.arena.host_bytes()
+        budget = host_budget_bytes(self.settings, self.local_processes) - manager.arena.regions.host_bytes()
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
         lags = (0, 1, 2) if "lag" in unset else (config.lag,)
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given

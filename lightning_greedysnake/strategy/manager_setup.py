@@ -132,7 +132,7 @@ def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectorie
     rank, local rank, whether there are several processes). On a failure everything taken is given back."""
     try:
         if manager.config.uses_ssd:
-            manager.arena.stripe(len(directory.dirs))  # (what each directory keeps, for its preflight)
+            manager.arena.regions.stripe(len(directory.dirs))  # (what each directory keeps, for its preflight)
             reports = directory.prepare(default_root, [manager.ssd_bytes(d) for d in range(len(directory.dirs))],
                                         *ranks)
             report("\n".join([*(f"greedysnake: {left.text()}" for left in directory.leftovers),

@@ -11,7 +11,8 @@ from typing import Any
 
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, OffloadConfig, Split, TensorKind, Tier
 from lightning_greedysnake.layout import StateLayout, unit_tiers
-from lightning_greedysnake.offload.staging import SLOTTED, staging_budget_of
+from lightning_greedysnake.offload.regions import SLOTTED
+from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner.placement import PlacementPlan, plan_placement
 from lightning_greedysnake.planner.roofline import UnitCost
 from lightning_greedysnake.strategy.device_plan import DeviceSide, weights_room_bytes

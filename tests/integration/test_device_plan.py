@@ -68,7 +68,7 @@ def test_a_model_over_half_the_budget_is_offloaded_and_the_report_says_why(simul
 class WeightTiers(L.Callback):
     def on_train_start(self, trainer: Any, module: Any) -> None:
         manager = trainer.strategy.tensor_manager
-        self.tiers = [t.value for t in manager.arena.unit_tiers[TensorKind.WEIGHTS]]
+        self.tiers = [t.value for t in manager.arena.regions.unit_tiers[TensorKind.WEIGHTS]]
         self.sizes = [manager.region_bytes(TensorKind.WEIGHTS, u) for u in range(manager.num_units)]
         self.state = manager.state
 

@@ -47,12 +47,12 @@ class Resident(L.Callback):
         self.copies = manager.copies
         self.to_device_at_start = manager.copies.counts.bytes_to_device
         self.to_host_at_start = manager.copies.counts.bytes_to_host
-        self.tiers = {t.value for t in manager.arena.unit_tiers[TensorKind.WEIGHTS]}
+        self.tiers = {t.value for t in manager.arena.regions.unit_tiers[TensorKind.WEIGHTS]}
 
     def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
         weights, arena = self.manager.weights, self.manager.arena
         for unit, held in list(weights._held.items()):
-            if not arena.on_device(TensorKind.WEIGHTS, unit):
+            if not arena.regions.on_device(TensorKind.WEIGHTS, unit):
                 self.bound.append(False)
                 continue
             flat, _ = arena.device_tensor(TensorKind.WEIGHTS, unit, weights.compute_dtype)
@@ -157,7 +157,7 @@ class MinimumAfterThePlan(L.Callback):
         manager = trainer.strategy.tensor_manager
         arena = manager.arena
         self.lag = manager.lag
-        self.minimum = arena.min_budget_bytes - arena._checkpoint_reserve
+        self.minimum = arena.budget.minimum_bytes - arena.budget._checkpoint_reserve
         self.expected = staging_budget_of(manager.state, manager.config, manager.lag, device_tier=True).minimum_bytes
 
 

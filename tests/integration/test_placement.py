@@ -13,7 +13,7 @@ import torch
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.config import REGION_KINDS
-from lightning_greedysnake.offload.staging import FILE_NAMES
+from lightning_greedysnake.offload.regions import FILE_NAMES
 from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
 
 K = 3
@@ -26,7 +26,7 @@ class Seen(UnitGradients):
     def on_train_end(self, trainer: Any, module: Any) -> None:
         manager = trainer.strategy.tensor_manager
         manager.drain()
-        self.tiers = {kind.value: list(manager.arena.unit_tiers[kind]) for kind in REGION_KINDS}
+        self.tiers = {kind.value: list(manager.arena.regions.unit_tiers[kind]) for kind in REGION_KINDS}
         self.region_bytes = {kind.value: [manager.region_bytes(kind, u) for u in range(manager.num_units)]
                              for kind in REGION_KINDS}
         self.stats = manager.stats.copy()

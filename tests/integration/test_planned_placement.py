@@ -36,8 +36,8 @@ class Seen(UnitGradients):
     def on_train_end(self, trainer: Any, module: Any) -> None:
         manager = trainer.strategy.tensor_manager
         manager.drain()
-        self.tiers = {kind.value: list(manager.arena.unit_tiers[kind]) for kind in REGION_KINDS}
-        self.regions_in_ram = manager.arena.host_bytes()
+        self.tiers = {kind.value: list(manager.arena.regions.unit_tiers[kind]) for kind in REGION_KINDS}
+        self.regions_in_ram = manager.arena.regions.host_bytes()
         self.host_bytes = self.regions_in_ram + manager.pool.budget_bytes
         self.read = sum(v for k, v in manager.stats.flat().items() if k.startswith("ssd/") and k.endswith("bytes_read"))
 
