@@ -343,14 +343,7 @@ class WindowEngine:
         self._ensure_unit(op.unit)
         self._hint_next_step()  # (the fused unit's own step: its reads overlap the fused ops)
         with torch.enable_grad():
-            if op.unit == 0:
-                hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
-                hidden = _check_hidden(hidden, "pre")
-                mb.ctx = ctx
-                leaf = None
-            else:
-                leaf = self._load_input(op.unit, microbatch, for_grad=True)
-                hidden = leaf
+            hidden, leaf = self._unit_input(op.unit, mb, microbatch)
             hidden = self._blocks(unit, hidden, mb.ctx)
             out = self.chain.post(hidden, mb.ctx)
         w.fused_leaf[microbatch] = leaf
@@ -384,7 +377,7 @@ class WindowEngine:
     def eval_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward, unit by unit through the store (outside any training window's state)."""
         hidden: Any = None
-        ctx: Any = None
+        inputs = _Microbatch(args, kwargs)  # (outside any window: only ``pre``'s ctx is kept in it)
         # evaluation may come in the middle of a window (val_check_interval): give back the unit the
         # window holds; the window re-acquires it when it resumes
         self._release_held()
@@ -394,11 +387,10 @@ class WindowEngine:
                 self.store.prefetch(unit.index + 1)
             try:
                 if unit.index == 0:
-                    hidden, ctx = self.chain.pre(*args, **kwargs)
-                    hidden = _check_hidden(hidden, "pre")
-                hidden = self._blocks(unit, hidden, ctx)
+                    hidden, _ = self._unit_input(0, inputs)
+                hidden = self._blocks(unit, hidden, inputs.ctx)
                 if unit.index == self.num_units - 1:
-                    hidden = self.chain.post(hidden, ctx)
+                    hidden = self.chain.post(hidden, inputs.ctx)
             finally:
                 self.store.release_unit(unit.index)
         return hidden
@@ -444,14 +436,7 @@ class WindowEngine:
         grad_mode = torch.no_grad() if recompute else torch.enable_grad()
         hooks = contextlib.nullcontext() if recompute else _weight_refs(unit)
         with grad_mode, hooks, self.forward_context():
-            if u == 0:
-                hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
-                hidden = _check_hidden(hidden, "pre")
-                mb.ctx = ctx
-                leaf = None
-            else:
-                leaf = self._load_input(u, m, for_grad=not recompute)
-                hidden = leaf
+            hidden, leaf = self._unit_input(u, mb, m, for_grad=not recompute)
             out = self._blocks(unit, hidden, mb.ctx)
         if recompute:
             self.store.save_activation(u + 1, m, out)
@@ -462,13 +447,24 @@ class WindowEngine:
             w.graphs[(u, m)] = (leaf, out)
             w.kept_inputs[(u + 1, m)] = out.detach().requires_grad_(out.is_floating_point())
 
-    def _load_input(self, u: int, m: int, for_grad: bool) -> Tensor:
-        """Unit ``u``'s input for micro-batch ``m``: an autograd leaf when ``for_grad``."""
-        w = self._require_window()
-        if (u, m) in w.kept_inputs:
-            return w.kept_inputs[(u, m)]
-        stored = self.store.load_activation(u, m)
-        return stored.detach().requires_grad_(stored.is_floating_point()) if for_grad else stored
+    def _unit_input(self, u: int, mb: _Microbatch, m: int | None = None, for_grad: bool = True,
+                    keep_ctx: bool = True) -> tuple[Tensor, Tensor | None]:
+        """Unit ``u``'s input, and again as the leaf whose gradient goes to the unit before (None for unit
+        0). Unit 0 runs the chain's ``pre`` on ``mb``'s inputs, keeping its ctx in ``mb`` when ``keep_ctx``;
+        any other unit reads micro-batch ``m``'s input in the window: the one kept with its graph, else its
+        activation checkpoint (an autograd leaf when ``for_grad``)."""
+        if u == 0:
+            hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
+            hidden = _check_hidden(hidden, "pre")
+            if keep_ctx:
+                mb.ctx = ctx
+            return hidden, None
+        assert m is not None, "a unit past the first reads its input from the window"
+        leaf = self._require_window().kept_inputs.get((u, m))
+        if leaf is None:
+            stored = self.store.load_activation(u, m)
+            leaf = stored.detach().requires_grad_(stored.is_floating_point()) if for_grad else stored
+        return leaf, leaf
 
     def _drop_input(self, u: int, m: int) -> None:
         if self._require_window().kept_inputs.pop((u, m), None) is None:
@@ -486,19 +482,13 @@ class WindowEngine:
             return
         unit = self.units[u]
         self._ensure_unit(u)
-        leaf: Tensor | None
         if (u, m) in w.graphs:
             leaf, out = w.graphs.pop((u, m))
         else:
             counter = SavedBytes(unit.parameters()) if u not in self.activation_bytes else None
             measure = counter.hooks() if counter is not None else contextlib.nullcontext()
             with w.rng.pop((u, m)).replay(), torch.enable_grad(), measure, self.forward_context():
-                if u == 0:
-                    hidden, _ = self.chain.pre(*mb.args, **mb.kwargs)
-                    leaf = None
-                else:
-                    leaf = self._load_input(u, m, for_grad=True)
-                    hidden = leaf
+                hidden, leaf = self._unit_input(u, mb, m, keep_ctx=False)  # (the forward's ctx stays)
                 out = self._blocks(unit, hidden, mb.ctx)
             if counter is not None:
                 self.activation_bytes[u] = counter.nbytes

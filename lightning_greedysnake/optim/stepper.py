@@ -45,6 +45,38 @@ class ClipPolicy:
     gradients first; a custom ``configure_gradient_clipping`` may need them too)."""
 
 
+class SpeculativeSteps:
+    """fp16 loss scaling without deferred clipping: a window's steps run before it is known to be finite,
+    each writing its unit's other slot; this keeps what undoing them restores. Training thread only, no
+    lock (the lane's jobs never touch it): :meth:`record` at a step's submission, before its job is queued
+    (no job of that unit in flight, so its slots and scalars are settled); :meth:`restore` only with the
+    lane drained (the jobs write what it restores)."""
+
+    def __init__(self, staging: Staging) -> None:
+        self._staging = staging
+        self._journal: dict[int, tuple[tuple[int, ...], UnitOptimizer, Any]] = {}
+        """Per unit stepped in this window: its slots, its optimizer and that one's scalar state before."""
+
+    def record(self, unit: int, opt: UnitOptimizer) -> None:
+        """``unit``'s step is being submitted: keep its state from before the window's first step of it."""
+        if unit not in self._journal:
+            self._journal[unit] = (self._staging.slots.of(unit), opt, opt.snapshot())
+
+    def commit(self) -> None:
+        """The window's steps stand (its gradients were finite, or it was abandoned)."""
+        self._journal.clear()
+
+    def restore(self) -> list[int]:
+        """Undo the window's steps: each stepped unit's slots (its previous values, untouched) and scalar
+        state as they were; returns those units."""
+        units = sorted(self._journal)
+        for unit, (slots, opt, scalars) in self._journal.items():
+            self._staging.slots.restore(unit, slots)
+            opt.restore(scalars)
+        self._journal.clear()
+        return units
+
+
 class UnitStepper:
     def __init__(self, optimizer: torch.optim.Optimizer | None, state: StateLayout, slots: tuple[str, ...],
                  staging: Staging, gate: UpdateGate, compute_dtype: torch.dtype, clip: ClipPolicy,
@@ -58,9 +90,8 @@ class UnitStepper:
         the handle). ``collectives``: data parallel's. ``loss_scaler`` (fp16): each gradient is unscaled
         by its ``inv_scale`` (read when the step is submitted, on the training thread, which alone
         updates the scale, after the window); an overflow is the loss scaler's to handle, so no unit
-        checks its gradient for non-finite values then. ``speculative``: steps run as gradients complete,
-        before the window is known to be finite; each writes its unit's other slot (:meth:`Staging.flip`
-        at its end), undone by :meth:`roll_back`. ``gradient_observer``: told ``(unit, flat fp32
+        checks its gradient for non-finite values then. ``speculative``: see :class:`SpeculativeSteps`
+        (each step's :meth:`Staging.flip` at its end). ``gradient_observer``: told ``(unit, flat fp32
         gradient)`` once per window for every stepped unit: the complete gradient (averaged over the
         ranks, before clipping), on the thread running the step, valid only during the call."""
         self.optimizer = optimizer
@@ -79,7 +110,7 @@ class UnitStepper:
         self.collectives = collectives
         self.gradient_observer = gradient_observer
         self.loss_scaler = loss_scaler
-        self.speculative = speculative
+        self.speculation = SpeculativeSteps(staging) if speculative else None
         self.check_finite = loss_scaler is None
         """Look for a non-finite value in every unit's complete gradient (one sum on the lane)."""
         self.nonfinite: list[int] = []
@@ -95,9 +126,6 @@ class UnitStepper:
         """Units whose complete gradient waits for clipping (deferred mode)."""
         self._clip_coef: Tensor | None = None
         self._value_clips: list[float] = []
-        self._journal: dict[int, tuple[tuple[int, ...], Any]] = {}
-        """Speculative steps of this window: per unit, its slots and scalar state before it (training
-        thread: written at submission, read by :meth:`roll_back` with the lane drained)."""
 
     @property
     def lag(self) -> int:
@@ -182,30 +210,21 @@ class UnitStepper:
         hyper = self._hyper()
         opt = self.unit_optimizers[unit]
         assert opt is not None
-        if self.speculative and unit not in self._journal:
-            self._journal[unit] = (self._staging.slots.of(unit), opt.snapshot())  # (no job of it in flight)
+        if self.speculation is not None:
+            self.speculation.record(unit, opt)  # (no job of it in flight)
         self._gate.begin(unit)
         deferred = self.defers(unit)
         inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else None
         if deferred:
             self._alpha_pending.append((unit, hyper, has_grad))
-        value = self.clip.value
+        values = [] if self.clip.value is None else [self.clip.value]
         staging = self.parts.staging_bytes(unit, weights is not None)
         self._staging.budget.count_step_submitted(staging)
-        numel = self.state.units[unit].numel
 
         def backward_part() -> None:  # on the lane
             stepped = grad_given_back = False
             try:
-                grad.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
-                flat = grad.view(torch.float32, numel)
-                if self.collectives is not None and not averaged:
-                    self.collectives.average_gradient(flat)  # data parallel: the ranks' gradients averaged, as DDP does
-                if inv_scale is not None:
-                    flat.mul_(inv_scale)  # (GradScaler's order: unscale, clip, step)
-                self._observe(unit, flat)
-                if value is not None:
-                    flat.clamp_(-value, value)
+                flat = self._gradient(unit, grad, inv_scale, values, average=not averaged)
                 try:
                     self.parts.step_part(unit, 0, flat, weights, hyper, has_grad)
                 finally:
@@ -228,9 +247,7 @@ class UnitStepper:
                 ):
                     weights.release()
             if not deferred:
-                self._staging.slots.flip(unit)  # (speculative: the step wrote the other slot)
-                self._gather_weights(unit)
-                self._publish(unit)
+                self._complete(unit)
 
         try:
             self.lane.submit(backward_part, heavy=True)  # (blocks while lag steps are queued)
@@ -264,9 +281,7 @@ class UnitStepper:
                         self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
                     finally:
                         held.release()
-                self._staging.slots.flip(unit)
-                self._gather_weights(unit)
-                self._publish(unit)
+                self._complete(unit)
 
             self.lane.submit(forward_part, heavy=False)
 
@@ -311,22 +326,12 @@ class UnitStepper:
         def whole_step() -> None:  # on the lane
             held = grad if grad is not None else self._staging.stage(TensorKind.GRADIENTS, unit, read=True)
             try:
-                held.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
-                flat = held.view(torch.float32, self.state.units[unit].numel)
-                if inv_scale is not None:
-                    flat.mul_(inv_scale)
-                self._observe(unit, flat)
-                for v in values:
-                    flat.clamp_(-v, v)
-                if coef is not None:
-                    flat.mul_(coef)
+                flat = self._gradient(unit, held, inv_scale, values, coef)
                 self.parts.step_part(unit, 0, flat, None, hyper, has_grad)
                 self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
             finally:
                 held.release()
-            self._staging.slots.flip(unit)
-            self._gather_weights(unit)
-            self._publish(unit)
+            self._complete(unit)
 
         try:
             self.lane.submit(whole_step, heavy=False)
@@ -336,21 +341,38 @@ class UnitStepper:
             self._gate.publish(unit)  # never stepped: its weights are current
             raise
 
-    def _observe(self, unit: int, flat: Tensor) -> None:
-        """``unit``'s complete gradient, before clipping (on the thread running its step)."""
+    def _gradient(self, unit: int, grad: StagedBuffer, inv_scale: float | None, values: list[float],
+                  coef: Tensor | None = None, average: bool = False) -> Tensor:
+        """``unit``'s complete gradient, a flat fp32 view of ``grad`` made ready to step in place (in a job, on
+        the lane): averaged over the ranks when ``average``, unscaled by ``inv_scale``, observed (non-finite
+        check, gradient observer), then clipped: clamped to each of ``values``, scaled by ``coef``."""
+        grad.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
+        flat = grad.view(torch.float32, self.state.units[unit].numel)
+        if self.collectives is not None and average:
+            self.collectives.average_gradient(flat)  # data parallel: the ranks' gradients averaged, as DDP does
+        if inv_scale is not None:
+            flat.mul_(inv_scale)  # (GradScaler's order: unscale, clip, step)
         if self.check_finite and not math.isfinite(float(flat.sum())):  # inf - inf is NaN: one pass
             with self._nonfinite_lock:
                 self.nonfinite.append(unit)
         if self.gradient_observer is not None:
             self.gradient_observer(unit, flat)
+        for v in values:
+            flat.clamp_(-v, v)
+        if coef is not None:
+            flat.mul_(coef)
+        return flat
 
     def take_nonfinite(self) -> list[int]:
         with self._nonfinite_lock:
             units, self.nonfinite = self.nonfinite, []
         return units
 
-    def _publish(self, unit: int) -> None:
-        """``unit``'s step is complete and its new weights on their tier (on the thread that ran it)."""
+    def _complete(self, unit: int) -> None:
+        """``unit``'s last part is stepped (in its job, on the lane): the slots it wrote become current, every
+        rank's chunk of the new weights is gathered into the weights tier, and the unit is published."""
+        self._staging.slots.flip(unit)  # (speculative: the step wrote the other slot)
+        self._gather_weights(unit)
         self.steps_completed[unit] += 1
         self._gate.publish(unit)
 
@@ -388,31 +410,27 @@ class UnitStepper:
             self.submit_forward_parts()
         self._alpha_pending.clear()
         self._waiting.clear()
-        self._journal.clear()  # (an abandoned window's steps stand, as without speculation)
+        if self.speculation is not None:
+            self.speculation.commit()  # (an abandoned window's steps stand, as without speculation)
         self.parts.drop_all_read_aheads()
 
     def commit(self) -> None:
         """Speculative steps: the window's gradients were all finite; its steps stand (training thread)."""
-        self._journal.clear()
+        assert self.speculation is not None
+        self.speculation.commit()
 
     def roll_back(self) -> list[int]:
         """Speculative steps: the window had a non-finite gradient. Skip its forward parts, wait for every
-        step of it on the lane, then restore each stepped unit's slots (its previous values, untouched)
-        and scalar state. Returns those units (training thread)."""
+        step of it on the lane, then undo each stepped unit (:meth:`SpeculativeSteps.restore`). Returns
+        those units (training thread)."""
         pending, self._alpha_pending = self._alpha_pending, []
         self.lane.drain()
         for unit, _, _ in pending:
             self._gate.publish(unit)  # never completed: its current values (restored below) stand
-        half_done = {unit for unit, _, _ in pending}
-        units = sorted(self._journal)
-        for unit, (slots, scalars) in self._journal.items():
-            if unit not in half_done:
-                self.steps_completed[unit] -= 1  # (completed, and now undone)
-            self._staging.slots.restore(unit, slots)
-            opt = self.unit_optimizers[unit]
-            assert opt is not None
-            opt.restore(scalars)
-        self._journal.clear()
+        assert self.speculation is not None
+        units = self.speculation.restore()
+        for unit in set(units) - {unit for unit, _, _ in pending}:
+            self.steps_completed[unit] -= 1  # (completed, and now undone)
         self.parts.drop_all_read_aheads()
         return units
 
