@@ -137,7 +137,7 @@ class SavedState:
 
 
 def _reusable(previous: SavedState | None, version: Any) -> CheckpointReader | None:
-    if previous is None or previous.version != version:
+    if previous is None or version is None or previous.version != version:
         return None
     try:
         reader = CheckpointReader(previous.path)

@@ -1,77 +1,148 @@
-"""Lightning's checkpoint hooks when the tensor manager holds the model and optimizer state: state
-dicts of placeholders that a save streams unit by unit from the tiers into a checkpoint directory,
-and loads that stream the other way (after setup, when the tensor manager exists)."""
+"""Lightning's checkpoint hooks, answered through one seam chosen once per run: :class:`CheckpointSeam`.
+
+With the tensor manager (:class:`StreamedCheckpoints`, built complete with it by ``open_run``), the state
+dicts are placeholders that a save streams unit by unit from the tiers into a checkpoint directory, and a
+load streams the other way (after setup: the tensor manager must exist first). Without one (everything
+on the device, or before setup: :data:`LIGHTNING`), Lightning's own path, except that a checkpoint
+directory (an offloaded run's) loads gathered in memory, as ``export --lightning`` gathers it.
+
+The strategy's hooks call the seam with Lightning's own implementation (``lightning``, the strategy's
+``super()`` method) for the seam to use or not: no hook asks which kind of run it is.
+
+Threads: the training thread (Lightning's checkpoint hooks).
+"""
 
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from lightning_greedysnake.checkpoint import is_checkpoint_dir
+from lightning_greedysnake.checkpoint.plain import plain_checkpoint
 from lightning_greedysnake.checkpoint.streamed import (
     STREAMED_STATE,
-    StreamedStateDict,
+    SavedState,
     StreamedTensor,
     load_model_into,
     load_optimizer_into,
+    load_streamed,
     save_streamed,
 )
 from lightning_greedysnake.distributed import ShardedStateView, join_save
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
-MasterSource = Callable[[int], list[Tensor]]
+
+class CheckpointSeam(Protocol):
+    """What Lightning's checkpoint hooks ask of a run; ``lightning`` is Lightning's own answer."""
+
+    def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Lightning's module state dict (``state``) as a checkpoint saves it."""
+
+    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with every parameter's current full-precision value (collective with partitioned
+        state: every rank calls it)."""
+
+    def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]: ...
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
+             lightning: Callable[[dict[str, Any], Any, Any], None]) -> None: ...
+
+    def load(self, path: Any, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]: ...
+
+    def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
+                   lightning: Callable[[Mapping[str, Any], bool], None]) -> None: ...
+
+    def load_optimizer(self, optimizer: Any, checkpoint: Mapping[str, Any],
+                       lightning: Callable[[Mapping[str, Any]], None]) -> None: ...
+
+
+def remove(filepath: Any, lightning: Callable[[Any], None]) -> None:
+    """Remove a checkpoint directory, or leave a file to Lightning (rank 0 only; either kind of run)."""
+    if is_checkpoint_dir(filepath) and not Path(filepath).is_symlink():
+        shutil.rmtree(filepath)
+    else:
+        lightning(filepath)
+
+
+class _Lightning:
+    """No tensor manager: Lightning's path; a checkpoint directory loads gathered in memory."""
+
+    def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return state
+
+    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return state
+
+    def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        return lightning(optimizer)
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
+             lightning: Callable[[dict[str, Any], Any, Any], None]) -> None:
+        lightning(checkpoint, filepath, storage_options)
+
+    def load(self, path: Any, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return plain_checkpoint(path) if is_checkpoint_dir(path) else lightning()
+
+    def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
+                   lightning: Callable[[Mapping[str, Any], bool], None]) -> None:
+        lightning(checkpoint, strict)
+
+    def load_optimizer(self, optimizer: Any, checkpoint: Mapping[str, Any],
+                       lightning: Callable[[Mapping[str, Any]], None]) -> None:
+        lightning(checkpoint)
+
+
+LIGHTNING: CheckpointSeam = _Lightning()
+"""The seam of a run without a tensor manager, and before setup."""
 
 
 class StreamedCheckpoints:
-    def __init__(self) -> None:
-        self.last_seconds: float | None = None
-        """Wall time of the last save (streamed from the tiers)."""
-        self._last_saved: Any = None
+    """The seam of a run with the tensor manager: checkpoints stream to and from its tiers, never
+    gathered (rank 0 writes the directory; with partitioned state every rank contributes its chunks)."""
+
+    def __init__(self, manager: TieredTensorStore, *, rank: int, world: int, layered_prefix: str,
+                 precision: str) -> None:
+        self.manager = manager
+        self.rank, self.world = rank, world
+        self.layered_prefix = layered_prefix
+        """The layered model's path in the LightningModule with its dot ("" at the top)."""
+        self.precision = precision
+        self._last_saved: SavedState | None = None
         self._loads = 0
         """Checkpoints loaded into the tensor manager: a save after one never links an earlier save's files."""
 
-    @staticmethod
-    def placeholders(state: dict[str, Any], manager: TieredTensorStore) -> dict[str, Any]:
-        """Lightning's state dict with every unit parameter as a :class:`StreamedTensor` placeholder that
-        :meth:`save` streams from the tiers (the whole model is never gathered)."""
-        for u in range(manager.num_units):
-            for i, slot in enumerate(manager.layouts[u].params):
+    def _view(self) -> Any:
+        return ShardedStateView(self.manager, self.rank, self.world) if self.manager.shard else self.manager
+
+    def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Every unit parameter as a :class:`StreamedTensor` placeholder that :meth:`save` streams."""
+        for u in range(self.manager.num_units):
+            for i, slot in enumerate(self.manager.layouts[u].params):
                 if slot.name in state:
                     state[slot.name] = StreamedTensor(u, i, slot.shape)
         return state
 
-    @staticmethod
-    def filled(state: dict[str, Any], manager: TieredTensorStore, master: MasterSource) -> dict[str, Any]:
-        """Lightning's state dict with every unit parameter's current full-precision value (gathered)."""
-        for u in range(manager.num_units):
-            for slot, value in zip(manager.layouts[u].params, master(u), strict=True):
+    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        master: Callable[[int], list[Tensor]] = self._view().unit_master_weights
+        for u in range(self.manager.num_units):
+            for slot, value in zip(self.manager.layouts[u].params, master(u), strict=True):
                 if slot.name in state:
                     state[slot.name] = value
         return state
 
-    @staticmethod
-    def master_source(manager: TieredTensorStore, rank: int, world: int) -> MasterSource:
-        """Full-precision weights of a unit: the manager's, or gathered from every rank's chunk with
-        partitioned state (collective: every rank calls it)."""
-        if manager.shard is None:
-            return manager.unit_master_weights
-        return ShardedStateView(manager, rank, world).unit_master_weights
-
-    @staticmethod
-    def optimizer_placeholder(optimizer: Any) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        if self.manager.optimizer is None:
+            return lightning(optimizer)
         state = optimizer.state_dict()
         state["state"] = STREAMED_STATE  # streamed unit by unit by save
         return state
 
-    def save(self, manager: TieredTensorStore, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
-             *, rank: int, world: int, global_step: int, layered_prefix: str, precision: str) -> None:
-        """Write ``checkpoint`` as a checkpoint directory (rank 0), streaming every unit; with partitioned
-        state every rank contributes its chunks."""
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
+             lightning: Callable[[dict[str, Any], Any, Any], None]) -> None:
         if storage_options is not None:
             raise TypeError(
                 f"trainer.save_checkpoint(..., storage_options={storage_options!r}): greedysnake writes its "
@@ -82,44 +153,31 @@ class StreamedCheckpoints:
                 f"checkpoint path {filepath!r}: greedysnake saves to a local or mounted filesystem (it streams "
                 "every unit and renames atomically). Fix: save locally and copy the directory afterwards."
             )
+        manager = self.manager
         with_optimizer = checkpoint.get("optimizer_states") is not None and manager.optimizer is not None
-        if manager.shard is not None and rank != 0:
-            join_save(ShardedStateView(manager, rank, world), with_optimizer)  # rank 0 writes
+        if manager.shard is not None and self.rank != 0:
+            join_save(self._view(), with_optimizer)  # rank 0 writes
             return
-        if rank != 0:
+        if self.rank != 0:
             return
-        t0 = time.perf_counter()
         # the state changes only at optimizer steps: a second save at the same step (save_last after a
         # top-k save) links the first one's files
-        version = (id(manager), global_step, self._loads)
-        view = ShardedStateView(manager, rank, world) if manager.shard else manager
-        self._last_saved = save_streamed(view, checkpoint, filepath, layered_prefix, precision, version=version,
-                                         previous=None if manager.shard else self._last_saved)
-        self.last_seconds = time.perf_counter() - t0
+        step = checkpoint.get("global_step")
+        version = None if step is None else (step, self._loads)
+        self._last_saved = save_streamed(self._view(), checkpoint, filepath, self.layered_prefix, self.precision,
+                                         version=version, previous=None if manager.shard else self._last_saved)
 
-    @staticmethod
-    def remove(filepath: Any) -> bool:
-        """Remove a checkpoint directory (True), or leave a file to Lightning (False)."""
-        if is_checkpoint_dir(filepath) and not Path(filepath).is_symlink():
-            shutil.rmtree(filepath)
-            return True
-        return False
+    def load(self, path: Any, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return load_streamed(path) if is_checkpoint_dir(path) else lightning()
 
-    @staticmethod
-    def refuse_without_manager(state_dict: Mapping[str, Any]) -> None:
-        if isinstance(state_dict, StreamedStateDict):
-            raise ValueError(
-                f"checkpoint {state_dict.reader.path} holds state streamed from SSD; loading it needs the "
-                "tensor manager (an offload placement with something off the device). Fix: export it "
-                "with `python -m lightning_greedysnake.export` to load it elsewhere."
-            )
-
-    def load_model(self, manager: TieredTensorStore, module: Any, state_dict: Mapping[str, Any],
-                   strict: bool) -> None:
+    def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
+                   lightning: Callable[[Mapping[str, Any], bool], None]) -> None:
         self._loads += 1
-        load_model_into(manager, module, state_dict, strict)
+        load_model_into(self.manager, module, checkpoint["state_dict"], strict)
 
-    @staticmethod
-    def load_optimizer(manager: TieredTensorStore, optimizer: Any, checkpoint: Mapping[str, Any]) -> None:
+    def load_optimizer(self, optimizer: Any, checkpoint: Mapping[str, Any],
+                       lightning: Callable[[Mapping[str, Any]], None]) -> None:
+        if self.manager.optimizer is None:
+            return lightning(checkpoint)
         (opt_state,) = checkpoint["optimizer_states"]
-        load_optimizer_into(manager, optimizer, opt_state)
+        load_optimizer_into(self.manager, optimizer, opt_state)

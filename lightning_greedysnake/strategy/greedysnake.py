@@ -38,9 +38,6 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_greedysnake.checkpoint import is_checkpoint_dir
-from lightning_greedysnake.checkpoint.plain import plain_checkpoint
-from lightning_greedysnake.checkpoint.streamed import load_streamed
 from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Tier
 from lightning_greedysnake.distributed import ShardedStateView
 from lightning_greedysnake.engine import WindowEngine
@@ -49,8 +46,7 @@ from lightning_greedysnake.offload.device import simulate_device_enabled
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.planner import Choice
 from lightning_greedysnake.precision import GreedySnakePrecision
-from lightning_greedysnake.strategy import after_fit, checks, progress
-from lightning_greedysnake.strategy.checkpoints import StreamedCheckpoints
+from lightning_greedysnake.strategy import after_fit, checkpoints, checks, progress
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, tokens_in
 from lightning_greedysnake.strategy.placement import PlacementPlan
@@ -99,7 +95,6 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self.precision_plugin = precision_plugin
         self._run: Run | None = None
         """This setup's parts (kept after teardown, closed, for what the run planned and measured)."""
-        self._checkpoints = StreamedCheckpoints()
         self._batch_idx = 0
         """The epoch-local index of the batch in progress (from ``on_train_batch_start``)."""
         self._warned: set[str] = set()
@@ -206,11 +201,6 @@ class GreedySnakeStrategy(DataParallelStrategy):
         training thread waited on reads and on the optimizer, bytes per kind. Empty without offload."""
         telemetry = self._run.telemetry if self._run is not None else None
         return telemetry.history if telemetry is not None else []
-
-    @property
-    def last_checkpoint_seconds(self) -> float | None:
-        """Wall time of the last checkpoint save streamed from the tiers."""
-        return self._checkpoints.last_seconds
 
     @classmethod
     @override
@@ -386,61 +376,44 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Lightning's state dict for checkpoints; with the tensor manager, placeholders that
         :meth:`save_checkpoint` streams from the tiers (:meth:`full_state_dict` gives real tensors)."""
-        state = super().lightning_module_state_dict()
-        manager = self.tensor_manager
-        return state if manager is None else StreamedCheckpoints.placeholders(state, manager)
+        return self._checkpoints.module_state(super().lightning_module_state_dict())
 
     def full_state_dict(self) -> dict[str, Any]:
         """The LightningModule's state dict with every parameter's current value (full precision),
         gathered in memory (collective with partitioned state: every rank calls it)."""
-        state = super().lightning_module_state_dict()
-        manager = self.tensor_manager
-        if manager is None:
-            return state
-        return StreamedCheckpoints.filled(state, manager, StreamedCheckpoints.master_source(manager, self.global_rank, self.world_size))
+        return self._checkpoints.full_state(super().lightning_module_state_dict())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        manager = self.tensor_manager
-        if manager is None or manager.optimizer is None:
-            return super().optimizer_state(optimizer)
-        return StreamedCheckpoints.optimizer_placeholder(optimizer)
+        return self._checkpoints.optimizer_state(optimizer, super().optimizer_state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        manager = self.tensor_manager
-        if manager is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        self._checkpoints.save(manager, checkpoint, filepath, storage_options, rank=self.global_rank,
-                               world=self.world_size, global_step=self.lightning_module.trainer.global_step,
-                               layered_prefix=f"{self._run.layered_path}." if self._run and self._run.layered_path else "",
-                               precision=str(self.precision_plugin.precision))
+        self._checkpoints.save(checkpoint, filepath, storage_options, super().save_checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if not (self.is_global_zero and StreamedCheckpoints.remove(filepath)):
-            super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            checkpoints.remove(filepath, super().remove_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if is_checkpoint_dir(checkpoint_path):  # (everything on the device: gathered, as exported)
-            return plain_checkpoint(checkpoint_path) if self.tensor_manager is None else load_streamed(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return self._checkpoints.load(
+            checkpoint_path, lambda: super(GreedySnakeStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        manager = self.tensor_manager
-        if manager is None:
-            StreamedCheckpoints.refuse_without_manager(checkpoint["state_dict"])
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        self._checkpoints.load_model(manager, self.lightning_module, checkpoint["state_dict"], strict)
+        self._checkpoints.load_model(self.lightning_module, checkpoint, strict, super().load_model_state_dict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        manager = self.tensor_manager
-        if manager is None or manager.optimizer is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        StreamedCheckpoints.load_optimizer(manager, self.optimizers[0], checkpoint)
+        self._checkpoints.load_optimizer(self.optimizers[0] if self.optimizers else None, checkpoint,
+                                         super().load_optimizer_state_dict)
+
+    @property
+    def _checkpoints(self) -> checkpoints.CheckpointSeam:
+        run = self._run
+        return run.checkpoints if run is not None and not run.closed else checkpoints.LIGHTNING
 
     # -- evaluation ---------------------------------------------------------------------------------
     @override

@@ -30,6 +30,7 @@ from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
+from lightning_greedysnake.strategy.checkpoints import LIGHTNING, CheckpointSeam, StreamedCheckpoints
 from lightning_greedysnake.strategy.device_plan import plan_device
 from lightning_greedysnake.strategy.inputs import WindowInputs
 from lightning_greedysnake.strategy.manager_setup import (
@@ -129,7 +130,8 @@ class Run:
     :meth:`close`. Owned by the training thread."""
 
     def __init__(self, config: GreedySnakeConfig, cut: ModelCut, units: list[Unit], store: TensorStore,
-                 engine: WindowEngine, guard: NonFiniteGuard, *, placement: PlacementPlan | None = None,
+                 engine: WindowEngine, guard: NonFiniteGuard, *, checkpoints: CheckpointSeam = LIGHTNING,
+                 placement: PlacementPlan | None = None,
                  telemetry: StepRecorder | None = None, warm_plan: WarmStepPlan | None = None,
                  directories: OffloadDirectories | None = None) -> None:
         self._config = config
@@ -139,6 +141,8 @@ class Run:
         self.engine = engine
         self.inputs = WindowInputs(cut.layered, cut.path)
         self.guard = guard
+        self.checkpoints = checkpoints
+        """How Lightning's checkpoint hooks save and load this run's state."""
         self.placement = placement
         """The placement planned at setup (``auto=True`` and a kind left unset; else None)."""
         self.telemetry = telemetry
@@ -216,5 +220,9 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
     lanes = manager.stats.lanes
     engine = WindowEngine(cut.chain, planned.units, config, manager, ctx.device, ctx.precision.forward_context,
                           observer=lambda name, a, b: lanes.add("compute", a, b, name))
-    return Run(config, cut, planned.units, manager, engine, guard, placement=planned.placement, telemetry=telemetry,
+    checkpoints = StreamedCheckpoints(manager, rank=ctx.global_rank, world=ctx.world_size,
+                                      layered_prefix=f"{cut.path}." if cut.path else "",
+                                      precision=str(ctx.precision.precision))
+    return Run(config, cut, planned.units, manager, engine, guard, checkpoints=checkpoints,
+               placement=planned.placement, telemetry=telemetry,
                warm_plan=WarmStepPlan(ctx.settings, ctx.local_processes), directories=directories)
