@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, OffloadConfig, Split, TensorKind, Tier
-from lightning_greedysnake.layout import StateLayout, unit_tiers
-from lightning_greedysnake.offload.regions import SLOTTED
+from lightning_greedysnake.layout import StateLayout, UnitLayout, unit_tiers
+from lightning_greedysnake.offload.regions import SLOTTED, placement_of
 from lightning_greedysnake.offload.staging import staging_budget_of
+from lightning_greedysnake.planner.measure import unit_costs
 from lightning_greedysnake.planner.placement import PlacementPlan, plan_placement
 from lightning_greedysnake.planner.roofline import UnitCost
 from lightning_greedysnake.strategy.device_plan import DeviceSide, weights_room_bytes
@@ -80,19 +81,39 @@ def budget_error(settings: GreedySnakeConfig, budget: int, staging: int, lag: in
     return f"{given} cannot hold {what}. Fix: {fix}."
 
 
-def unit_costs_at_setup(state: StateLayout, alpha: float) -> list[UnitCost]:
-    """Region sizes per unit as the traffic model takes them; the deferred range about ``alpha`` of
-    every unit but the first (which is never deferred)."""
-    costs = []
-    for u, lay in enumerate(state.units):
-        sizes = {kind: state.region_bytes(kind, u) for kind in REGION_KINDS}
-        deferred = alpha if u > 0 and lay.trainable_numel else 0.0
-        costs.append(UnitCost(
-            0.0, 0.0, weight_bytes=sizes[TensorKind.WEIGHTS], grad_bytes=sizes[TensorKind.GRADIENTS],
-            master_bytes=sizes[TensorKind.MASTER_WEIGHTS], state_bytes=sizes[TensorKind.OPTIMIZER_STATES],
-            params=lay.trainable_numel, alpha_weight_bytes=int(deferred * sizes[TensorKind.WEIGHTS]),
-            alpha_grad_bytes=int(deferred * sizes[TensorKind.GRADIENTS])))
-    return costs
+@dataclasses.dataclass(frozen=True)
+class PlannedState:
+    """A state layout placed as ``tiers`` say (:func:`~lightning_greedysnake.offload.regions.placement_of`),
+    before any tensor manager exists: the cost model's :class:`~lightning_greedysnake.planner.measure.SizedStore`
+    at setup (:func:`planned_costs`), as the tensor manager is after the first steps. The deferred part of
+    every unit but the first (never deferred) is about ``alpha`` of it."""
+
+    state: StateLayout
+    tiers: Mapping[TensorKind, list[Tier]]
+    alpha: float = 0.0
+
+    @property
+    def layouts(self) -> tuple[UnitLayout, ...]:
+        return self.state.units
+
+    def region_bytes(self, kind: TensorKind, u: int) -> int:
+        return self.state.region_bytes(kind, u)
+
+    def deferred_bytes(self, kind: TensorKind, u: int) -> int:
+        deferred = self.alpha if u > 0 and self.state.units[u].trainable_numel else 0.0
+        return int(deferred * self.state.region_bytes(kind, u))
+
+    def on_ssd(self, kind: TensorKind, u: int) -> bool:
+        return self.tiers[kind][u] is Tier.SSD
+
+    def on_device(self, kind: TensorKind, u: int) -> bool:
+        return self.tiers[kind][u] is Tier.DEVICE
+
+
+def planned_costs(state: StateLayout, offload: OffloadConfig, alpha: float, device_tier: bool) -> list[UnitCost]:
+    """The cost model's units (:func:`~lightning_greedysnake.planner.measure.unit_costs`, the same the
+    warm-step plan takes from the tensor manager) of ``state`` placed as ``offload`` says."""
+    return unit_costs(PlannedState(state, placement_of(state, offload, device_tier), alpha))
 
 
 def as_placement(sizes: list[int], host_units: int, device_units: int = 0) -> Tier | Split:
@@ -138,11 +159,10 @@ def place_kinds(settings: GreedySnakeConfig, state: StateLayout, k: int, budget:
     n = state.num_units
     kept = {kind.value: [state.kept_unit_bytes(kind, u) * (2 if speculative and kind in SLOTTED else 1)
                          for u in range(n)] for kind in REGION_KINDS}
-    given_tiers = {kind.value: unit_tiers(state.all_region_bytes(kind), fixed.offload.tier(kind))
-                   for kind in REGION_KINDS if kind not in planned}
-    given = {kind: sum(t is not Tier.SSD for t in tiers) for kind, tiers in given_tiers.items()}
-    given_device = {kind: sum(t is Tier.DEVICE for t in tiers) if device.tier else 0
-                    for kind, tiers in given_tiers.items()}
+    tiers = placement_of(state, every_ssd, device.tier)  # (the given kinds' as given)
+    given = {kind.value: sum(t is not Tier.SSD for t in tiers[kind]) for kind in REGION_KINDS if kind not in planned}
+    given_device = {kind.value: sum(t is Tier.DEVICE for t in tiers[kind]) for kind in REGION_KINDS
+                    if kind not in planned}
     for kind, count in given_device.items():  # (device-resident units take no RAM)
         kept[kind] = [0] * count + kept[kind][count:]
     lag = fixed.lag
@@ -158,8 +178,8 @@ def place_kinds(settings: GreedySnakeConfig, state: StateLayout, k: int, budget:
     room = 0
     if device.tier and device.budget_bytes and TensorKind.WEIGHTS in planned:
         room = weights_room_bytes(state, fixed.offload, device.budget_bytes)
-    return lag, plan_placement(unit_costs_at_setup(state, fixed.alpha or 0.0), kept, given, budget, reserved,
-                               schedule, k, clip_norm=clip_norm and schedule == "vertical", device_room=room,
+    costs = unit_costs(PlannedState(state, tiers, fixed.alpha or 0.0))
+    return lag, plan_placement(costs, kept, given, budget, reserved, schedule, k, clip_norm=clip_norm and schedule == "vertical", device_room=room,
                                given_device=given_device)
 
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_greedysnake.config import GreedySnakeConfig, Tier
-from lightning_greedysnake.layout import StateLayout, unit_tiers
+from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.config import REGION_KINDS
 from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, probe_sizes, request_bandwidth
@@ -33,7 +33,7 @@ from lightning_greedysnake.strategy.placement import (
     placed_config,
     plan_at_setup,
     staging_estimate,
-    unit_costs_at_setup,
+    planned_costs,
 )
 from lightning_greedysnake.tensor_manager import discover_slots, state_format_for, state_layout
 
@@ -80,13 +80,7 @@ def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], opt
                     continue
         except ValueError:
             continue  # its staging alone exceeds the budget
-        costs = unit_costs_at_setup(state, config.alpha or 0.0)
-        tiers = {kind: unit_tiers(state.all_region_bytes(kind), config.offload.tier(kind)) for kind in REGION_KINDS}
-        costs = [dataclasses.replace(c, on_ssd=frozenset(kind.value for kind in REGION_KINDS
-                                                         if tiers[kind][u] is Tier.SSD),
-                                     on_device=frozenset(kind.value for kind in REGION_KINDS
-                                                         if device.tier and tiers[kind][u] is Tier.DEVICE))
-                 for u, c in enumerate(costs)]
+        costs = planned_costs(state, config.offload, config.alpha or 0.0, device.tier)
         schedule = config.schedule.value
         placed[lpu] = (costs, traffic(costs, schedule, k, clip_norm=clip_norm and schedule == "vertical"),
                        state.num_slots)
