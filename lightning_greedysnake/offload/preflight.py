@@ -196,6 +196,24 @@ class Leftover:
                 f"that did not clean up (pid {self.pid}, no longer running; killed?)")
 
 
+def refuse_kept_files(directory: Path, setting: str | None) -> None:
+    """Refuse a run in ``directory`` (its lock held by this run, so no live run's files are there, and
+    :func:`clear_leftovers` has removed a killed run's) that still holds offload files: another run left
+    them there on purpose (``offload.keep_files=True``), and this run would overwrite them and, at its end,
+    remove them. ``setting``: the configured ``offload.path`` it came from (None: the default)."""
+    files = [directory / name for name in LEFTOVER_FILES if (directory / name).exists()]
+    if not files:
+        return
+    named = ", ".join(f"{f.name} ({_human(f.stat().st_size)})" for f in files)
+    given = (f"offload_dir={setting!r}" if setting is not None
+             else "the default offload directory (under the Trainer's default_root_dir)")
+    raise ValueError(
+        f"{given}: {directory} holds offload files that another greedysnake run kept there "
+        f"(offload.keep_files=True): {named}. This run would overwrite them. Fix: give this run another "
+        f"offload directory (offload_dir / offload.path), or delete those files if you no longer need them."
+    )
+
+
 def clear_leftovers(directories: list[Path]) -> list[Leftover]:
     """In each of ``directories`` that holds a greedysnake lock file nobody holds and offload files, remove
     those files and the lock (and the directory itself when that leaves it empty): a killed run's state

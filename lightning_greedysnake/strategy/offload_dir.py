@@ -1,6 +1,6 @@
 """The offload directory of one process: chosen from the config (one per rank with several
-processes), checked before any work starts (preflight: writable, O_DIRECT, free space), locked for the
-run, and cleaned up at its end, removing only what this run created."""
+processes), checked before any work starts (preflight: writable, O_DIRECT, free space; no files another
+run kept there), locked for the run, and cleaned up at its end, removing only what this run created."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from lightning_greedysnake.offload.preflight import (
     PreflightReport,
     clear_leftovers,
     preflight,
+    refuse_kept_files,
 )
 
 
@@ -69,7 +70,11 @@ class OffloadDirectory:
             report = preflight(path, ssd_bytes)
             self._lock = OffloadDirLock(report.offload_dir)
             self._lock.acquire()
+            refuse_kept_files(report.offload_dir, self.setting)  # (with the lock: no live run's files)
         except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             for directory in [path] * (not existed) + made:  # what this call created, innermost first
                 with contextlib.suppress(OSError):
                     directory.rmdir()

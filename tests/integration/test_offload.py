@@ -230,6 +230,24 @@ def test_offload_dir_in_use_by_another_run_is_refused(tmp_path):
         other.release()
 
 
+def test_files_a_run_kept_are_never_overwritten_by_the_next_run(tmp_path):
+    """keep_files=True leaves the files for inspection: the next run in that directory refuses to start,
+    naming them and the fix, before any work, and leaves them byte for byte (it used to overwrite and
+    then delete them, silently)."""
+    offload_dir = tmp_path / "off"
+    _fit(GreedySnakeStrategy(auto=False, offload_dir=offload_dir, offload={"keep_files": True}), 2, steps=1)
+    kept = {p.name: p.read_bytes() for p in offload_dir.iterdir()}
+    assert {"weights.bin", "optimizer_states.bin"} <= kept.keys() and ".greedysnake.lock" not in kept, kept.keys()
+    for keep in (False, True):  # (whatever this run would do with its own files at its end)
+        with pytest.raises(ValueError, match=(
+                rf"offload_dir='{re.escape(str(offload_dir))}'.*kept there \(offload.keep_files=True\): "
+                r"weights.bin \(.*optimizer_states.bin.*would overwrite them. Fix: give this run another offload "
+                r"directory.*or delete those files")):
+            _fit_never(GreedySnakeStrategy(auto=False, offload_dir=offload_dir, offload={"keep_files": keep}))
+        assert {p.name: p.read_bytes() for p in offload_dir.iterdir()} == kept  # (and no lock left behind)
+    _fit(GreedySnakeStrategy(auto=False, offload_dir=tmp_path / "other"), 2, steps=1)  # another directory works
+
+
 def test_buffer_budget_below_one_unit_is_refused():
     with pytest.raises(ValueError, match=r"offload.buffer_budget_bytes=4096 is below the \d+ bytes.*Fix"):
         _fit_never(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": 4096}))
