@@ -129,6 +129,10 @@ class OffloadDirectories:
 
     def __init__(self, config: OffloadConfig) -> None:
         self.dirs = [OffloadDirectory(config, setting) for setting in (config.paths or [None])]
+        self.given = config.paths is not None
+        """The user named the directories (``offload.path``): each is prepared (checked, locked) for the run
+        whatever the placement puts there, and the report says so where it is nothing. The default one
+        is only made when something goes to SSD."""
 
     @property
     def paths(self) -> list[Path]:
@@ -156,6 +160,12 @@ class OffloadDirectories:
                 "(for this rank). Fix: give different directories, one per SSD."
             )
         return reports
+
+    def text(self, reports: list[PreflightReport], empty_note: str) -> str:
+        """The start-of-run report of the prepared directories: the leftovers removed, then per directory
+        what the run keeps there, or ``empty_note`` (why nothing, and how to put state there)."""
+        return "\n".join([*(f"greedysnake: {left.text()}" for left in self.leftovers),
+                          *(r.text() + ("" if r.breakdown else f"\n  {empty_note}") for r in reports)])
 
     def cleanup(self, files: list[Path]) -> None:
         for d in self.dirs:
