@@ -212,8 +212,10 @@ def empty_path_note(settings: GreedySnakeConfig, config: GreedySnakeConfig, plan
         planned = [name for name, k in plan.kinds.items() if k.planned]
         source = ("auto_host_budget_bytes" if settings.auto_host_budget_bytes is not None
                   else "half the available memory")
+        on_ssd = sum(k.total_bytes for k in plan.kinds.values() if k.planned) // len(offload.paths or [None])
         why = (f"{', '.join(planned)} fit in the {human_bytes(plan.budget_bytes)} host budget ({source}), so the "
-               f"planner (auto=True) keeps them in RAM{'; yours: ' + ', '.join(yours) if yours else ''}")
+               f"planner (auto=True) keeps them in RAM (on SSD they would take about {human_bytes(on_ssd)} "
+               f"here){'; yours: ' + ', '.join(yours) if yours else ''}")
         fix = f"{force}, or a smaller auto_host_budget_bytes"
     else:
         rest = ", the others at their defaults" if settings.offload.unset() else ""

@@ -251,7 +251,8 @@ def test_files_a_run_kept_are_never_overwritten_by_the_next_run(tmp_path):
 
 UNUSED = {  # settings under which a tiny model puts nothing on SSD, and what the report says for each path
     "planned in RAM": ({}, r"weights, master_weights, optimizer_states, gradients fit in the [\d.]+ GiB host budget "
-                           r"\(half the available memory\), so the planner \(auto=True\) keeps them in RAM; activation "
+                           r"\(half the available memory\), so the planner \(auto=True\) keeps them in RAM \(on SSD "
+                           r"they would take about [\d.]+ KiB here\); activation "
                            r"checkpoints come here only if.*To put state here: offload.<kind>=ssd \(e.g. "
                            r"offload.optimizer_states=ssd\), or a smaller auto_host_budget_bytes\."),
     "yours in RAM": ({"auto": False, "offload": OffloadConfig.everywhere("host")},
