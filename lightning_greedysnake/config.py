@@ -147,7 +147,8 @@ class OffloadConfig:
     I/O threads (``io_threads`` each) and cleanup. ``None``: ``<Trainer default_root_dir>/greedysnake_offload``.
     With several processes each rank uses ``<path>/rank_<global rank>``, or, when the path contains
     ``{rank}`` (or ``{local_rank}``), the path with it filled in (``/mnt/nvme{local_rank}/gs``: one SSD
-    per process)."""
+    per process). A path given is checked (and locked) even where the placement puts nothing there, and
+    the start-of-run report says why nothing went there."""
 
     weights: Tier | Split | None = None
     master_weights: Tier | Split | None = None
@@ -194,7 +195,8 @@ class OffloadConfig:
     """Bypass the page cache (O_DIRECT), so weights really come from the SSD every step."""
 
     keep_files: bool = False
-    """Leave the offload files in place at the end of the run (or after a crash), for inspection."""
+    """Leave the offload files in place at the end of the run (or after a crash), for inspection. A later
+    run in the same directory refuses to start while they are there (it would overwrite them)."""
 
     return_weights: bool = True
     """At the end of fit/validate/test (or after an error the caller catches), copy the final weights

@@ -292,8 +292,8 @@ class TieredTensorStore:
         self.offload_dir = dirs[0] if dirs else None
         self.offload_dirs = dirs
         engines: list[IOEngine] = []
-        if config.uses_ssd:
-            assert dirs, "an SSD tier needs an offload directory"
+        assert dirs or not config.uses_ssd, "an SSD tier needs an offload directory"
+        if dirs:  # (with nothing else there, a directory the user named may still take the checkpoints)
             io = IOConfig(config.io_threads, config.io_chunk_bytes, config.direct_io)
             engines = [io_engine or default_engine(io) for _ in dirs]
             self._engines = list({id(e): e for e in engines}.values())  # (a given engine serves every one)

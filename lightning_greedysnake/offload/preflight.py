@@ -25,7 +25,7 @@ def disk_free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def _human(nbytes: int) -> str:
+def human_bytes(nbytes: int) -> str:
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
@@ -45,9 +45,9 @@ class PreflightReport:
     def text(self) -> str:
         lines = [f"greedysnake offload_dir={self.offload_dir} (O_DIRECT: {'yes' if self.o_direct else 'no'})"]
         for name, nbytes in self.breakdown.items():
-            lines.append(f"  {name:<28} {_human(nbytes):>12}")
-        lines.append(f"  {'total needed':<28} {_human(self.required_bytes):>12}")
-        lines.append(f"  {'free':<28} {_human(self.free_bytes):>12}")
+            lines.append(f"  {name:<28} {human_bytes(nbytes):>12}")
+        lines.append(f"  {'total needed':<28} {human_bytes(self.required_bytes):>12}")
+        lines.append(f"  {'free':<28} {human_bytes(self.free_bytes):>12}")
         return "\n".join(lines)
 
 
@@ -171,8 +171,8 @@ def preflight(
     report = PreflightReport(path, o_direct, free, required, dict(breakdown))
     if free < required:
         raise ValueError(
-            f"offload_dir={raw!r} has {_human(free)} free but this model and placement need "
-            f"{_human(required)} there:\n{report.text()}\nFix: free space, point offload_dir at a larger "
+            f"offload_dir={raw!r} has {human_bytes(free)} free but this model and placement need "
+            f"{human_bytes(required)} there:\n{report.text()}\nFix: free space, point offload_dir at a larger "
             "disk, or keep more state in host memory."
         )
     return report
@@ -192,8 +192,26 @@ class Leftover:
     nbytes: int
 
     def text(self) -> str:
-        return (f"removed {_human(self.nbytes)} of offload files left in {self.directory} by a greedysnake run "
+        return (f"removed {human_bytes(self.nbytes)} of offload files left in {self.directory} by a greedysnake run "
                 f"that did not clean up (pid {self.pid}, no longer running; killed?)")
+
+
+def refuse_kept_files(directory: Path, setting: str | None) -> None:
+    """Refuse a run in ``directory`` (its lock held by this run, so no live run's files are there, and
+    :func:`clear_leftovers` has removed a killed run's) that still holds offload files: another run left
+    them there on purpose (``offload.keep_files=True``), and this run would overwrite them and, at its end,
+    remove them. ``setting``: the configured ``offload.path`` it came from (None: the default)."""
+    files = [directory / name for name in LEFTOVER_FILES if (directory / name).exists()]
+    if not files:
+        return
+    named = ", ".join(f"{f.name} ({human_bytes(f.stat().st_size)})" for f in files)
+    given = (f"offload_dir={setting!r}" if setting is not None
+             else "the default offload directory (under the Trainer's default_root_dir)")
+    raise ValueError(
+        f"{given}: {directory} holds offload files that another greedysnake run kept there "
+        f"(offload.keep_files=True): {named}. This run would overwrite them. Fix: give this run another "
+        f"offload directory (offload_dir / offload.path), or delete those files if you no longer need them."
+    )
 
 
 def clear_leftovers(directories: list[Path]) -> list[Leftover]:

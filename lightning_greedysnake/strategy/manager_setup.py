@@ -126,17 +126,18 @@ def move_all_but_units(module: nn.Module, units: list[Unit], device: torch.devic
 
 def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectories, default_root: Path,
                         ranks: tuple[int, int, bool], units: list[Unit], broadcast: Broadcast,
-                        meta_model: nn.Module | None, report: Callable[[str], None]) -> None:
-    """Prepare and lock ``directory``, open ``manager``'s files there and store the model's initial
-    weights in its tiers (materialized unit by unit from ``meta_model`` if given). ``ranks``: (global
-    rank, local rank, whether there are several processes). On a failure everything taken is given back."""
+                        meta_model: nn.Module | None, report: Callable[[str], None], empty_note: str) -> None:
+    """Prepare and lock ``directory`` (where something goes to SSD, or the user named it), open
+    ``manager``'s files there and store the model's initial weights in its tiers (materialized unit by
+    unit from ``meta_model`` if given). ``ranks``: (global rank, local rank, whether there are several
+    processes); ``empty_note``: what the report says under a directory that gets nothing. On a failure
+    everything taken is given back."""
     try:
-        if manager.config.uses_ssd:
+        if manager.config.uses_ssd or directory.given:
             manager.arena.regions.stripe(len(directory.dirs))  # (what each directory keeps, for its preflight)
             reports = directory.prepare(default_root, [manager.ssd_bytes(d) for d in range(len(directory.dirs))],
                                         *ranks)
-            report("\n".join([*(f"greedysnake: {left.text()}" for left in directory.leftovers),
-                               *(r.text() for r in reports)]))
+            report(directory.text(reports, empty_note))
             manager.open(directory.paths)
         else:
             manager.open(None)

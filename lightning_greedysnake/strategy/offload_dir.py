@@ -1,6 +1,6 @@
 """The offload directory of one process: chosen from the config (one per rank with several
-processes), checked before any work starts (preflight: writable, O_DIRECT, free space), locked for the
-run, and cleaned up at its end, removing only what this run created."""
+processes), checked before any work starts (preflight: writable, O_DIRECT, free space; no files another
+run kept there), locked for the run, and cleaned up at its end, removing only what this run created."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from lightning_greedysnake.offload.preflight import (
     PreflightReport,
     clear_leftovers,
     preflight,
+    refuse_kept_files,
 )
 
 
@@ -69,7 +70,11 @@ class OffloadDirectory:
             report = preflight(path, ssd_bytes)
             self._lock = OffloadDirLock(report.offload_dir)
             self._lock.acquire()
+            refuse_kept_files(report.offload_dir, self.setting)  # (with the lock: no live run's files)
         except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             for directory in [path] * (not existed) + made:  # what this call created, innermost first
                 with contextlib.suppress(OSError):
                     directory.rmdir()
@@ -124,6 +129,10 @@ class OffloadDirectories:
 
     def __init__(self, config: OffloadConfig) -> None:
         self.dirs = [OffloadDirectory(config, setting) for setting in (config.paths or [None])]
+        self.given = config.paths is not None
+        """The user named the directories (``offload.path``): each is prepared (checked, locked) for the run
+        whatever the placement puts there, and the report says so where it is nothing. The default one
+        is only made when something goes to SSD."""
 
     @property
     def paths(self) -> list[Path]:
@@ -151,6 +160,12 @@ class OffloadDirectories:
                 "(for this rank). Fix: give different directories, one per SSD."
             )
         return reports
+
+    def text(self, reports: list[PreflightReport], empty_note: str) -> str:
+        """The start-of-run report of the prepared directories: the leftovers removed, then per directory
+        what the run keeps there, or ``empty_note`` (why nothing, and how to put state there)."""
+        return "\n".join([*(f"greedysnake: {left.text()}" for left in self.leftovers),
+                          *(r.text() + ("" if r.breakdown else f"\n  {empty_note}") for r in reports)])
 
     def cleanup(self, files: list[Path]) -> None:
         for d in self.dirs:

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, OffloadConfig, Split, TensorKind, Tier
 from lightning_greedysnake.layout import StateLayout, UnitLayout, unit_tiers
+from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.offload.regions import SLOTTED, placement_of
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner.measure import unit_costs
@@ -208,3 +209,39 @@ def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, sp
     report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
            + plan.table())
     return placed_config(settings, state, lag, plan), plan
+
+
+def empty_path_note(settings: GreedySnakeConfig, config: GreedySnakeConfig, plan: PlacementPlan | None) -> str:
+    """What the start-of-run report says under an offload path that holds none of the run's state (one
+    given in ``offload.path``, checked all the same): why nothing went there, and how to put state there.
+    ``settings``: what the user set; ``config``: the settings in effect (after the device plan and the
+    placement ``plan``, None when nothing was planned)."""
+    offload = config.offload
+    if offload.uses_ssd:  # (several paths, fewer units on SSD than paths)
+        return ("nothing placed here: the units on SSD are striped over the offload paths one unit at a time, "
+                "and none fell to this one. To use it: put more units on SSD (offload.<kind>=ssd), or give "
+                "fewer paths.")
+    given = {kind.value: getattr(settings.offload, kind.value) for kind in TensorKind}
+    yours = [f"offload.{name}={value.value if isinstance(value, Tier) else value}"
+             for name, value in given.items() if value is not None]
+    force = "offload.<kind>=ssd (e.g. offload.optimizer_states=ssd)"
+    if not offload.uses_tensor_manager and settings.offload.unset():
+        why = "the model's whole training state fits the device (the device plan above), so every kind stays there"
+        fix = f"{force}, or auto_device_budget_bytes=0"
+    elif plan is not None:
+        planned = [name for name, k in plan.kinds.items() if k.planned]
+        source = ("auto_host_budget_bytes" if settings.auto_host_budget_bytes is not None
+                  else "half the available memory")
+        on_ssd = sum(k.total_bytes for k in plan.kinds.values() if k.planned) // len(offload.paths or [None])
+        why = (f"{', '.join(planned)} fit in the {human_bytes(plan.budget_bytes)} host budget ({source}), so the "
+               f"planner (auto=True) keeps them in RAM (on SSD they would take about {human_bytes(on_ssd)} "
+               f"here){'; yours: ' + ', '.join(yours) if yours else ''}")
+        fix = f"{force}, or a smaller auto_host_budget_bytes"
+    else:
+        rest = ", the others at their defaults" if settings.offload.unset() else ""
+        why = f"your settings keep every kind off SSD ({', '.join(yours)}{rest})"
+        fix = force
+    if settings.auto and settings.offload.checkpoints is None and offload.uses_tensor_manager:
+        why += (f"; activation checkpoints come here only if, at the first save, a window's exceed "
+                f"1/{CHECKPOINT_SHARE} of the host budget")
+    return f"nothing placed here: {why}. To put state here: {fix}."

@@ -41,7 +41,7 @@ from lightning_greedysnake.strategy.manager_setup import (
 )
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.strategy.placement import PlacementPlan, plan_checkpoints
+from lightning_greedysnake.strategy.placement import PlacementPlan, empty_path_note, plan_checkpoints
 from lightning_greedysnake.strategy.unit_plan import plan_setup
 from lightning_greedysnake.telemetry import StepRecorder
 from lightning_greedysnake.tensor_manager import DataParallelHooks, TieredTensorStore
@@ -193,10 +193,19 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
     model's initial weights; otherwise the units stay on the device with rank 0's weights."""
     guard = NonFiniteGuard(cut.config.on_nonfinite, ctx.warn, ctx.precision.loss_scaler)
     if not cut.config.offload.uses_tensor_manager:
-        ctx.broadcast_parameters([p for unit in cut.units for p in unit.parameters()])
-        engine = WindowEngine(cut.chain, cut.units, cut.config, InMemoryTensorStore(), ctx.device,
-                              ctx.precision.forward_context)
-        return Run(cut.config, cut, cut.units, engine.store, engine, guard)
+        directories = OffloadDirectories(cut.config.offload)
+        if directories.given:  # (checked and reported all the same, though nothing goes there)
+            reports = directories.prepare(ctx.default_root, [{} for _ in directories.dirs], ctx.global_rank,
+                                          ctx.local_rank, ctx.is_distributed)
+            ctx.report(directories.text(reports, empty_path_note(ctx.settings, cut.config, None)))
+        try:
+            ctx.broadcast_parameters([p for unit in cut.units for p in unit.parameters()])
+            engine = WindowEngine(cut.chain, cut.units, cut.config, InMemoryTensorStore(), ctx.device,
+                                  ctx.precision.forward_context)
+        except BaseException:
+            directories.cleanup([])
+            raise
+        return Run(cut.config, cut, cut.units, engine.store, engine, guard, directories=directories)
     shard = (ctx.global_rank, ctx.world_size) if ctx.is_distributed and cut.config.shard_state else None
     dtype, scaler = ctx.precision.compute_dtype, ctx.precision.loss_scaler
     planned = plan_setup(ctx, cut.chain, optimizer, dtype, shard,
@@ -209,7 +218,8 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
         plan_checkpoints(manager.activations, ctx.settings, ctx.local_processes, ctx.report)
         directories = OffloadDirectories(config.offload)
         open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
-                            planned.units, ctx.broadcast_parameters, cut.layered if cut.on_meta else None, ctx.report)
+                            planned.units, ctx.broadcast_parameters, cut.layered if cut.on_meta else None, ctx.report,
+                            empty_path_note(ctx.settings, config, planned.placement))
     except BaseException:
         manager.close()
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,96 @@ def test_offload_dir_in_use_by_another_run_is_refused(tmp_path):
             _fit_never(GreedySnakeStrategy(auto=False, offload_dir=tmp_path))
     finally:
         other.release()
+
+
+def test_files_a_run_kept_are_never_overwritten_by_the_next_run(tmp_path):
+    """keep_files=True leaves the files for inspection: the next run in that directory refuses to start,
+    naming them and the fix, before any work, and leaves them byte for byte (it used to overwrite and
+    then delete them, silently)."""
+    offload_dir = tmp_path / "off"
+    _fit(GreedySnakeStrategy(auto=False, offload_dir=offload_dir, offload={"keep_files": True}), 2, steps=1)
+    kept = {p.name: p.read_bytes() for p in offload_dir.iterdir()}
+    assert {"weights.bin", "optimizer_states.bin"} <= kept.keys() and ".greedysnake.lock" not in kept, kept.keys()
+    for keep in (False, True):  # (whatever this run would do with its own files at its end)
+        with pytest.raises(ValueError, match=(
+                rf"offload_dir='{re.escape(str(offload_dir))}'.*kept there \(offload.keep_files=True\): "
+                r"weights.bin \(.*optimizer_states.bin.*would overwrite them. Fix: give this run another offload "
+                r"directory.*or delete those files")):
+            _fit_never(GreedySnakeStrategy(auto=False, offload_dir=offload_dir, offload={"keep_files": keep}))
+        assert {p.name: p.read_bytes() for p in offload_dir.iterdir()} == kept  # (and no lock left behind)
+    _fit(GreedySnakeStrategy(auto=False, offload_dir=tmp_path / "other"), 2, steps=1)  # another directory works
+
+
+UNUSED = {  # settings under which a tiny model puts nothing on SSD, and what the report says for each path
+    "planned in RAM": ({}, r"weights, master_weights, optimizer_states, gradients fit in the [\d.]+ GiB host budget "
+                           r"\(half the available memory\), so the planner \(auto=True\) keeps them in RAM \(on SSD "
+                           r"they would take about [\d.]+ KiB here\); activation "
+                           r"checkpoints come here only if.*To put state here: offload.<kind>=ssd \(e.g. "
+                           r"offload.optimizer_states=ssd\), or a smaller auto_host_budget_bytes\."),
+    "yours in RAM": ({"auto": False, "offload": OffloadConfig.everywhere("host")},
+                     r"your settings keep every kind off SSD \(offload.weights=host, .*offload.checkpoints=host\)\. "
+                     r"To put state here: offload.<kind>=ssd"),
+    "yours on the device": ({"auto": False, "offload": OffloadConfig.everywhere("device")},  # (no tensor manager)
+                            r"your settings keep every kind off SSD \(offload.weights=device, .*\)\. To put state here"),
+}
+
+
+def _with_path(settings: dict[str, Any], path: Any) -> GreedySnakeStrategy:
+    offload = settings.get("offload", OffloadConfig())
+    offload = {**(offload if isinstance(offload, dict) else vars(offload)), "path": path}
+    return GreedySnakeStrategy(**{**settings, "offload": offload})
+
+
+@pytest.mark.parametrize("case", ["planned in RAM", "yours on the device"])
+def test_an_offload_dir_that_is_a_file_is_refused_even_where_nothing_would_go(tmp_path, case):
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(ValueError, match=r"offload_dir=.*file' is a file, not a directory.*Fix"):
+        _fit_never(_with_path(UNUSED[case][0], [str(tmp_path / "ok"), str(target)]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # (the first one, prepared, removed again)
+
+
+@pytest.mark.parametrize("case", ["planned in RAM", "yours in RAM"])
+def test_a_read_only_offload_dir_is_refused_even_where_nothing_would_go(tmp_path, case):
+    target = tmp_path / "ro"
+    target.mkdir()
+    root = os.getuid() == 0  # (root ignores permission bits: the directory is made immutable instead)
+    if root and subprocess.run(["chattr", "+i", str(target)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    if not root:
+        target.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match=r"offload_dir=.*ro' is not writable.*Fix: make it writable"):
+            _fit_never(_with_path(UNUSED[case][0], str(target)))
+    finally:
+        if root:
+            subprocess.run(["chattr", "-i", str(target)], check=False)
+        target.chmod(0o700)
+    assert list(target.iterdir()) == []
+
+
+class Locked(L.Callback):
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.held = [(p / ".greedysnake.lock").is_file() for p in self.paths]
+
+
+@pytest.mark.parametrize("case", list(UNUSED))
+def test_offload_paths_given_but_unused_are_checked_held_and_reported_with_why(tmp_path, case, caplog):
+    """With nothing to put on SSD, each path given is still checked and locked for the run, and the report
+    says, per path, that nothing went there, why, and how to put state there."""
+    paths = [tmp_path / "a", tmp_path / "b"]
+    settings, why = UNUSED[case]
+    locked = Locked(paths)
+    with caplog.at_level("INFO"):
+        _fit(_with_path(settings, [str(p) for p in paths]), 2, steps=1, callbacks=[locked])
+    assert locked.held == [True, True]
+    for path in paths:
+        assert re.search(rf"greedysnake offload_dir={re.escape(str(path))} \(O_DIRECT: \w+\)\n  total needed +0 B\n"
+                         rf"  free .*\n  nothing placed here: {why}", caplog.text), caplog.text
+    assert list(tmp_path.iterdir()) == []  # (made for the run, removed at its end)
 
 
 def test_buffer_budget_below_one_unit_is_refused():

@@ -232,3 +232,18 @@ def test_checkpoints_left_unset_go_to_ssd_when_a_window_of_them_exceeds_their_sh
     _, kept = fit_wide_batches(GreedySnakeStrategy(**{**settings, "offload": {**settings["offload"],
                                                                                   "checkpoints": "host"}}))
     assert kept.tier is Tier.HOST and kept.written == 0
+
+
+def test_a_path_given_with_nothing_else_on_ssd_takes_the_checkpoints_that_exceed_their_share(tmp_path, caplog):
+    """Every kind planned in RAM, an offload path given: the report's promise holds, the checkpoints go
+    there at the first save when a window's exceed their share of the host budget (the math unchanged)."""
+    budget = 256 * 1024 * CHECKPOINT_SHARE
+    resident, _ = fit_wide_batches(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("host")))
+    with caplog.at_level("INFO"):
+        got, seen = fit_wide_batches(GreedySnakeStrategy(auto_host_budget_bytes=budget, layers_per_unit=1,
+                                                         offload={"path": str(tmp_path / "off"),
+                                                                  "buffer_budget_bytes": STAGING}))
+    assert "nothing placed here" in caplog.text and "activation checkpoints on SSD" in caplog.text, caplog.text
+    assert seen.tier is Tier.SSD and seen.written > 0
+    for name, value in resident.items():
+        assert torch.equal(got[name], value), name

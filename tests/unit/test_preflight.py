@@ -10,7 +10,9 @@ import textwrap
 
 import pytest
 
+from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload import OffloadDirLock, preflight
+from lightning_greedysnake.strategy.offload_dir import OffloadDirectory
 from tests.helpers import mounted
 
 GiB = 1 << 30
@@ -63,6 +65,20 @@ def test_too_little_space_on_a_tiny_filesystem(tmp_path):
         preflight(mount, {"weights": 10 << 20})  # fits
         with pytest.raises(ValueError, match="free but this model and placement need"):
             preflight(mount, {"weights": 64 << 20})
+
+
+def test_a_directory_holding_kept_files_is_refused_and_left_as_it_was(tmp_path):
+    """Files a run kept (keep_files=True: no lock file) are refused by the next run's prepare, which
+    takes nothing with it: no lock held, no lock file, the files as they were."""
+    (tmp_path / "weights.bin").write_bytes(b"w" * 8192)
+    directory = OffloadDirectory(OffloadConfig(path=str(tmp_path)), str(tmp_path))
+    with pytest.raises(ValueError, match=r"offload_dir=.*kept there \(offload.keep_files=True\): weights.bin "
+                                         r"\(8.0 KiB\).*Fix: give this run another offload directory"):
+        directory.prepare(tmp_path.parent, {"weights": 8192})
+    assert [(p.name, p.read_bytes()) for p in tmp_path.iterdir()] == [("weights.bin", b"w" * 8192)]
+    lock = OffloadDirLock(tmp_path)
+    lock.acquire()  # (nobody holds it)
+    lock.release()
 
 
 def test_lock_refuses_a_second_run_and_is_released(tmp_path):
