@@ -151,14 +151,24 @@ class OffloadConfig:
     the start-of-run report says why nothing went there."""
 
     weights: Tier | Split | None = None
+    """Where the compute weights live (16-bit under bf16-mixed; under 32-true also the master copy):
+    ``device``, ``host`` or ``ssd``, or split by whole units, ``{host: 0.6, ssd: 0.4}`` (the first units up
+    to that share of the kind's bytes in RAM, see :class:`Split`); on a GPU also a device share,
+    ``{device: 0.5, host: 0.2, ssd: 0.3}`` (resident there beside the host optimizer). ``None`` (unset):
+    the planner places it at setup (``auto=True``; on a GPU the compute weights first on the device, see
+    :mod:`lightning_greedysnake.planner.placement`), or ``ssd`` with ``auto=False``."""
     master_weights: Tier | Split | None = None
-    optimizer_states: Tier | Split | None = None
-    gradients: Tier | Split | None = None
-    """Each of these four may also be split between host memory and SSD by whole units,
-    ``{host: 0.6, ssd: 0.4}``: the first units up to that share of the kind's bytes in RAM (see
-    :class:`Split`). ``None`` (unset): the planner places it at setup (``auto=True``, see
-    :mod:`lightning_greedysnake.planner.placement`), or ``ssd`` (ZeRO-Infinity's placement) with
+    """Where the fp32 master weights live (bf16-mixed and 16-mixed only): ``host`` or ``ssd``, or split
+    between them by whole units. ``None`` (unset): planned at setup (``auto=True``), or ``ssd`` with
     ``auto=False``."""
+    optimizer_states: Tier | Split | None = None
+    """Where the optimizer's per-parameter state lives (Adam's moments, SGD's momentum): ``host`` or
+    ``ssd``, or split between them by whole units. ``None`` (unset): planned at setup (``auto=True``), or
+    ``ssd`` with ``auto=False``."""
+    gradients: Tier | Split | None = None
+    """Where fp32 gradients that must wait live (the horizontal order's partial sums, the deferred
+    ``alpha`` range, everything under norm clipping): ``host`` or ``ssd``, or split between them by whole
+    units. ``None`` (unset): planned at setup (``auto=True``), or ``ssd`` with ``auto=False``."""
     checkpoints: Tier | None = None
     """``None`` (unset): with ``auto=True`` decided at the first save (``host`` while a window's
     checkpoints fit 1/8 of the host budget, else ``ssd``); with ``auto=False`` ``host``."""

@@ -1,0 +1,277 @@
+"""The benchmark page's tables, generated from ``benchmarks/results/*.json``: the only writer of its numbers.
+
+    python benchmarks/report.py                 # prints the Markdown the docs site shows
+    python benchmarks/report.py --check         # also fails if a results file is neither current nor archived
+
+The docs build (``docs/hooks/generate.py``) calls :func:`render` for the ``<!-- gen:benchmarks -->`` marker
+of ``docs/benchmarks.md``, so the page always shows what the JSON holds. Which files are current, and what
+each compares, is :data:`SECTIONS`; superseded runs live in ``benchmarks/results/archive/`` and are not
+shown. Each table lists every scalar field of the file's rows (runs of several rounds: the median rows,
+with each round's ratio beside them), then the command, the machine, and the date the file was committed.
+Values are shown as stored; floats with more than three decimals are rounded to three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ARCHIVE = RESULTS / "archive"
+
+
+@dataclass(frozen=True)
+class Result:
+    file: str
+    """A JSON file in ``benchmarks/results/``, without ``.json``."""
+    caption: str
+    """What the run compares (no numbers: those come from the file)."""
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    text: str
+    results: tuple[Result, ...]
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section(
+        "The defaults against DeepSpeed ZeRO-Infinity",
+        "`GreedySnakeStrategy()` as it is (`gs_default`: `auto=True`, the planner places each kind within half "
+        "the available memory) against DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer state on "
+        "NVMe, `DS_ACCELERATOR=cpu`), GPT 1024 x 12 (168M parameters, vocabulary 8192), micro-batch 1, K=8, "
+        "three rounds alternating the two systems in fresh processes. On this machine the default budget "
+        "holds the whole model's state, so the plan keeps every kind in RAM: this is the default using the "
+        "machine, not SSD against SSD (that is the next section). `vs_deepspeed` is the tokens/s ratio.",
+        (Result("compare_defaults_seq128_bf16", "Sequence 128, bf16-mixed."),
+         Result("compare_defaults_seq128_fp32", "Sequence 128, 32-true."),
+         Result("compare_defaults_seq32_bf16", "Sequence 32, bf16-mixed."),
+         Result("compare_defaults_seq32_fp32", "Sequence 32, 32-true.")),
+    ),
+    Section(
+        "SSD against SSD",
+        "Every kind on SSD for both systems. `gs_vertical` is `auto=False` (ZeRO-Infinity's placement, alpha "
+        "0.25, lag 2, recompute, the automatic staging budget); `gs_auto` plans the rest over the same "
+        "placement; `lightning_auto` is Lightning's default strategy in memory, for reference. "
+        "`fraction_of_roofline` is the planner's roofline over the measured step.",
+        (Result("compare_seq128_v3", "Sequence 128, K=8, bf16-mixed."),
+         Result("compare_seq32_v3", "Sequence 32, K=8, where a micro-batch's weight traffic outweighs its "
+                                    "compute.")),
+    ),
+    Section(
+        "Vertical against horizontal over K",
+        "The same engine in the two orders, every kind on SSD, sequence 32: the vertical order loads each "
+        "unit's weights twice a step whatever K, the horizontal order 2K times.",
+        (Result("compare_seq32_sweep_v2", "Tokens/s per K, both orders."),
+         Result("roofline", "Measured step against the roofline (the largest of compute, SSD bytes over the "
+                            "measured bandwidth, optimizer elements over the measured rate), GPT 1024 x 4, "
+                            "32-true.")),
+    ),
+    Section(
+        "A host budget",
+        "The planner within an explicit host budget (`--host-budget-gb`) against the `greedysnake_cpu` preset "
+        "(everything in RAM); `time_vs_cpu` is the step time ratio.",
+        (Result("compare_auto", "GPT 1024 x 12, sequence 128, K=8, bf16-mixed."),),
+    ),
+    Section(
+        "Memory",
+        "Peak resident memory against the model state (16 bytes per parameter), each placement in a fresh "
+        "process; growth is peak RSS over the same process idle.",
+        (Result("memory", "GPT 1024 x 20 (270M parameters), sequence 128, K=4."),
+         Result("scale_1p6b", "A GPT of 2048 x 32 whose model state exceeds this machine's RAM, built on "
+                              "the meta device, bf16-mixed, every kind on SSD (measured before the background "
+                              "optimizer lane landed).")),
+    ),
+    Section(
+        "The overlapped optimizer",
+        "Synchronous steps against the background lane (`lag`) and the deferred share (`alpha`), state on SSD; "
+        "`optimizer_unhidden_s` is optimizer time not hidden behind compute.",
+        (Result("overlap", "GPT 1024 x 4, sequence 128, K=8, 32-true."),),
+    ),
+    Section(
+        "Optimizer state formats",
+        "Optimizer state in bf16 (`offload.optimizer_state_dtype=bfloat16`) and torchao's 8-bit AdamW against "
+        "fp32 state, alternating in one run, GPT 1024 x 12, every kind on SSD, `auto=False` unless the "
+        "system says `auto`. The state's bytes shrink; whether the step does depends on what binds.",
+        (Result("compare_bf16_state", "Sequence 128, K=8, bf16-mixed."),
+         Result("compare_bf16_state_seq32", "Sequence 32, K=8."),
+         Result("compare_bf16_state_seq8", "Sequence 8, K=8."),
+         Result("compare_bf16_state_seq32_k2", "Sequence 32, K=2: the disk binds."),
+         Result("compare_bf16_state_auto_ssd_seq32_k2", "Sequence 32, K=2, the planned settings over an all-SSD "
+                                                        "placement."),
+         Result("compare_bf16_state_fp32", "Sequence 128, K=8, 32-true."),
+         Result("compare_8bit_state", "torchao's `AdamW8bit`, sequence 128, K=8, bf16-mixed."),
+         Result("state_dtype", "Convergence: the example's GPT, 500 steps, every kind on SSD (`auto=false`)."),
+         Result("optimizer_rate", "Host optimizer rate (elements per second) on this machine's CPU.")),
+    ),
+    Section(
+        "Checkpoints",
+        "One save, a second save at the same step (as `save_last` does) and a resume, against Lightning's "
+        "default in-memory checkpoint.",
+        (Result("checkpoint", "GPT 1024 x 12, bf16-mixed."),),
+    ),
+    Section(
+        "Data parallel",
+        "Two processes with one thread each against one with two; collective bytes are each rank's payload per "
+        "optimizer step.",
+        (Result("distributed", "GPT 512 x 4, sequence 64, bf16-mixed, state on SSD."),),
+    ),
+    Section(
+        "Unit size and the disk",
+        "Setup's choice of `layers_per_unit` against every fixed size, every kind on SSD; and how one disk "
+        "serves a read stream beside a write stream (the planner sums them).",
+        (Result("unit_size_1024x12", "GPT 1024 x 12, sequence 128, K=8, 32-true, two rounds."),
+         Result("unit_size_512x8", "GPT 512 x 8, sequence 32, K=8, 32-true, two rounds: a small model on a CPU, "
+                                   "where larger units pay the engine's per-op cost fewer times."),
+         Result("disk_mix", "A read stream beside a write stream, against the two in turn.")),
+    ),
+    Section(
+        "Changes measured against their baseline",
+        "Runs of the same system on this code and on an earlier commit (`system@commit`), alternating; "
+        "`vs_baseline` is the tokens/s ratio.",
+        (Result("refactor_seq128", "The tensor manager's rebuild around explicit ownership."),
+         Result("compare_readahead_seq32_k2", "Reading each step's state ahead, where the disk binds."),
+         Result("compare_issue33", "One cost model at setup and after the warm step (issue 33)."),
+         Result("unit_size_relayout_disk", "Moving the state into larger units mid-run (the warm-step plan's "
+                                           "relayout), measured side by side before it was removed: the run "
+                                           "keeps the unit size it started with.")),
+    ),
+)
+
+_HIDDEN = {"package", "runs", "seq", "round", "units", "plan", "placement", "first_step_note"}
+"""Row fields not shown as columns (the run's own bookkeeping, or nested)."""
+
+
+def current_files() -> list[str]:
+    return [r.file for s in SECTIONS for r in s.results]
+
+
+def plots() -> list[Path]:
+    """The plots the page shows (a PNG beside a current JSON file)."""
+    return [p for p in (RESULTS / f"{name}.png" for name in current_files()) if p.exists()]
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def cell(value: Any) -> str:
+    """A value as the table shows it: as stored; a float with more than three decimals rounded to three."""
+    if isinstance(value, float):
+        text = repr(value)
+        if "." in text and "e" not in text and len(text.split(".")[1]) > 3:
+            return f"{value:.3f}"
+        return text
+    if isinstance(value, list):
+        return ", ".join(cell(v) for v in value)
+    return str(value)
+
+
+def _shown_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+    """The rows a table shows and, for runs of several rounds, each median row's per-round ratios."""
+    medians = [r for r in rows if r.get("round") == "median"]
+    if not medians:
+        return rows, {}
+    ratio_keys = [k for k in medians[0] if k.startswith(("vs_", "time_vs_", "bytes_vs_"))] or [
+        k for r in medians for k in r if k.startswith(("vs_", "time_vs_"))]
+    rounds: dict[str, list[Any]] = {}
+    for m in medians:
+        key = next((k for k in ratio_keys if k in m), None)
+        if key is None:
+            continue
+        per_round = [r.get(key) for r in rows if r.get("round") != "median" and r.get("system") == m.get("system")
+                     and r.get("k") == m.get("k")]
+        rounds[m["system"]] = [v for v in per_round if v is not None]
+    return medians, rounds
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    shown, rounds = _shown_rows(rows)
+    columns: list[str] = []
+    for r in shown:
+        for k, v in r.items():
+            if k not in _HIDDEN and k not in columns and not isinstance(v, dict):
+                columns.append(k)
+    if rounds:
+        columns.append("per round")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in shown:
+        cells = []
+        for c in columns:
+            if c == "per round":
+                cells.append(cell(rounds.get(r.get("system"), [])))
+            else:
+                cells.append(cell(r[c]) if c in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def committed(path: Path) -> str:
+    """The date the file was last committed (git), or 'not committed'."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", path.name], cwd=path.parent,
+                             capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "not committed"
+
+
+def machine(data: dict[str, Any]) -> str:
+    m = data.get("machine", {})
+    parts = [f"{m['cpus']} CPUs" if "cpus" in m else "", m.get("platform", ""), f"Python {m['python']}" if
+             "python" in m else ""]
+    if "read_GBps" in m:
+        parts.append(f"disk probe read {cell(m['read_GBps'])} GB/s, write {cell(m['write_GBps'])} GB/s")
+    if "optimizer_Melem_per_s" in m:
+        parts.append(f"optimizer {cell(m['optimizer_Melem_per_s'])} M elements/s")
+    return "; ".join(p for p in parts if p)
+
+
+def render_result(result: Result) -> str:
+    data = load(result.file)
+    path = RESULTS / f"{result.file}.json"
+    out = [f"#### {result.caption}", "", table(data["rows"]), ""]
+    settings = data.get("settings") or data.get("model")
+    if settings:
+        out.append("*Settings*: " + ", ".join(f"{k} {cell(v)}" for k, v in settings.items()) + "  ")
+    out += [f"*Command*: `{data.get('command', '(not recorded)')}`  ",
+            f"*Machine*: {machine(data)}  ",
+            f"*Date*: {committed(path)} · *File*: `benchmarks/results/{result.file}.json`", ""]
+    if (RESULTS / f"{result.file}.png").exists():
+        out += [f"![{result.file}](img/benchmarks/{result.file}.png)", ""]
+    return "\n".join(out)
+
+
+def render() -> str:
+    out = []
+    for section in SECTIONS:
+        out += [f"## {section.title}", "", section.text, ""]
+        out += [render_result(r) for r in section.results]
+    return "\n".join(out)
+
+
+def unlisted() -> list[str]:
+    """Result files that are neither on the page nor archived."""
+    listed = set(current_files())
+    return sorted(p.stem for p in RESULTS.glob("*.json") if p.stem not in listed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true",
+                        help="fail when a results file is neither on the page nor in results/archive/")
+    args = parser.parse_args(argv)
+    print(render())
+    if args.check and unlisted():
+        sys.exit(f"not on the benchmark page and not archived: {unlisted()}. Fix: add it to SECTIONS in "
+                 "benchmarks/report.py, or `git mv` it into benchmarks/results/archive/.")
+
+
+if __name__ == "__main__":
+    main()
