@@ -56,8 +56,8 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "SSD against SSD",
-        "Every kind on SSD for both systems. `gs_vertical` is `auto=False` (ZeRO-Infinity's placement, alpha "
-        "0.25, lag 2, recompute, the automatic staging budget); `gs_auto` plans the rest over the same "
+        "Every kind on SSD for both systems. `gs_vertical` is `auto=False` (ZeRO-Infinity's placement, the fixed "
+        "alpha, lag, recompute and the automatic staging budget); `gs_auto` plans the rest over the same "
         "placement; `lightning_auto` is Lightning's default strategy in memory, for reference. "
         "`fraction_of_roofline` is the planner's roofline over the measured step.",
         (Result("compare_seq128_v3", "Sequence 128, K=8, bf16-mixed."),
@@ -175,7 +175,7 @@ def cell(value: Any) -> str:
 
 def _shown_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
     """The rows a table shows and, for runs of several rounds, each median row's per-round ratios."""
-    medians = [r for r in rows if r.get("round") == "median"]
+    medians = [r for r in rows if r.get("round") == "median" and "system" in r]
     if not medians:
         return rows, {}
     ratio_keys = [k for k in medians[0] if k.startswith(("vs_", "time_vs_", "bytes_vs_"))] or [
@@ -193,10 +193,11 @@ def _shown_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[
 
 def table(rows: list[dict[str, Any]]) -> str:
     shown, rounds = _shown_rows(rows)
+    hidden = _HIDDEN if shown is not rows else _HIDDEN - {"round"}
     columns: list[str] = []
     for r in shown:
         for k, v in r.items():
-            if k not in _HIDDEN and k not in columns and not isinstance(v, dict):
+            if k not in hidden and k not in columns and not isinstance(v, dict):
                 columns.append(k)
     if rounds:
         columns.append("per round")
