@@ -237,7 +237,7 @@ def machine(data: dict[str, Any]) -> str:
 def render_result(result: Result) -> str:
     data = load(result.file)
     path = RESULTS / f"{result.file}.json"
-    out = [f"#### {result.caption}", "", table(data["rows"]), ""]
+    out = [f"**{result.caption}**", "", table(data["rows"]), ""]
     settings = data.get("settings") or data.get("model")
     if settings:
         out.append("*Settings*: " + ", ".join(f"{k} {cell(v)}" for k, v in settings.items()) + "  ")

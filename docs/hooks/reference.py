@@ -100,7 +100,7 @@ def settings_markdown(class_name: str) -> str:
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
         anchor = name.replace(".", "-").replace("_", "-")
-        type_text = str(f.type).replace("|", "\\|")
+        type_text = str(f.type)
         out.append(f"### `{name}` {{#{anchor}}}\n\n"
                    f"*type* `{type_text}` · *default* {_default_text(config, cls, f)}\n\n"
                    f"{rst_to_md(docs[f.name] or '')}\n")
