@@ -309,7 +309,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
     if captured.get("placement"):
         row["placement"] = captured["placement"]
-    if "units" in captured and args.read_bps and args.peak_flops:  # (a tensor manager, and the machine's rates)
+    if "units" in captured and all(getattr(args, f) for f in MACHINE_FLAGS):  # (a tensor manager, the machine's rates)
         recompute = 8.0 / 6.0
         # (16-mixed waits for the whole backward before stepping, as norm clipping does)
         traffic = roofline.traffic(captured["units"], schedule, k, clip_norm=name == "vertical_fp16")
