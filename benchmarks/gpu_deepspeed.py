@@ -21,7 +21,9 @@ honest failure (which step, the error, the end of its log: a missing libaio, a c
 against this torch). A recorded failure of DeepSpeed exits 0; only this script's own errors exit 1.
 
 Dry run on a CPU (``--dry-run``: tiny sizes; ``DS_ACCELERATOR=cpu``; DeepSpeed installed here by hand,
-see ``benchmarks/compare.py``): the same path. Wheels for Python 3.12 are installed on any Python (the
+see ``benchmarks/compare.py``): the same path; there the first ``run`` also compiles DeepSpeed's
+shared-memory collective op for its CPU accelerator (minutes on a small CPU box; not on CUDA, which uses
+NCCL). Wheels for Python 3.12 are installed on any Python (the
 check that the folder is complete) but put on the path only on 3.12.
 """
 
@@ -144,8 +146,10 @@ def main() -> None:
             print(row["log_tail"][-3000:], file=sys.stderr)
 
     env: dict[str, str] = {}
+    phases: dict[str, float] = {}  # (each phase's seconds, for the next run's budget)
     if args.wheels is not None:
         env, error = install(Path(args.wheels), Path(args.site))
+        phases["install_s"] = round(time.monotonic() - t0, 1)
         if error:
             record({"error": f"install: {error}"})
             return
@@ -162,15 +166,19 @@ def main() -> None:
         args.k = k
     flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "micro_batch", "steps", "k"]
     extra = ["--offload-dir", args.offload_dir]
+    t1 = time.monotonic()
     build = child_result(__file__, "build", args, flags, extra, timeout_s=deadline - time.monotonic() - 1.0)
+    phases["build_wall_s"] = round(time.monotonic() - t1, 1)
     if "error" in build:
-        record({"error": f"op build: {build['error']}", "log_tail": build["log_tail"]})
+        record({**phases, "error": f"op build: {build['error']}", "log_tail": build["log_tail"]})
         return
     print(f"  deepspeed {build['deepspeed']} ops built in {build['build_s']} s (torch {build['torch']})", file=sys.stderr)
     left = deadline - time.monotonic() - 1.0
+    t1 = time.monotonic()
     run = child_result(__file__, "run", args, flags, extra, timeout_s=left) if left > 5 else {
         "error": f"skipped: {left:.0f} s left after the op build"}
-    record({**{key: build[key] for key in ("build_s", "deepspeed")}, **run})
+    phases["run_wall_s"] = round(time.monotonic() - t1, 1)
+    record({**{key: build[key] for key in ("build_s", "deepspeed")}, **phases, **run})
 
 
 if __name__ == "__main__":
