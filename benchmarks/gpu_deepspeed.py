@@ -12,8 +12,8 @@ default ``.gpu_site`` in the repository, git-ignored: the image's torch is not t
 compiler (``CPATH``, ``LIBRARY_PATH``) and the loader (``LD_LIBRARY_PATH``). Then, each in a fresh
 process under the stage's budget:
 
-1. ``build``: DeepSpeed's ``async_io`` and ``cpu_adam`` ops compiled (its JIT, on first use; a minute or
-   two on 16 cores);
+1. ``build_async_io`` and ``build_cpu_adam``, side by side: DeepSpeed's two ops compiled (its JIT, on
+   first use; a minute or so on 16 cores);
 2. ``run``: the training steps.
 
 Every outcome is one row appended to ``DIR/rows.jsonl`` (``config: deepspeed``): the step times, or the
@@ -37,11 +37,15 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 WHEEL_PYTHON = (3, 12)
 """The GPU image's Python, the wheels' (``build_gpu_wheels.sh``)."""
+
+OPS = {"async_io": "AsyncIOBuilder", "cpu_adam": "CPUAdamBuilder"}
+"""DeepSpeed's ops ZeRO-Infinity needs here (NVMe swapping; the host Adam), each built in its own process."""
 
 
 def install(wheels: Path, site: Path) -> tuple[dict[str, str], str | None]:
@@ -78,7 +82,7 @@ def install(wheels: Path, site: Path) -> tuple[dict[str, str], str | None]:
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
-    """``build``: DeepSpeed's ops compiled and loaded; ``run``: the steps (its row)."""
+    """``build_<op>``: that op of :data:`OPS` compiled and loaded; ``run``: the steps (its row)."""
     import torch
 
     from lightning_greedysnake import GPT, GPTConfig
@@ -86,15 +90,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if args.child == "build":
-        from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+    if args.child.startswith("build_"):
+        from deepspeed.ops import op_builder
 
         t0 = time.perf_counter()
-        aio = AsyncIOBuilder()
-        if not aio.is_compatible(verbose=True):  # (prints why: libaio missing, say)
-            raise RuntimeError("DeepSpeed's async_io op is not compatible with this machine (see the log above)")
-        aio.load(verbose=True)
-        CPUAdamBuilder().load(verbose=True)
+        op = args.child[len("build_"):]
+        builder = getattr(op_builder, OPS[op])()
+        if not builder.is_compatible(verbose=True):  # (prints why: libaio missing, say)
+            raise RuntimeError(f"DeepSpeed's {op} op is not compatible with this machine (see the log above)")
+        builder.load(verbose=True)
         import deepspeed
 
         return {"build_s": round(time.perf_counter() - t0, 1), "deepspeed": deepspeed.__version__,
@@ -125,7 +129,8 @@ def main() -> None:
     parser.add_argument("--wheels", default=None, help="the folder build_gpu_wheels.sh built (where DeepSpeed is missing)")
     parser.add_argument("--site", default=str(Path(__file__).resolve().parents[1] / ".gpu_site"),
                         help="where the wheels are installed (a pip --target directory)")
-    parser.add_argument("--child", choices=["build", "run"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=[*(f"build_{op}" for op in OPS), "run"], default=None,
+                        help=argparse.SUPPRESS)
     args = parse_run_args(parser)
     if args.child:
         print("RESULT " + json.dumps(child(args)))
@@ -167,12 +172,18 @@ def main() -> None:
     flags = ["n_embd", "n_layer", "n_head", "vocab", "seq", "micro_batch", "steps", "k"]
     extra = ["--offload-dir", args.offload_dir]
     t1 = time.monotonic()
-    build = child_result(__file__, "build", args, flags, extra, timeout_s=deadline - time.monotonic() - 1.0)
+    with ThreadPoolExecutor(len(OPS)) as pool:  # (each a process: the two compile side by side)
+        builds = dict(zip(OPS, pool.map(lambda op: child_result(__file__, f"build_{op}", args, flags, extra,
+                                                                timeout_s=deadline - time.monotonic() - 1.0), OPS)))
     phases["build_wall_s"] = round(time.monotonic() - t1, 1)
-    if "error" in build:
-        record({**phases, "error": f"op build: {build['error']}", "log_tail": build["log_tail"]})
+    failed = {op: b for op, b in builds.items() if "error" in b}
+    if failed:
+        record({**phases, "error": "op build: " + "; ".join(f"{op}: {b['error']}" for op, b in failed.items()),
+                "log_tail": "\n".join(f"---- {op}\n{b['log_tail']}" for op, b in failed.items())})
         return
-    print(f"  deepspeed {build['deepspeed']} ops built in {build['build_s']} s (torch {build['torch']})", file=sys.stderr)
+    build = {"build_s": max(b["build_s"] for b in builds.values()), "deepspeed": builds["async_io"]["deepspeed"]}
+    print(f"  deepspeed {build['deepspeed']} ops built in {build['build_s']} s "
+          f"(torch {builds['async_io']['torch']})", file=sys.stderr)
     left = deadline - time.monotonic() - 1.0
     t1 = time.monotonic()
     run = child_result(__file__, "run", args, flags, extra, timeout_s=left) if left > 5 else {

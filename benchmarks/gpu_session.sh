@@ -40,11 +40,13 @@
 #   rest      75 s  (expect ~72): every kind on SSD (ZeRO-Infinity's placement), K=8: vertical (20P read,
 #                   18P written: ~3.4 s a step, ~27 s), then horizontal (the weights read 2K times:
 #                   +4.3 GB, ~8 s a step, ~45 s; skipped and recorded if the stage runs short).
-#   deepspeed 140 s (expect ~115): the wheels installed (~5 s), DeepSpeed's async_io and cpu_adam ops
-#                   compiled on 16 cores (~70 s), ZeRO-Infinity (parameters and optimizer on NVMe) at
-#                   K=8 (~10 s of init; ~6.5 s a step: the parameters read per micro-batch, 4.3 GB).
+#   deepspeed 140 s (expect ~120): the wheels installed (~5 s; 3.6 s here), DeepSpeed's async_io and
+#                   cpu_adam ops compiled side by side (~400 CPU-seconds of g++ here, ~200 s on this box's
+#                   2 cores: ~70 s on 16 cores, the longest file bounding it), ZeRO-Infinity (parameters
+#                   and optimizer on NVMe) at K=8 (~15 s of start and init; ~6.5 s a step: the parameters
+#                   read per micro-batch, 32P = 4.3 GB, and the optimizer state, 16P each way).
 #   summary   10 s  (expect ~1): the table from rows.jsonl.
-# Expected ~435 s in all, 535 at most.
+# Expected ~440 s in all, 535 at most.
 #
 # --dry-run: the whole script on a CPU in about a minute (CI runs it): the simulated device
 # (GREEDYSNAKE_SIMULATE_DEVICE=1), tiny sizes, every benchmark configuration once at K=2 in-process,
