@@ -70,7 +70,7 @@ def child_result(script: str, name: str, args: Any, flags: list[str], extra: lis
     if package_root is not None:
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as e:  # (the child is killed)
         out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
         return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": out[-3000:]}

@@ -153,7 +153,7 @@ def choose_offload_dir(candidates: list[str]) -> tuple[Path, list[dict[str, Any]
 
 def _command(cmd: list[str]) -> str:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{cmd[0]}: {e}"
 
@@ -172,8 +172,8 @@ def disk_stage(args: argparse.Namespace) -> None:
               file=sys.stderr)
     from _common import machine, measure_machine
 
-    rates: dict[str, Any] = {**machine(), "nvidia_smi": _command(["nvidia-smi", "--query-gpu=name,memory.total,"
-                                                                 "memory.used,driver_version", "--format=csv"])}
+    query = "--query-gpu=name,memory.total,memory.used,driver_version"
+    rates: dict[str, Any] = {**machine(), "nvidia_smi": _command(["nvidia-smi", query, "--format=csv"])}
     measure_machine(args, str(chosen), quick=args.dry_run)
     measure_gpu(args)
     import lightning

@@ -8,9 +8,9 @@ steady state timed alike (the mean step after the two warm-up steps). ``gpu_sess
 The GPU machine has no DeepSpeed and no network. ``--wheels`` names the folder
 ``benchmarks/build_gpu_wheels.sh`` built here (DeepSpeed, the Python packages the image lacks, Debian's
 libaio): installed with ``pip --no-index --find-links`` into ``--site`` (a target directory, by
-default ``.gpu_site`` in the repository, git-ignored: the image's torch is not touched), libaio unpacked beside it (``dpkg -x``) and named to the
-compiler (``CPATH``, ``LIBRARY_PATH``) and the loader (``LD_LIBRARY_PATH``). Then, each in a fresh
-process under the stage's budget:
+default ``.gpu_site`` in the repository, git-ignored: the image's torch is not touched), libaio
+unpacked beside it (``dpkg -x``) and named to the compiler (``CPATH``, ``LIBRARY_PATH``) and the loader
+(``LD_LIBRARY_PATH``). Then, each in a fresh process under the stage's budget:
 
 1. ``build_async_io`` and ``build_cpu_adam``, side by side: DeepSpeed's two ops compiled (its JIT, on
    first use; a minute or so on 16 cores);
@@ -23,8 +23,8 @@ against this torch). A recorded failure of DeepSpeed exits 0; only this script's
 Dry run on a CPU (``--dry-run``: tiny sizes; ``DS_ACCELERATOR=cpu``; DeepSpeed installed here by hand,
 see ``benchmarks/compare.py``): the same path; there the first ``run`` also compiles DeepSpeed's
 shared-memory collective op for its CPU accelerator (minutes on a small CPU box; not on CUDA, which uses
-NCCL). Wheels for Python 3.12 are installed on any Python (the
-check that the folder is complete) but put on the path only on 3.12.
+NCCL). Wheels for Python 3.12 are installed on any Python (the check that the folder is complete) but
+put on the path only on 3.12.
 """
 
 from __future__ import annotations
@@ -60,13 +60,14 @@ def install(wheels: Path, site: Path) -> tuple[dict[str, str], str | None]:
            "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site), "--only-binary=:all:",
            "--python-version", ".".join(map(str, WHEEL_PYTHON)), "--implementation", "cp",
            "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64", "--platform", "any", *whls]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     if proc.returncode != 0:
         return env, f"pip install failed ({proc.returncode}): {proc.stderr[-2000:]}"
     debs = sorted(wheels.glob("*.deb"))
     aio = site / "libaio"
     for deb in debs:
-        proc = subprocess.run(["dpkg", "-x", str(deb), str(aio)], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(["dpkg", "-x", str(deb), str(aio)], capture_output=True, text=True, timeout=60,
+                              check=False)
         if proc.returncode != 0:
             return env, f"dpkg -x {deb.name} failed: {proc.stderr[-1000:]}"
     if debs:

@@ -41,14 +41,16 @@
 #                   18P written: ~3.4 s a step, ~27 s), then horizontal (the weights read 2K times:
 #                   +4.3 GB, ~8 s a step, ~45 s; skipped and recorded if the stage runs short).
 #   deepspeed 140 s (expect ~120): the wheels installed (~5 s; 3.6 s here), DeepSpeed's async_io and
-#                   cpu_adam ops compiled side by side (~400 CPU-seconds of g++ here, ~200 s on this box's
-#                   2 cores: ~70 s on 16 cores, the longest file bounding it), ZeRO-Infinity (parameters
-#                   and optimizer on NVMe) at K=8 (~15 s of start and init; ~6.5 s a step: the parameters
-#                   read per micro-batch, 32P = 4.3 GB, and the optimizer state, 16P each way).
+#                   cpu_adam ops compiled side by side (~200 s on this box's 2 cores, as compare.py
+#                   quotes it: ~400 CPU-seconds, ~70 s on 16 cores, the longest file bounding it),
+#                   ZeRO-Infinity (parameters and optimizer on NVMe) at K=8 (~15 s of start and init;
+#                   ~6.5 s a step: the parameters read per micro-batch, 32P = 4.3 GB, and the optimizer
+#                   state, 16P each way).
 #   summary   10 s  (expect ~1): the table from rows.jsonl.
 # Expected ~440 s in all, 535 at most.
 #
-# --dry-run: the whole script on a CPU in about a minute (CI runs it): the simulated device
+# --dry-run: the whole script on a CPU in a minute or two (CI runs it; 127 s, 50 CPU-seconds, on this
+# shared 2-core box under load): the simulated device
 # (GREEDYSNAKE_SIMULATE_DEVICE=1), tiny sizes, every benchmark configuration once at K=2 in-process,
 # the CUDA tests collected (and skipped), DeepSpeed's stage as far as it goes (where DeepSpeed is
 # missing, a recorded failure); OUT defaults to a fresh temporary folder there.

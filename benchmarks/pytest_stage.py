@@ -57,9 +57,9 @@ def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
 
 
 def pytest_runtest_logreport(report: Any) -> None:
-    if report.when == "call" or report.outcome != "passed":  # (a failed or skipped setup or teardown too)
-        if _outcomes.get(report.nodeid) in (None, "passed"):
-            _outcomes[report.nodeid] = report.outcome
+    worse = report.when == "call" or report.outcome != "passed"  # (a failed or skipped setup or teardown too)
+    if worse and _outcomes.get(report.nodeid) in (None, "passed"):
+        _outcomes[report.nodeid] = report.outcome
     if report.when == "teardown":
         _write({"event": "end", "nodeid": report.nodeid, "outcome": _outcomes.pop(report.nodeid, "passed"),
                 "t": time.time()})
