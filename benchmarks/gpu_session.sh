@@ -90,7 +90,7 @@ stage() {
 { echo "== machine"; date -u; df -T; nvidia-smi 2>&1 | head -20; } >> "$log" 2>&1
 # the offload directory: the first on a real disk where O_DIRECT works (the repository's, $HOME's, then
 # /tmp's, which may be a tmpfs there): the disk stage probes each and says
-candidates=("$repo/.gpu_offload" "$HOME/.greedysnake_gpu_offload" "/tmp/greedysnake_gpu_offload")
+candidates=("$repo/.gpu_offload" "${HOME:-/root}/.greedysnake_gpu_offload" "/tmp/greedysnake_gpu_offload")
 stage disk 30 python3 benchmarks/gpu.py disk "${dry[@]}" --out "$OUT" --candidates "${candidates[@]}"
 offload=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['chosen'])" "$OUT/disk.json" 2>/dev/null \
           || echo "${candidates[0]}")
