@@ -51,22 +51,124 @@ def token_loader(vocab: int, seq: int, num_samples: int, batch_size: int = 1) ->
     return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size)
 
 
-def run_child(script: str, name: str, args: Any, flags: list[str], extra: list[str],
-              package_root: str | None = None) -> dict[str, Any]:
-    """Run ``script --child name`` in a fresh process with ``args``' ``flags``; return its RESULT line.
-    ``package_root``: import ``lightning_greedysnake`` from that source tree instead (a baseline)."""
-    cmd = [sys.executable, script, "--child", name, *extra]
+def child_argv(name: str, args: Any, flags: list[str], extra: list[str]) -> list[str]:
+    """The arguments of ``script --child name`` carrying ``args``' ``flags`` (one place for both the fresh
+    process of :func:`child_result` and a benchmark's in-process dry run)."""
+    argv = ["--child", name, *extra]
     for flag in flags:
-        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv
+
+
+def child_result(script: str, name: str, args: Any, flags: list[str], extra: list[str],
+                 package_root: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+    """Run ``script --child name`` in a fresh process with ``args``' ``flags``; return its RESULT line, or,
+    where it failed or ran past ``timeout_s``, ``{"error": ..., "log_tail": ...}`` (the end of its output).
+    ``package_root``: import ``lightning_greedysnake`` from that source tree instead (a baseline)."""
+    cmd = [sys.executable, script, *child_argv(name, args, flags, extra)]
     env = dict(os.environ)
     if package_root is not None:
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as e:  # (the child is killed)
+        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": out[-3000:]}
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not line:
-        print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-        raise SystemExit(f"{name} failed")
+        return {"error": f"exit status {proc.returncode}" + ("" if line else ", no RESULT line"),
+                "log_tail": (proc.stdout[-1000:] + proc.stderr[-3000:])}
     return json.loads(line[0][len("RESULT "):])
+
+
+def run_child(script: str, name: str, args: Any, flags: list[str], extra: list[str],
+              package_root: str | None = None) -> dict[str, Any]:
+    """:func:`child_result`, stopping the benchmark (with the child's output) where it failed."""
+    row = child_result(script, name, args, flags, extra, package_root)
+    if "error" in row:
+        print(row["log_tail"], file=sys.stderr)
+        raise SystemExit(f"{name} failed: {row['error']}")
+    return row
+
+
+def append_row(path: str, row: dict[str, Any]) -> None:
+    """One JSON line appended to ``path`` and flushed to the disk at once (a run stopped later keeps it)."""
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """The JSON lines :func:`append_row` wrote (a line cut short by a kill is skipped)."""
+    from pathlib import Path
+
+    rows = []
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def deepspeed_step_times(n_embd: int, n_layer: int, n_head: int, vocab: int, seq: int, k: int, steps: int,
+                         micro_batch: int, bf16: bool, nvme_dir: str, cuda: bool) -> list[float]:
+    """DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer state offloaded to NVMe at ``nvme_dir``,
+    AdamW) on the package GPT with :func:`token_loader`'s data, ``k`` micro-batches of ``micro_batch`` per
+    step: the seconds of each of ``steps`` optimizer steps (on CUDA, synchronized at each step's end: the
+    benchmark's clock). One process, world size 1. ``cuda=False``: DeepSpeed's CPU accelerator
+    (``DS_ACCELERATOR=cpu`` unless set) over gloo. Imports DeepSpeed (not a dependency: see
+    ``benchmarks/compare.py`` and ``benchmarks/build_gpu_wheels.sh``)."""
+    import time
+    from pathlib import Path
+
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29531")):
+        os.environ.setdefault(key, value)
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_greedysnake import GPT, GPTConfig
+
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    Path(nvme_dir).mkdir(parents=True, exist_ok=True)
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": k,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": cuda},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": cuda},
+        },
+        "steps_per_print": 10**9,
+    }
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=seq))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    batches = list(token_loader(vocab, seq, k * steps * micro_batch, micro_batch))
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        for x, y in batches[step * k : (step + 1) * k]:
+            x, y = x.to(engine.device), y.to(engine.device)
+            logits = engine(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
+            engine.backward(loss)
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()  # (the benchmark's clock)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
@@ -98,15 +200,17 @@ def add_machine_args(parser: Any) -> None:
         parser.add_argument(f"--{name}", type=float, default=0.0, help="==SUPPRESS==")  # argparse.SUPPRESS
 
 
-def measure_machine(args: Any, directory: str) -> None:
-    """O_DIRECT bandwidth of ``directory`` (the best of three) and the optimizer's rate, onto ``args``
-    (once, in the parent)."""
+def measure_machine(args: Any, directory: str, quick: bool = False) -> None:
+    """O_DIRECT bandwidth of ``directory`` (256 MiB each way, the best of three) and the optimizer's rate,
+    onto ``args`` (once, in the parent). ``quick``: 8 MiB once and a small optimizer (a dry run's
+    numbers, seconds sooner and meaningless)."""
     from pathlib import Path
 
     from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
 
-    args.read_bps, args.write_bps = disk_bandwidth(Path(directory), repeats=3)
-    args.opt_rate = optimizer_rate()
+    args.read_bps, args.write_bps = disk_bandwidth(Path(directory), nbytes=(8 if quick else 256) << 20,
+                                                   repeats=1 if quick else 3)
+    args.opt_rate = optimizer_rate(numel=1 << 16) if quick else optimizer_rate()
     print(f"  disk: read {args.read_bps / 1e9:.2f} GB/s, write {args.write_bps / 1e9:.2f} GB/s; "
           f"optimizer {args.opt_rate / 1e6:.0f} M elements/s", file=sys.stderr)
 

@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -161,46 +160,11 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
 
 
 def run_deepspeed(args: argparse.Namespace, k: int) -> dict[str, Any]:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "29531")):
-        os.environ.setdefault(key, value)
-    import deepspeed
-    import torch
-    import torch.nn.functional as F
-    from _common import token_loader
+    from _common import deepspeed_step_times
 
-    from lightning_greedysnake import GPT, GPTConfig
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    nvme = Path(args.offload_dir) / f"deepspeed_{k}"
-    nvme.mkdir(parents=True, exist_ok=True)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": k,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "bf16": {"enabled": args.precision == "bf16-mixed"},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": False},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": False},
-        },
-        "steps_per_print": 10**9,
-    }
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
-                          block_size=args.seq))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    batches = list(token_loader(args.vocab, args.seq, k * args.steps))
-    times = []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        for x, y in batches[step * k : (step + 1) * k]:
-            logits = engine(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
-            engine.backward(loss)
-            engine.step()
-        times.append(time.perf_counter() - t0)
+    times = deepspeed_step_times(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq, k, args.steps,
+                                 micro_batch=1, bf16=args.precision == "bf16-mixed",
+                                 nvme_dir=str(Path(args.offload_dir) / f"deepspeed_{k}"), cuda=False)
     return {"step_times": times}
 
 
