@@ -2,6 +2,7 @@
 
     python benchmarks/report.py                 # prints the Markdown the docs site shows
     python benchmarks/report.py --check         # also fails if a results file is neither current nor archived
+    python benchmarks/report.py --readme        # rewrites README.md's headline table (between its gen markers)
 
 The docs build (``docs/hooks/generate.py``) calls :func:`render` for the ``<!-- gen:benchmarks -->`` marker
 of ``docs/benchmarks.md``, so the page always shows what the JSON holds. Which files are current, and what
@@ -257,6 +258,40 @@ def render() -> str:
     return "\n".join(out)
 
 
+HEADLINE = Result("compare_seq128_v3", "GPT 1024 x 12 (168M parameters), sequence 128, K=8, bf16-mixed, 2-core CPU")
+"""The README's one figure: greedysnake against DeepSpeed ZeRO-Infinity and Lightning in memory, one run."""
+
+HEADLINE_SYSTEMS = {
+    "lightning_auto": "Lightning `strategy=\"auto\"`, everything in RAM",
+    "gs_auto": "greedysnake, every kind on SSD, the rest planned",
+    "gs_vertical": "greedysnake, every kind on SSD, `auto=False`",
+    "deepspeed": "DeepSpeed ZeRO-Infinity, parameters and optimizer on NVMe",
+}
+README_MARKERS = ("<!-- gen:headline (benchmarks/report.py --readme) -->", "<!-- /gen:headline -->")
+
+
+def headline() -> str:
+    """The README's headline table and plot, from :data:`HEADLINE`'s file only."""
+    data = load(HEADLINE.file)
+    rows = {r["system"]: r for r in data["rows"] if r.get("system") in HEADLINE_SYSTEMS and "tokens_per_s" in r}
+    peer = rows["deepspeed"]["tokens_per_s"]
+    lines = ["| system | tokens/s | vs DeepSpeed |", "|---|---|---|"]
+    for system, label in HEADLINE_SYSTEMS.items():
+        tps = rows[system]["tokens_per_s"]
+        lines.append(f"| {label} | {cell(tps)} | {tps / peer:.2f}x |")
+    return "\n".join([
+        f"![{HEADLINE.file}](benchmarks/results/{HEADLINE.file}.png)", "", *lines, "",
+        f"{HEADLINE.caption}; `{data.get('command', '')}` on {machine(data)}, {committed(RESULTS / f'{HEADLINE.file}.json')}.",
+    ])
+
+
+def readme_with_headline(text: str) -> str:
+    """``text`` (the README) with its headline block regenerated."""
+    start, end = README_MARKERS
+    a, b = text.index(start) + len(start), text.index(end)
+    return text[:a] + "\n" + headline() + "\n" + text[b:]
+
+
 def unlisted() -> list[str]:
     """Result files that are neither on the page nor archived."""
     listed = set(current_files())
@@ -267,7 +302,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="fail when a results file is neither on the page nor in results/archive/")
+    parser.add_argument("--readme", action="store_true", help="rewrite README.md's headline table and stop")
     args = parser.parse_args(argv)
+    if args.readme:
+        readme = RESULTS.parent.parent / "README.md"
+        readme.write_text(readme_with_headline(readme.read_text()))
+        return
     print(render())
     if args.check and unlisted():
         sys.exit(f"not on the benchmark page and not archived: {unlisted()}. Fix: add it to SECTIONS in "

@@ -153,6 +153,19 @@ def test_the_benchmark_page_shows_the_json_and_nothing_typed_by_hand():
     assert not typed, f"measured numbers typed by hand on the benchmark page: {typed}"
 
 
+def test_the_readme_headline_is_its_json_and_short():
+    """The README's one figure is generated (``benchmarks/report.py --readme``), and the README stays short:
+    its reference lives in the docs."""
+    readme = (ROOT / "README.md").read_text()
+    assert report.readme_with_headline(readme) == readme, "stale headline: run python benchmarks/report.py --readme"
+    data = report.load(report.HEADLINE.file)
+    peer = next(r for r in data["rows"] if r.get("system") == "deepspeed")["tokens_per_s"]
+    for row in data["rows"]:
+        if row.get("system") in report.HEADLINE_SYSTEMS:
+            assert f"| {report.cell(row['tokens_per_s'])} | {row['tokens_per_s'] / peer:.2f}x |" in readme
+    assert len(readme.splitlines()) <= 150
+
+
 # --- the site builds -------------------------------------------------------------------------------------
 
 def test_mkdocs_build_strict(tmp_path):
