@@ -117,9 +117,9 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 
 def deepspeed_step_times(n_embd: int, n_layer: int, n_head: int, vocab: int, seq: int, k: int, steps: int,
-                         micro_batch: int, bf16: bool, nvme_dir: str, cuda: bool) -> list[float]:
-    """DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer state offloaded to NVMe at ``nvme_dir``,
-    AdamW) on the package GPT with :func:`token_loader`'s data, ``k`` micro-batches of ``micro_batch`` per
+                         micro_batch: int, bf16: bool, nvme_dir: str, cuda: bool, offload: str = "nvme") -> list[float]:
+    """DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer state offloaded to NVMe at ``nvme_dir``;
+    ``offload="cpu"``: to host memory instead, ZeRO-Offload, and ``nvme_dir`` unused; AdamW) on the package GPT with :func:`token_loader`'s data, ``k`` micro-batches of ``micro_batch`` per
     step: the seconds of each of ``steps`` optimizer steps (on CUDA, synchronized at each step's end: the
     benchmark's clock). One process, world size 1. ``cuda=False``: DeepSpeed's CPU accelerator
     (``DS_ACCELERATOR=cpu`` unless set) over gloo. Imports DeepSpeed (not a dependency: see
@@ -139,7 +139,10 @@ def deepspeed_step_times(n_embd: int, n_layer: int, n_head: int, vocab: int, seq
     from lightning_greedysnake import GPT, GPTConfig
 
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    Path(nvme_dir).mkdir(parents=True, exist_ok=True)
+    if offload not in ("nvme", "cpu"):
+        raise ValueError(f"offload={offload!r}: DeepSpeed offloads to 'nvme' or 'cpu'")
+    if offload == "nvme":
+        Path(nvme_dir).mkdir(parents=True, exist_ok=True)
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": k,
@@ -147,8 +150,9 @@ def deepspeed_step_times(n_embd: int, n_layer: int, n_head: int, vocab: int, seq
         "bf16": {"enabled": bf16},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": cuda},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": cuda},
+            "offload_param": {"device": offload, "pin_memory": cuda, **({"nvme_path": nvme_dir} if offload == "nvme" else {})},
+            "offload_optimizer": {"device": offload, "pin_memory": cuda,
+                                  **({"nvme_path": nvme_dir} if offload == "nvme" else {})},
         },
         "steps_per_print": 10**9,
     }

@@ -1,6 +1,7 @@
 """Side by side in one run: greedysnake vertical, greedysnake horizontal (ZeRO-Infinity's order on our
-engine), Lightning's default strategy in memory, and DeepSpeed ZeRO-Infinity (ZeRO-3 with parameters
-and optimizer on NVMe), on one model, one data stream and each K; runs interleaved (every system at a
+engine), Lightning's default strategy in memory, DeepSpeed ZeRO-Infinity (ZeRO-3 with parameters
+and optimizer on NVMe: ``deepspeed``) and DeepSpeed ZeRO-3 with both in host memory (ZeRO-Offload:
+``deepspeed_cpu``, the fair peer of state in RAM), on one model, one data stream and each K; runs interleaved (every system at a
 K before the next K) in fresh processes, so machine drift hits all alike.
 
 DeepSpeed is optional and kept out of CI. To include it on a CPU machine:
@@ -34,11 +35,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+DEEPSPEED = {"deepspeed": "nvme", "deepspeed_cpu": "cpu"}
+"""The DeepSpeed systems and where each offloads: ``deepspeed`` is ZeRO-Infinity (ZeRO-3, parameters and
+optimizer state on NVMe), the peer of greedysnake with its state on SSD; ``deepspeed_cpu`` is ZeRO-3 with
+both in host memory (ZeRO-Offload), the peer of greedysnake with its state in RAM (the defaults where the
+host budget holds the model's state)."""
+
 WARMUP_STEPS = 2
 """Steps not timed, of every system: warm-up, and greedysnake's ``auto=True`` plan after step 2."""
 
 SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
-           "gs_auto_ssd_bf16_state", "gs_horizontal", "lightning_auto", "deepspeed"]
+           "gs_auto_ssd_bf16_state", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_planned``: it with the planner's choice, planned
 from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
@@ -159,12 +166,12 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     return {"step_times": times, **extra}
 
 
-def run_deepspeed(args: argparse.Namespace, k: int) -> dict[str, Any]:
+def run_deepspeed(args: argparse.Namespace, k: int, offload: str) -> dict[str, Any]:
     from _common import deepspeed_step_times
 
     times = deepspeed_step_times(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq, k, args.steps,
                                  micro_batch=1, bf16=args.precision == "bf16-mixed",
-                                 nvme_dir=str(Path(args.offload_dir) / f"deepspeed_{k}"), cuda=False)
+                                 nvme_dir=str(Path(args.offload_dir) / f"deepspeed_{k}"), cuda=False, offload=offload)
     return {"step_times": times}
 
 
@@ -173,7 +180,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     system, k = args.child.split(":")
     k = int(k)
-    result = run_deepspeed(args, k) if system == "deepspeed" else run_lightning(args, system, k)
+    if system in DEEPSPEED:
+        result = run_deepspeed(args, k, DEEPSPEED[system])
+    else:
+        result = run_lightning(args, system, k)
     steady = result["step_times"][WARMUP_STEPS:] or result["step_times"]
     step_s = statistics.median(steady)
     return {"system": system, "k": k, "step_s": round(step_s, 3), "package": lightning_greedysnake.__file__,
@@ -274,9 +284,9 @@ def main() -> None:
     )
 
     systems = list(args.systems)
-    if "deepspeed" in systems and importlib.util.find_spec("deepspeed") is None:
+    if set(systems) & set(DEEPSPEED) and importlib.util.find_spec("deepspeed") is None:
         print("  deepspeed is not installed: skipping it (see this script's docstring)", file=sys.stderr)
-        systems.remove("deepspeed")
+        systems = [s for s in systems if s not in DEEPSPEED]
     rows = []
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         measure_machine(args, tmp)
@@ -307,8 +317,9 @@ def main() -> None:
         rows = _medians(rows) + rows
     for row in rows:
         same_k = {r["system"]: r for r in rows if r["k"] == row["k"] and r.get("round") == row.get("round")}
-        if "deepspeed" in same_k:
-            row["vs_deepspeed"] = round(row["tokens_per_s"] / same_k["deepspeed"]["tokens_per_s"], 2)
+        for peer in DEEPSPEED:
+            if peer in same_k:
+                row[f"vs_{peer}"] = round(row["tokens_per_s"] / same_k[peer]["tokens_per_s"], 2)
         base = same_k.get(f"{row['system']}@{args.baseline}") if args.baseline else None
         if base is not None:
             row["vs_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
@@ -322,7 +333,7 @@ def main() -> None:
             row["time_vs_cpu"] = round(row["step_s"] / cpu["step_s"], 3)
         if row.get("roofline_s"):
             row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
-    print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_baseline",
+    print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_deepspeed_cpu", "vs_baseline",
                        "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
