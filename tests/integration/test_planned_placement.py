@@ -109,6 +109,9 @@ def test_a_budget_below_the_staging_is_refused_before_any_work(settings, words, 
         fit(GreedySnakeStrategy(offload_dir=tmp_path / "off", **settings))
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+    if "offload" not in settings:  # one block per unit already, lag 0: only the read-ahead can still go
+        assert "layers_per_unit" not in str(info.value) and "lag=0" not in str(info.value), str(info.value)
+        assert "or set offload.prefetch_units=0 (now 1; no read-ahead)" in str(info.value), str(info.value)
     assert not (tmp_path / "off").exists()  # nothing was created
 
 
