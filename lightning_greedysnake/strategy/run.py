@@ -23,7 +23,14 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.engine import WindowEngine
-from lightning_greedysnake.models import LayerChain, Unit, check_parameter_ownership, find_layered_model, make_units
+from lightning_greedysnake.models import (
+    LayerChain,
+    Unit,
+    check_parameter_ownership,
+    find_layered_model,
+    make_units,
+    model_name,
+)
 from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.optim import ClipPolicy
@@ -100,6 +107,8 @@ class ModelCut:
     config: GreedySnakeConfig
     layered: nn.Module
     path: str
+    name: str
+    """The layered model as messages name it: the user's LightningModule class and the path (``MyModule.net``)."""
     chain: LayerChain
     units: list[Unit]
     on_meta: bool
@@ -121,7 +130,7 @@ def cut_model(ctx: SetupContext, module: nn.Module) -> ModelCut:
     on_meta = stand_in_for_meta_parameters(module, units, config.offload.uses_tensor_manager)
     if config.offload.uses_tensor_manager:
         check_device(config, ctx.device, ctx.is_distributed)
-    return ModelCut(config, layered, path, chain, units, on_meta)
+    return ModelCut(config, layered, path, model_name(module, path), chain, units, on_meta)
 
 
 class Run:
@@ -134,10 +143,12 @@ class Run:
                  directories: OffloadDirectories | None = None) -> None:
         self._config = config
         self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
+        self.name = cut.name
+        """The layered model as messages name it (:attr:`ModelCut.name`)."""
         self.units = units
         self.store = store
         self.engine = engine
-        self.inputs = WindowInputs(cut.layered, cut.path)
+        self.inputs = WindowInputs(cut.layered, cut.path, cut.name)
         self.guard = guard
         self.placement = placement
         """The placement planned at setup (``auto=True`` and a kind left unset; else None)."""
