@@ -18,5 +18,5 @@ def step_running(global_step: int) -> str:
 def step_done(global_step: int) -> str:
     """The step whose update ``trainer.global_step == global_step`` counts last (0: none yet)."""
     if global_step == 0:
-        return "no optimizer step yet (trainer.global_step=0: the initial weights)"
+        return "the initial weights (trainer.global_step=0: no optimizer step yet)"
     return f"optimizer step {global_step} (trainer.global_step={global_step})"

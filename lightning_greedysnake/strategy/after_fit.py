@@ -78,7 +78,7 @@ def steps_held(manager: TieredTensorStore, global_step: int) -> str:
     """Which optimizer step the units' weights hold, in words (after a drain)."""
     done = manager.stepper.steps_completed
     if not done or min(done) == max(done):
-        return f"the last complete optimizer step, {step_done(global_step)}"
+        return f"the last complete optimizer step, {step_done(global_step)}" if global_step else step_done(0)
     low = min(done)
     ahead = [u for u, n in enumerate(done) if n > low]
     return (f"a mix: units {ahead} were already updated by {step_running(global_step)} when fit failed, the "
