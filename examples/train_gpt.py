@@ -65,6 +65,9 @@ def build_strategy(cfg: DictConfig) -> Any:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict[str, float]:
     print(OmegaConf.to_yaml(cfg))
+    # the strategy first: a bad setting (strategy.schedule=diagonal) is refused in a second, before the
+    # data and the model are built
+    strategy = build_strategy(cfg.strategy)
     L.seed_everything(cfg.seed)
     module = GPTLightningModule(instantiate(cfg.model), **cfg.module)
     datamodule = instantiate(cfg.data)
@@ -80,7 +83,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         print(f"precision=machine: {trainer_args['precision']} on this CPU")
     trainer = L.Trainer(
         **trainer_args,
-        strategy=build_strategy(cfg.strategy),
+        strategy=strategy,
         default_root_dir=out_dir,
         logger=CSVLogger(out_dir, name="logs"),
         callbacks=[history, summary],

@@ -46,12 +46,16 @@ def test_train_gpt_example(tmp_path, overrides):
     assert metrics and "train_loss" in metrics[0].read_text()
 
 
-def test_bad_override_is_a_clear_error(tmp_path):
+def test_bad_override_is_a_clear_error_before_data_and_model_are_built(tmp_path):
+    """The strategy's settings are checked first: with a data module that cannot even be built, the
+    refusal is still the strategy's (the data and the model are built after it)."""
     command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "strategy.schedule=diagonal",
-               f"hydra.run.dir={tmp_path}"]
+               "data._target_=no.such.DataModule", f"hydra.run.dir={tmp_path}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode != 0
-    assert "schedule='diagonal'" in result.stderr + result.stdout
+    said = result.stderr + result.stdout
+    assert "schedule='diagonal' is not valid. Fix:" in said, said[-3000:]
+    assert "Error locating target 'no.such.DataModule'" not in said, said[-3000:]
 
 
 def test_finetune_hf_example(tmp_path):
