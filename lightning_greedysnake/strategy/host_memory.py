@@ -11,7 +11,10 @@ module and the user's optimizer (new memory: the parameters are placeholders dur
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from torch import nn
 
 FP32_BYTES = 4
 """The optimizer's state comes back as ``torch.optim`` keeps it: fp32 tensors the size of the parameter,
@@ -40,6 +43,21 @@ class HostMemory:
     state_bytes: int
     """The optimizer's per-parameter state as ``torch.optim`` keeps it: what ``return_weights`` copies back."""
     return_weights: bool
+
+    @classmethod
+    def of(cls, budget_bytes: int, built_bytes: int, params: Iterable[nn.Parameter], num_slots: int,
+           return_weights: bool) -> HostMemory:
+        """From the layered model's parameters (their shapes and dtypes; on the meta device too) and the
+        optimizer's number of state slots (0 without an optimizer)."""
+        params = list(params)
+        return cls(budget_bytes, built_bytes, sum(p.numel() * p.element_size() for p in params),
+                   sum(p.numel() for p in params if p.requires_grad) * FP32_BYTES * num_slots, return_weights)
+
+    def tell(self, report: Callable[[str], None], warn: Callable[[str, str], None]) -> None:
+        """The report line, and the warning where the model exceeds the budget (once per run)."""
+        report(self.report())
+        if (warning := self.warning()) is not None:
+            warn("host_memory", warning)
 
     @property
     def returned_bytes(self) -> int:

@@ -38,7 +38,7 @@ from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
 from lightning_greedysnake.strategy.device_plan import plan_device
-from lightning_greedysnake.strategy.host_memory import FP32_BYTES, HostMemory
+from lightning_greedysnake.strategy.host_memory import HostMemory
 from lightning_greedysnake.strategy.inputs import WindowInputs
 from lightning_greedysnake.strategy.manager_setup import (
     check_device,
@@ -214,16 +214,11 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
     manager = new_tensor_manager(planned.units, module, optimizer, config, dtype, ctx.device, clip=clip, shard=shard,
                                  loss_scaler=scaler, data_parallel=ctx.data_parallel,
                                  gradient_observer=ctx.gradient_observer)
-    if planned.placement is not None:  # (a host budget was planned within: say what it covers)
-        params = [p for unit in planned.units for p in unit.parameters()]
-        memory = HostMemory(
-            planned.placement.budget_bytes, built_bytes, sum(p.numel() * p.element_size() for p in params),
-            sum(p.numel() for p in params if p.requires_grad) * FP32_BYTES * len(manager.slots) if optimizer else 0,
-            config.offload.return_weights)
-        ctx.report(memory.report())
-        if (warning := memory.warning()) is not None:
-            ctx.warn("host_memory", warning)
     try:
+        if planned.placement is not None:  # (a host budget was planned within: say what it covers)
+            HostMemory.of(planned.placement.budget_bytes, built_bytes,
+                          (p for unit in planned.units for p in unit.parameters()), len(manager.slots),
+                          config.offload.return_weights).tell(ctx.report, ctx.warn)
         plan_checkpoints(manager.activations, ctx.settings, ctx.local_processes, ctx.report)
         directories = OffloadDirectories(config.offload)
         open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
