@@ -1,9 +1,14 @@
 """Train a small GPT with the greedysnake strategy on a byte-level corpus of the Python stdlib.
 
-    python examples/train_gpt.py                                  # embedded defaults, CPU, ~2.5 min on 2 cores
+    python examples/train_gpt.py                                  # defaults: CPU, weights and optimizer state on SSD
     python examples/train_gpt.py trainer.max_steps=20 trainer.accumulate_grad_batches=4 \
         strategy.schedule=horizontal model.n_layer=4
+    python examples/train_gpt.py strategy=greedysnake             # the planner places the state (here: in RAM)
     python examples/train_gpt.py strategy=lightning_auto           # Lightning's default, for comparison
+
+The default strategy is ``conf/strategy/greedysnake_ssd.yaml``: the model's weights, master weights and
+optimizer state live in the offload directory (``<run dir>/greedysnake_offload``; ``strategy.offload.path``
+to put it on an NVMe), and the closing summary prints the SSD traffic per optimizer step.
 """
 
 from __future__ import annotations
@@ -46,9 +51,9 @@ class OffloadSummary(L.Callback):
         if manager is None or not trainer.global_step:
             return
         manager.flush()
-        counters = manager.stats.snapshot()
-        read = sum(c.bytes_read for c in counters.values())
-        written = sum(c.bytes_written for c in counters.values())
+        counters = [c for (kind, tier), c in manager.stats.snapshot().items() if tier == "ssd"]
+        read = sum(c.bytes_read for c in counters)
+        written = sum(c.bytes_written for c in counters)
         steps = trainer.global_step
         self.line = (
             f"\nSSD traffic: {read / 1e6:.1f} MB read, {written / 1e6:.1f} MB written "
@@ -65,6 +70,9 @@ def build_strategy(cfg: DictConfig) -> Any:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict[str, float]:
     print(OmegaConf.to_yaml(cfg))
+    # the strategy first: a bad setting (strategy.schedule=diagonal) is refused in a second, before the
+    # data and the model are built
+    strategy = build_strategy(cfg.strategy)
     L.seed_everything(cfg.seed)
     module = GPTLightningModule(instantiate(cfg.model), **cfg.module)
     datamodule = instantiate(cfg.data)
@@ -80,7 +88,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         print(f"precision=machine: {trainer_args['precision']} on this CPU")
     trainer = L.Trainer(
         **trainer_args,
-        strategy=build_strategy(cfg.strategy),
+        strategy=strategy,
         default_root_dir=out_dir,
         logger=CSVLogger(out_dir, name="logs"),
         callbacks=[history, summary],

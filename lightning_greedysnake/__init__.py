@@ -11,7 +11,7 @@ from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Tenso
 from lightning_greedysnake.models import GPT, GPTConfig, LayerChain, LayeredModel
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.schedule import ScheduleKind, build_horizontal_plan, build_vertical_plan
-from lightning_greedysnake.strategy import GreedySnakeStrategy
+from lightning_greedysnake.strategy import GreedySnakeCheckpointIO, GreedySnakeStrategy
 
 GreedySnakeStrategy.register_strategies(StrategyRegistry)
 
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GPT",
     "GPTConfig",
+    "GreedySnakeCheckpointIO",
     "GreedySnakeConfig",
     "GreedySnakePrecision",
     "GreedySnakeStrategy",

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_greedysnake.loss_scale import LossScaler
+from lightning_greedysnake.steps import step_running
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")
 
@@ -166,9 +167,9 @@ class GreedySnakePrecision(Precision):
             scaler = self.loss_scaler
             stepped = self._gradient_owner.finish_step(scaler.inv_scale if scaler is not None else None)
             if scaler is not None:
-                before, step = scaler.scale, int(model.trainer.global_step) + 1
-                if scaler.update(found_inf=not stepped, step=step):  # (normal with loss scaling; said as DeepSpeed)
-                    rank_zero_info(f"greedysnake: fp16 gradients overflowed in optimizer step {step}: step "
+                before, done = scaler.scale, int(model.trainer.global_step)
+                if scaler.update(found_inf=not stepped, step=done + 1):  # (normal with loss scaling; as DeepSpeed)
+                    rank_zero_info(f"greedysnake: fp16 gradients overflowed in {step_running(done)}: step "
                                    f"skipped, loss scale {before:g} -> {scaler.scale:g}")
         if self._after_step is not None:
             self._after_step()

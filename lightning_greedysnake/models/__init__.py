@@ -15,6 +15,7 @@ from lightning_greedysnake.models.discovery import (
     check_parameter_ownership,
     find_layered_model,
     make_units,
+    model_name,
 )
 from lightning_greedysnake.models.gpt import GPT, GPTConfig
 from lightning_greedysnake.models.protocol import LayerChain, LayeredModel, UnitInitializer, reset_modules
@@ -33,6 +34,7 @@ __all__ = [
     "find_layered_model",
     "is_layered",
     "make_units",
+    "model_name",
     "register_adapter",
     "reset_modules",
     "sequential_chain",

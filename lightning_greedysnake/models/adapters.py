@@ -67,9 +67,8 @@ def _call_block(block: nn.Module, hidden: Tensor, ctx: Any) -> Tensor:
 
 
 def sequential_chain(model: nn.Sequential) -> LayerChain:
-    """``nn.Sequential``: every child is one block; no pre or post (identity)."""
-    if len(model) == 0:
-        raise ValueError("greedysnake found an empty nn.Sequential; it needs at least one child layer")
+    """``nn.Sequential``: every child is one block; no pre or post (identity). (An empty one has no
+    blocks, which :func:`~lightning_greedysnake.models.find_layered_model` refuses with the fix.)"""
 
     def pre(*args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         if kwargs or len(args) != 1:

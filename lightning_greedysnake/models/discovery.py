@@ -14,6 +14,18 @@ class LayeredModelNotFound(ValueError):
     """The strategy could not find exactly one layered model; the message says what it found."""
 
 
+def model_name(root: nn.Module, path: str) -> str:
+    """The layered model as messages name it: the user's module class and the path to it
+    (``MyModule.net``), not the class of the model inside (a ``Sequential`` says nothing)."""
+    return f"{type(root).__name__}.{path}" if path else type(root).__name__
+
+
+def _no_blocks(where: str) -> str:
+    return (f"the layered model {where} has no blocks; greedysnake needs at least one (it trains the model "
+            "block by block). Fix: give it at least one block (an nn.Sequential needs one child; a LayeredModel's "
+            "layer_chain() at least one entry in blocks), or set layered_module to the module that holds them.")
+
+
 def find_layered_model(root: nn.Module, path: str | None = None) -> tuple[str, nn.Module, LayerChain]:
     """The outermost layered model under ``root`` (``root`` itself included).
 
@@ -37,6 +49,8 @@ def find_layered_model(root: nn.Module, path: str | None = None) -> tuple[str, n
                 "a LayeredModel nor a Hugging Face causal LM. Fix: implement `layer_chain()` on it (see "
                 "lightning_greedysnake.models.LayeredModel) or point layered_module at another module."
             )
+        if not chain.blocks:
+            raise LayeredModelNotFound(_no_blocks(f"{model_name(root, path)} ({type(module).__name__})"))
         return path, module, chain
 
     found: list[tuple[str, nn.Module]] = []
@@ -62,6 +76,8 @@ def find_layered_model(root: nn.Module, path: str | None = None) -> tuple[str, n
     name, module = found[0]
     chain = chain_of(module)
     assert chain is not None
+    if not chain.blocks:
+        raise LayeredModelNotFound(_no_blocks(f"{model_name(root, name)} ({type(module).__name__})"))
     return name, module, chain
 
 
@@ -87,7 +103,7 @@ class Unit:
 def make_units(chain: LayerChain, layers_per_unit: int) -> list[Unit]:
     num_blocks = len(chain.blocks)
     if num_blocks < 1:
-        raise LayeredModelNotFound("the layered model has no blocks; greedysnake needs at least one")
+        raise LayeredModelNotFound(_no_blocks("given"))
     starts = list(range(0, num_blocks, layers_per_unit))
     units = []
     for index, start in enumerate(starts):

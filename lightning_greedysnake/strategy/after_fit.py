@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_greedysnake.checkpoint import optimizer_state as opt_state
+from lightning_greedysnake.config import TensorKind, Tier
+from lightning_greedysnake.steps import step_done, step_running
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 UnitState = Callable[[int], dict[int, dict[str, Any]]]
@@ -76,32 +78,47 @@ def steps_held(manager: TieredTensorStore, global_step: int) -> str:
     """Which optimizer step the units' weights hold, in words (after a drain)."""
     done = manager.stepper.steps_completed
     if not done or min(done) == max(done):
-        return f"the last complete optimizer step (global step {global_step})"
+        return f"the last complete optimizer step, {step_done(global_step)}" if global_step else step_done(0)
     low = min(done)
     ahead = [u for u, n in enumerate(done) if n > low]
-    return (f"a mix: units {ahead} were already updated by the step in progress when fit failed, the "
-            f"other {len(done) - len(ahead)} units hold global step {global_step}")
+    return (f"a mix: units {ahead} were already updated by {step_running(global_step)} when fit failed, the "
+            f"other {len(done) - len(ahead)} units hold {step_done(global_step)}")
 
 
-def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, *, failed: bool, distributed: bool,
-              weights: Callable[[int], list[Tensor]], unit_state: UnitState, global_step: int,
+def where_state_is(manager: TieredTensorStore) -> str:
+    """Where the model's trained weights and optimizer state live in the tiers, in words: host memory,
+    the device, the offload files, as this run placed them."""
+    regions = manager.arena.regions
+    tiers = {tier for kind in (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES)
+             for tier, size in zip(regions.unit_tiers[kind], regions.state.all_region_bytes(kind), strict=True)
+             if size}
+    dirs = ", ".join(str(d) for d in manager.offload_dirs)
+    names = {Tier.HOST: "host memory", Tier.DEVICE: "device memory", Tier.SSD: f"the offload files in {dirs}"}
+    return " and ".join(names[t] for t in (Tier.HOST, Tier.DEVICE, Tier.SSD) if t in tiers) or "host memory"
+
+
+def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, *, name: str, failed: bool,
+              distributed: bool, weights: Callable[[int], list[Tensor]], unit_state: UnitState, global_step: int,
               warn: Callable[[str], None]) -> UnusableUntilLoaded | None:
     """Give the module (and the user's optimizer) the state in ``manager``'s tiers, before they close:
     ``weights(u)`` and ``unit_state(u)`` read unit ``u``'s (gathered over the ranks with partitioned
-    state). Returns the hooks that make the module fail on first use where the state cannot come back."""
-    kept = f"in {manager.offload_dir}, kept (offload.keep_files=True)" if manager.config.keep_files else \
-        "in the offload files, which are removed at the end of the run"
+    state). ``name``: the user's model, as messages name it. Returns the hooks that make the module fail
+    on first use where the state cannot come back."""
+    where = where_state_is(manager)
+    on_ssd = "offload files" in where
+    kept = f"in {where}" + ("; the offload files are kept (offload.keep_files=True)" if manager.config.keep_files
+                            and on_ssd else ", released at the end of the run")
     params = [(p, dtype) for ps, ds in zip(manager.params, manager.weights.dtypes, strict=True)
               for p, dtype in zip(ps, ds, strict=True)]
     load = ("Fix: load a checkpoint saved during fit (ModelCheckpoint; trainer.fit(..., ckpt_path=...), "
             "LightningModule.load_from_checkpoint or load_state_dict)")
     if not manager.config.return_weights:
         return UnusableUntilLoaded(layered, (
-            f"greedysnake left this model's trained weights {kept} (offload.return_weights=False): its "
+            f"greedysnake left {name}'s trained weights {kept} (offload.return_weights=False): its "
             f"parameters are placeholders. {load}, or set offload.return_weights=True."), params)
     if failed and distributed:
         return UnusableUntilLoaded(layered, (
-            f"fit failed with several processes, so greedysnake did not gather this model's weights (the "
+            f"fit failed with several processes, so greedysnake did not gather {name}'s weights (the "
             f"other ranks may be gone); they were {kept}. {load}."), params)
     if failed:
         # a buffer an interrupted thread never gave back must not hold teardown for minutes: a step that
@@ -114,9 +131,9 @@ def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, *,
             return_optimizer_state(manager, optimizer, unit_state)
     except Exception as e:  # noqa: BLE001 - reported on first use, the original error is already raised
         return UnusableUntilLoaded(layered, (
-            f"greedysnake could not read this model's weights back after fit failed ({type(e).__name__}: "
+            f"greedysnake could not read {name}'s weights back after fit failed ({type(e).__name__}: "
             f"{e}); they were {kept}. {load}."), params)
     if failed:
-        warn(f"greedysnake: fit failed; {type(layered).__name__} holds {steps_held(manager, global_step)}, "
-             "read back from the offload files, with the optimizer's state.")
+        warn(f"greedysnake: fit failed; {name} holds {steps_held(manager, global_step)}, read back from "
+             f"{where}, with the optimizer's state.")
     return None

@@ -78,9 +78,11 @@ def logging_muted(module: LightningModule) -> Iterator[None]:
 
 
 class WindowInputs:
-    def __init__(self, layered: nn.Module, layered_path: str) -> None:
+    def __init__(self, layered: nn.Module, layered_path: str, name: str) -> None:
         self.layered = layered
         self.layered_path = layered_path
+        self.name = name
+        """The layered model as messages name it (the user's class and the path: ``MyModule.net``)."""
         self.loader: LookaheadLoader | None = None
         self._seen_iterator: object | None = None
         self._iterator_offset = 0
@@ -180,9 +182,8 @@ class WindowInputs:
         raise ValueError(self.no_model_call_message())
 
     def no_model_call_message(self) -> str:
-        where = self.layered_path or "the LightningModule itself"
         return (
-            f"training_step did not call the layered model ({where}: {type(self.layered).__name__}). "
+            f"training_step did not call the layered model ({self.name}, a {type(self.layered).__name__}). "
             "strategy='greedysnake' runs that model unit by unit and needs training_step to call it exactly "
             "once per micro-batch. Fix: call it in training_step, or point layered_module at the module "
             "training_step calls."

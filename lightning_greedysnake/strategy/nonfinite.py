@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.loss_scale import LossScaler
+from lightning_greedysnake.steps import step_running
 
 
 class NonFiniteError(FloatingPointError):
@@ -49,7 +50,7 @@ class NonFiniteGuard:
         if not losses or bool(torch.isfinite(torch.stack([loss for _, loss in losses])).all()):
             return
         microbatch, loss = next((m, t) for m, t in losses if not math.isfinite(float(t)))
-        what = f"the loss of micro-batch {microbatch} of optimizer step {step + 1} is {float(loss)}"
+        what = f"the loss of micro-batch {microbatch} of {step_running(step)} is {float(loss)}"
         if self.mode == "raise":
             raise NonFiniteError(f"greedysnake: {what}. on_nonfinite='raise' stops here. Fix: lower the learning "
                                  "rate, clip gradients, or check the data of that batch.")
@@ -101,7 +102,7 @@ class NonFiniteGuard:
         if not units:
             return
         what = (f"the gradient of unit{'s' if len(units) > 1 else ''} {sorted(set(units))} is not finite "
-                f"(found by optimizer step {step + 1}; the lane steps units in the background)")
+                f"(found by {step_running(step)}; the lane steps units in the background)")
         if self.mode == "raise":
             raise NonFiniteError(f"greedysnake: {what}. on_nonfinite='raise' stops here. Fix: lower the learning "
                                  "rate or clip gradients.")

@@ -77,8 +77,15 @@ def budget_error(settings: GreedySnakeConfig, budget: int, staging: int, lag: in
             " prefetched)")
     if settings.offload.buffer_budget_bytes is not None:
         fix += " or lower offload.buffer_budget_bytes"
-    else:
-        fix += ", or lower layers_per_unit (smaller units stage less)"
+    else:  # (only what can still shrink the staging: at one block per unit, lag 0 and no prefetch it cannot)
+        lower = []
+        if (settings.layers_per_unit or 1) > 1:
+            lower.append(f"set a smaller layers_per_unit (now {settings.layers_per_unit}; smaller units stage less)")
+        if lag > 0:
+            lower.append(f"set lag=0 (now {lag}; no queued steps)")
+        if settings.offload.prefetch_units > 0:
+            lower.append(f"set offload.prefetch_units=0 (now {settings.offload.prefetch_units}; no read-ahead)")
+        fix += "".join(f", or {item}" for item in lower)
     return f"{given} cannot hold {what}. Fix: {fix}."
 
 

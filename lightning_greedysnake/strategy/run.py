@@ -23,7 +23,14 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.engine import WindowEngine
-from lightning_greedysnake.models import LayerChain, Unit, check_parameter_ownership, find_layered_model, make_units
+from lightning_greedysnake.models import (
+    LayerChain,
+    Unit,
+    check_parameter_ownership,
+    find_layered_model,
+    make_units,
+    model_name,
+)
 from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.optim import ClipPolicy
@@ -32,6 +39,7 @@ from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
 from lightning_greedysnake.strategy.checkpoints import LIGHTNING, CheckpointSeam, StreamedCheckpoints
 from lightning_greedysnake.strategy.device_plan import plan_device
+from lightning_greedysnake.strategy.host_memory import HostMemory
 from lightning_greedysnake.strategy.inputs import WindowInputs
 from lightning_greedysnake.strategy.manager_setup import (
     check_device,
@@ -101,6 +109,8 @@ class ModelCut:
     config: GreedySnakeConfig
     layered: nn.Module
     path: str
+    name: str
+    """The layered model as messages name it: the user's LightningModule class and the path (``MyModule.net``)."""
     chain: LayerChain
     units: list[Unit]
     on_meta: bool
@@ -122,7 +132,7 @@ def cut_model(ctx: SetupContext, module: nn.Module) -> ModelCut:
     on_meta = stand_in_for_meta_parameters(module, units, config.offload.uses_tensor_manager)
     if config.offload.uses_tensor_manager:
         check_device(config, ctx.device, ctx.is_distributed)
-    return ModelCut(config, layered, path, chain, units, on_meta)
+    return ModelCut(config, layered, path, model_name(module, path), chain, units, on_meta)
 
 
 class Run:
@@ -136,10 +146,12 @@ class Run:
                  directories: OffloadDirectories | None = None) -> None:
         self._config = config
         self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
+        self.name = cut.name
+        """The layered model as messages name it (:attr:`ModelCut.name`)."""
         self.units = units
         self.store = store
         self.engine = engine
-        self.inputs = WindowInputs(cut.layered, cut.path)
+        self.inputs = WindowInputs(cut.layered, cut.path, cut.name)
         self.guard = guard
         self.checkpoints = checkpoints
         """How Lightning's checkpoint hooks save and load this run's state."""
@@ -211,10 +223,15 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
     planned = plan_setup(ctx, cut.chain, optimizer, dtype, shard,
                          speculative=scaler is not None and not clip.defer, clip_norm=clip.defer)
     config = planned.config
+    built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
     manager = new_tensor_manager(planned.units, module, optimizer, config, dtype, ctx.device, clip=clip, shard=shard,
                                  loss_scaler=scaler, data_parallel=ctx.data_parallel,
                                  gradient_observer=ctx.gradient_observer)
     try:
+        if planned.placement is not None:  # (a host budget was planned within: say what it covers)
+            HostMemory.of(planned.placement.budget_bytes, built_bytes,
+                          (p for unit in planned.units for p in unit.parameters()), len(manager.slots),
+                          config.offload.return_weights).tell(ctx.report, ctx.warn)
         plan_checkpoints(manager.activations, ctx.settings, ctx.local_processes, ctx.report)
         directories = OffloadDirectories(config.offload)
         open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),

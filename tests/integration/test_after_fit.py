@@ -87,10 +87,32 @@ def test_an_exception_caught_by_the_caller_leaves_the_last_complete_update_as_un
             _fit(strategy, tmp_path / name, callbacks=[FailAt(6)], module=module)
         got[name] = _params(module)
         if name == "gs":
-            assert any("last complete optimizer step (global step 2)" in str(w.message) for w in caught)
+            assert any("last complete optimizer step, optimizer step 2 (trainer.global_step=2)" in str(w.message)
+                       for w in caught)
             assert not (tmp_path / name / "greedysnake_offload").exists()  # nothing left behind
     assert all(torch.isfinite(p).all() and p.stride() != (0,) * p.dim() for p in got["gs"].values())
     assert max_abs_diff(got["gs"], got["auto"]) <= 1e-5
+
+
+class MyModel(TinyGPTModule):
+    """A user's LightningModule: messages name it, not the GPT inside."""
+
+
+@pytest.mark.parametrize("offload, where", [
+    ({"weights": "host", "master_weights": "host", "optimizer_states": "host", "gradients": "host"},
+     "read back from host memory, with"),
+    ({"weights": "host", "master_weights": "host", "optimizer_states": "ssd", "gradients": "host"},
+     "read back from host memory and the offload files in "),
+], ids=["in-ram", "state-on-ssd"])
+def test_the_fit_failed_warning_says_where_the_state_was_read_back_from(tmp_path, offload, where):
+    """The truth per placement (no "offload files" where every kind is in RAM), naming the user's class."""
+    L.seed_everything(0, verbose=False)
+    module = MyModel(lr=3e-3)
+    with pytest.raises(RuntimeError, match="stop here"), pytest.warns(UserWarning) as caught:
+        _fit(GreedySnakeStrategy(auto=False, offload=offload), tmp_path, callbacks=[FailAt(6)], module=module)
+    said = [str(w.message) for w in caught if "fit failed" in str(w.message)]
+    assert len(said) == 1 and where in said[0] and said[0].startswith("greedysnake: fit failed; MyModel.model holds"), said
+    assert ("offload files" in said[0]) == ("ssd" in str(offload))
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.25])
@@ -112,7 +134,8 @@ def test_a_failure_in_the_middle_of_a_windows_backward_says_which_units_are_ahea
     module.model.blocks[0].register_forward_pre_hook(fail_in_recompute)
     with pytest.raises(RuntimeError, match="unit 0 failed"), pytest.warns(UserWarning) as caught:
         _fit(GreedySnakeStrategy(auto=False, alpha=alpha), tmp_path, callbacks=[Arm()], module=module)
-    assert any("units [1, 2] were already updated" in str(w.message) and "global step 1" in str(w.message)
+    assert any("units [1, 2] were already updated by optimizer step 2 (trainer.global_step=1 during it)" in str(w.message)
+               and "units hold optimizer step 1 (trainer.global_step=1)" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert not (tmp_path / "greedysnake_offload").exists()
@@ -131,6 +154,6 @@ def test_a_failed_optimizer_lane_leaves_a_model_that_fails_on_use_naming_the_fix
     with pytest.raises(OptimizerLaneError, match="disk went away"):
         _fit(GreedySnakeStrategy(auto=False), tmp_path, callbacks=[Break()], module=module)
     x = next(iter(token_loader(1)))[0]
-    with pytest.raises(StateNotReturned, match=r"could not read this model's weights back.*Fix: load a checkpoint"):
+    with pytest.raises(StateNotReturned, match=r"could not read TinyGPTModule.model's weights back.*Fix: load a checkpoint"):
         module.model(x)
     assert not (tmp_path / "greedysnake_offload").exists()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake import GreedySnakeCheckpointIO, GreedySnakeStrategy
 from lightning_greedysnake.checkpoint import CheckpointError, CheckpointReader
 from tests.helpers import ResumableLoader, TinyGPTModule, make_trainer, max_abs_diff, mounted, token_loader
 
@@ -254,3 +254,21 @@ def test_export_to_a_plain_lightning_checkpoint_resumes_under_the_default_strate
     assert max_abs_diff(under_auto, under_gs) <= 1e-5
     loaded = TinyGPTModule.load_from_checkpoint(plain, weights_only=True)
     assert loaded.model.lm_head.weight.shape == (32, 16)
+
+
+def test_the_checkpoint_io_plugin_resumes_a_directory_under_the_default_strategy(tmp_path):
+    """``Trainer(strategy="auto", plugins=[GreedySnakeCheckpointIO()])`` resumes from the directory itself
+    (no export step) where greedysnake resumes; a directory that is no checkpoint is refused with the fix."""
+    _fit(GreedySnakeStrategy(auto=False), tmp_path / "g", max_epochs=1)
+    ckpt = str(tmp_path / "g" / "last.ckpt")
+    plugin = {"plugins": [GreedySnakeCheckpointIO()]}
+    L.seed_everything(0, verbose=False)
+    module = TinyGPTModule(lr=3e-3)
+    make_trainer("auto", 3, max_epochs=3, default_root_dir=tmp_path / "a", **plugin).fit(
+        module, token_loader(BATCHES), ckpt_path=ckpt)
+    under_gs, _ = _fit(GreedySnakeStrategy(auto=False), tmp_path / "b", ckpt_path=ckpt)
+    assert max_abs_diff({n: p.detach() for n, p in module.named_parameters()}, under_gs) <= 1e-5
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"is a directory but not a greedysnake checkpoint.*Fix"):
+        make_trainer("auto", 3, max_epochs=3, default_root_dir=tmp_path / "c", **plugin).fit(
+            TinyGPTModule(lr=3e-3), token_loader(BATCHES), ckpt_path=str(tmp_path / "empty"))

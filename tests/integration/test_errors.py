@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_greedysnake import GPT, GPTConfig, GreedySnakePrecision, GreedySnakeStrategy, ScheduleKind
 from lightning_greedysnake.engine import InputMismatchError
+from lightning_greedysnake.models import LayeredModelNotFound
 from tests.helpers import SequentialModule, TinyGPTModule, make_trainer, regression_loader, token_loader
 
 
@@ -83,6 +84,18 @@ def test_no_layered_model():
         fit(Plain())
 
 
+@pytest.mark.parametrize("layered_module", [None, "net"])
+def test_a_layered_model_without_blocks_names_the_users_class_and_the_fix(layered_module):
+    class NoBlocks(SequentialModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential()
+            self.head = nn.Linear(6, 3)
+
+    with pytest.raises(LayeredModelNotFound, match=r"NoBlocks.net \(Sequential\) has no blocks.*Fix: give it at least"):
+        fit(NoBlocks(), regression_loader(4), strategy=GreedySnakeStrategy(auto=False, layered_module=layered_module))
+
+
 def test_two_candidates_then_naming_one():
     class Two(SequentialModule):
         def __init__(self) -> None:
@@ -127,7 +140,7 @@ def test_training_step_that_skips_the_model():
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self.model.wte.weight.sum()
 
-    with pytest.raises(ValueError, match="did not call the layered model"):
+    with pytest.raises(ValueError, match=r"did not call the layered model \(Skips.model, a GPT\)"):
         fit(Skips())
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +41,10 @@ def test_train_gpt_example(tmp_path, overrides):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "trained 6 optimizer steps" in result.stdout
+    if "strategy=lightning_auto" not in overrides and "strategy=greedysnake_cpu" not in overrides:
+        # the example's default strategy puts the weights and optimizer state on SSD: it shows real traffic
+        traffic = re.search(r"SSD traffic: ([0-9.]+) MB read, ([0-9.]+) MB written", result.stdout)
+        assert traffic and float(traffic[1]) > 0 and float(traffic[2]) > 0, result.stdout[-3000:]
     if "trainer.precision=machine" in overrides:
         assert "precision=machine: bf16-mixed on this CPU" in result.stdout or "32-true on this CPU" in result.stdout
     assert (tmp_path / "logs").is_dir()
@@ -46,19 +52,35 @@ def test_train_gpt_example(tmp_path, overrides):
     assert metrics and "train_loss" in metrics[0].read_text()
 
 
-def test_bad_override_is_a_clear_error(tmp_path):
+def test_bad_override_is_a_clear_error_before_data_and_model_are_built(tmp_path):
+    """The strategy's settings are checked first: with a data module that cannot even be built, the
+    refusal is still the strategy's (the data and the model are built after it)."""
     command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "strategy.schedule=diagonal",
-               f"hydra.run.dir={tmp_path}"]
+               "data._target_=no.such.DataModule", f"hydra.run.dir={tmp_path}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode != 0
-    assert "schedule='diagonal'" in result.stderr + result.stdout
+    said = result.stderr + result.stdout
+    assert "schedule='diagonal' is not valid. Fix:" in said, said[-3000:]
+    assert "Error locating target 'no.such.DataModule'" not in said, said[-3000:]
 
 
-def test_finetune_hf_example(tmp_path):
+@pytest.mark.parametrize("work_dir", [True, False], ids=["work-dir", "temporary"])
+def test_finetune_hf_example(tmp_path, work_dir):
+    """Trains with the state on SSD (non-zero traffic); what it wrote stays in --work-dir, and without one
+    its temporary directory is removed at the end (nothing left in TMPDIR)."""
     pytest.importorskip("transformers")
-    command = [sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--work-dir", str(tmp_path),
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    tmp.mkdir()
+    command = [sys.executable, str(ROOT / "examples" / "finetune_hf.py"), *(["--work-dir", str(work)] if work_dir else []),
                "--steps", "4", "--layers", "2", "--hidden", "64", "--accumulate", "2", "--seq", "32"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, "TMPDIR": str(tmp)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "validation loss:" in result.stdout and "from_pretrained" in result.stdout
-    assert (tmp_path / "finetuned" / "model.safetensors").is_file()
+    traffic = re.search(r"SSD traffic: ([0-9.]+) MB read, ([0-9.]+) MB written", result.stdout)
+    assert traffic and float(traffic[1]) > 0 and float(traffic[2]) > 0, result.stdout[-3000:]
+    if work_dir:
+        assert (work / "finetuned" / "model.safetensors").is_file()
+    else:
+        # (torch's own caches, torchinductor_<user>, may stay in TMPDIR: they are not the example's)
+        assert "removed " in result.stdout and not list(tmp.glob("greedysnake_hf_*")), list(tmp.iterdir())

@@ -216,7 +216,8 @@ def test_the_loss_scale_is_logged_and_an_overflow_is_said(plain, caplog):
         _, seen, _ = greedysnake(GreedySnakeStrategy(auto=False), logger=logger)
     assert [v for _, v in logger.series("greedysnake/loss_scale")] == seen.scales == plain[1]
     assert [v for _, v in logger.series("greedysnake/skipped_steps")] == [0, 1, 1, 1, 1, 1]
-    assert "fp16 gradients overflowed in optimizer step 2: step skipped, loss scale 1024 -> 512" in caplog.text
+    assert ("fp16 gradients overflowed in optimizer step 2 (trainer.global_step=1 during it): step skipped, loss "
+            "scale 1024 -> 512") in caplog.text
 
 
 @pytest.mark.parametrize("on_nonfinite", ["warn", "skip"])
@@ -224,7 +225,8 @@ def test_a_nan_loss_backs_the_scale_off_as_gradscaler_does(on_nonfinite):
     """A NaN loss makes NaN gradients: GradScaler skips the step and backs off. So does greedysnake, also
     where ``on_nonfinite='skip'`` drops the window before any gradient exists."""
     ref_params, ref_scales, ref_skipped, _ = reference(factor=FACTOR["nan"])
-    with pytest.warns(UserWarning, match="the loss of micro-batch 1 of optimizer step 2 is nan") as said:
+    with pytest.warns(UserWarning, match=r"the loss of micro-batch 1 of optimizer step 2 "
+                                         r"\(trainer.global_step=1 during it\) is nan") as said:
         got, seen, trainer = greedysnake(GreedySnakeStrategy(auto=False, on_nonfinite=on_nonfinite), factor=FACTOR["nan"])
     text = " ".join(str(w.message) for w in said)
     assert ("loss scaler skips that step" in text) == (on_nonfinite == "warn") and "will be NaN" not in text

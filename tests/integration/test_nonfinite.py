@@ -46,7 +46,7 @@ def _fit(strategy: Any, module_cls: type = NaNLossAt, callbacks: list | None = N
 
 
 def test_warn_names_the_first_nonfinite_loss_and_trains_on_like_lightning():
-    with pytest.warns(UserWarning, match=r"loss of micro-batch 1 of optimizer step 2 is nan.*on_nonfinite='warn'"):
+    with pytest.warns(UserWarning, match=r"loss of micro-batch 1 of optimizer step 2 \(trainer.global_step=1 during it\) is nan.*on_nonfinite='warn'"):
         module = _fit(GreedySnakeStrategy(auto=False))
     assert all(torch.isnan(p).any() for p in module.parameters())  # as under strategy="auto"
 
@@ -55,8 +55,11 @@ def test_raise_stops_at_the_first_nonfinite_loss_and_keeps_the_last_good_weights
     L.seed_everything(0, verbose=False)
     module = NaNLossAt(lr=3e-3)
     trainer = make_trainer(GreedySnakeStrategy(auto=False, on_nonfinite="raise"), K, max_epochs=1)
-    with pytest.raises(NonFiniteError, match=r"loss of micro-batch 1 of optimizer step 2 is nan.*Fix"), \
-            pytest.warns(UserWarning, match=r"global step 1"):
+    # the failing step and the weights left are named in one count: the step's ordinal and global_step
+    with pytest.raises(NonFiniteError, match=r"micro-batch 1 of optimizer step 2 \(trainer.global_step=1 during it\) "
+                       r"is nan.*Fix"), \
+            pytest.warns(UserWarning, match=r"NaNLossAt.model holds the last complete optimizer step, optimizer step 1 "
+                         r"\(trainer.global_step=1\)"):
         trainer.fit(module, token_loader(9))
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert not (Path.cwd() / "greedysnake_offload").exists()  # nothing left behind
@@ -71,7 +74,7 @@ class DropStep(L.Callback):
 
 
 def test_skip_drops_the_windows_update_and_equals_lightning_with_that_step_dropped():
-    with pytest.warns(UserWarning, match=r"optimizer step 2 is nan; on_nonfinite='skip' dropped"):
+    with pytest.warns(UserWarning, match=r"optimizer step 2 \(trainer.global_step=1 during it\) is nan; on_nonfinite='skip' dropped"):
         got = _fit(GreedySnakeStrategy(auto=False, on_nonfinite="skip"))
     ref = _fit("auto", callbacks=[DropStep()])
     params = {n: p.detach() for n, p in got.named_parameters()}
@@ -81,7 +84,8 @@ def test_skip_drops_the_windows_update_and_equals_lightning_with_that_step_dropp
 
 def test_a_nonfinite_gradient_under_a_finite_loss_is_named_by_unit():
     """(lag=0: every unit is stepped before the step ends, so the report comes with that step.)"""
-    with pytest.warns(UserWarning, match=r"gradient of units \[0, 1, 2\] is not finite \(found by optimizer step 2"):
+    with pytest.warns(UserWarning, match=r"gradient of units \[0, 1, 2\] is not finite \(found by optimizer step 2 "
+                                         r"\(trainer.global_step=1 during it\)"):
         _fit(GreedySnakeStrategy(auto=False, lag=0), NaNGradientAt)
     with pytest.raises(NonFiniteError, match=r"gradient of units \[0, 1, 2\] is not finite.*Fix"):
         _fit(GreedySnakeStrategy(auto=False, lag=0, on_nonfinite="raise"), NaNGradientAt)

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, Split, Tier
 from lightning_greedysnake.offload.device import simulate_device_enabled
 from lightning_greedysnake.config import REGION_KINDS
@@ -109,6 +110,9 @@ def test_a_budget_below_the_staging_is_refused_before_any_work(settings, words, 
         fit(GreedySnakeStrategy(offload_dir=tmp_path / "off", **settings))
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+    if "offload" not in settings:  # one block per unit already, lag 0: only the read-ahead can still go
+        assert "layers_per_unit" not in str(info.value) and "lag=0" not in str(info.value), str(info.value)
+        assert "or set offload.prefetch_units=0 (now 1; no read-ahead)" in str(info.value), str(info.value)
     assert not (tmp_path / "off").exists()  # nothing was created
 
 
@@ -247,3 +251,40 @@ def test_a_path_given_with_nothing_else_on_ssd_takes_the_checkpoints_that_exceed
     assert seen.tier is Tier.SSD and seen.written > 0
     for name, value in resident.items():
         assert torch.equal(got[name], value), name
+
+
+class EightMillion(TinyGPTModule):
+    """A model larger than the smallest host budget its staging allows (48 MiB of fp32 parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=1e-3)
+        self.model = GPT(GPTConfig(n_layer=16, n_head=2, n_embd=256, vocab_size=32, block_size=8))
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["eager-return-weights", "meta-no-return"])
+def test_the_report_says_what_the_host_budget_covers_and_the_fixes_when_the_model_exceeds_it(tmp_path, caplog, meta):
+    """The budget bounds the tensor manager's RAM, not the process: the model as built and what
+    ``return_weights`` copies back at the end come on top, and the report says so with the expected peak;
+    where they exceed the budget, a warning names meta init and ``return_weights=False``."""
+    budget = 36 << 20
+    strategy = GreedySnakeStrategy(auto_host_budget_bytes=budget, layers_per_unit=1, lag=0,
+                                   offload={"prefetch_units": 0, "return_weights": not meta})
+    trainer = make_trainer(strategy, 2, max_steps=1, default_root_dir=tmp_path)
+    with trainer.init_module(empty_init=meta):
+        module = EightMillion()
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, token_loader(2))
+    report = next(line for line in caplog.text.splitlines() if "greedysnake host memory:" in line)
+    assert "the host budget (36.0 MiB) covers what the tensor manager keeps in RAM" in report, report
+    said = [str(w.message) for w in caught if "exceed the host budget" in str(w.message)]
+    if meta:
+        assert "the model as built takes none (the meta device)" in report, report
+        assert "nothing is copied back at the end (offload.return_weights=False)" in report, report
+        assert "peak near 36.0 MiB" in report and not said, (report, said)
+    else:
+        assert "the model as you built it, 48.3 MiB of parameters" in report, report
+        assert "copied back into the module and your optimizer (offload.return_weights=True), 48.3 MiB + 96.6 MiB" \
+            in report, report
+        assert "peak near 229.1 MiB" in report, report
+        assert len(said) == 1 and "init_module(empty_init=True)" in said[0] and "return_weights=False" in said[0], said
