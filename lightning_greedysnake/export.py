@@ -56,26 +56,28 @@ def _cast(t: Tensor, dtype: torch.dtype) -> torch.dtype:
     return dtype if t.is_floating_point() else t.dtype
 
 
-def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "float32",
-                      keep_prefix: bool = False, rename: Rename | None = None,
-                      metadata: dict[str, str] | None = None) -> Path:
-    """Write the model weights of ``checkpoint`` to ``out`` (see the module docstring); returns the file.
+Spec = tuple[str, torch.dtype, tuple[int, ...]]
+"""An exported tensor's name, dtype and shape."""
 
-    ``rename`` overrides the naming (the Hugging Face export maps names with it)."""
+
+def model_tensors(checkpoint: str | os.PathLike[str], dtype: str = "float32", keep_prefix: bool = False,
+                  rename: Rename | None = None) -> tuple[list[Spec], Iterator[tuple[str, Tensor]]]:
+    """The model weights of ``checkpoint`` under their exported names: every tensor's spec (its dtype
+    ``dtype`` where it is floating point) up front, and an iterator over ``(name, tensor)`` in the same
+    order that reads one unit at a time (tensors as stored: the writer casts them to their spec's dtype).
+    Names as :func:`export_checkpoint` documents."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; choose one of {sorted(DTYPES)}.")
     to = DTYPES[dtype]
-    target = _target(out)
-    meta = {"format": "pt", **(metadata or {})}
     if not is_checkpoint_dir(checkpoint):
-        return _export_plain(Path(checkpoint), target, to, rename or (lambda n: n), meta)
+        return _plain_tensors(Path(checkpoint), to, rename or (lambda n: n))
     reader = CheckpointReader(checkpoint)
     prefix = "" if keep_prefix else reader.manifest.get("layered_prefix", "")
     rename = rename or _strip(prefix)
     extra = reader.read_tensors(EXTRA_FILE) if EXTRA_FILE in reader.files else {}
     params = reader.manifest["params"]
     order = sorted(params, key=lambda n: (params[n]["unit"], n))
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    specs: list[Spec] = []
     for name in order:
         new = rename(name)
         if new is not None:
@@ -97,18 +99,28 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
         for name in extra_names:
             yield rename(name), extra[name]  # type: ignore[misc]
 
-    write_streamed(target, specs, tensors(), meta)
+    return specs, tensors()
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "float32",
+                      keep_prefix: bool = False, rename: Rename | None = None,
+                      metadata: dict[str, str] | None = None) -> Path:
+    """Write the model weights of ``checkpoint`` to ``out`` (see the module docstring); returns the file.
+
+    ``rename`` overrides the naming (the Hugging Face export maps names with it)."""
+    specs, tensors = model_tensors(checkpoint, dtype, keep_prefix, rename)
+    target = _target(out)
+    write_streamed(target, specs, tensors, {"format": "pt", **(metadata or {})})
     return target
 
 
-def _export_plain(path: Path, target: Path, to: torch.dtype, rename: Rename, meta: dict[str, str]) -> Path:
+def _plain_tensors(path: Path, to: torch.dtype, rename: Rename) -> tuple[list[Spec], Iterator[tuple[str, Tensor]]]:
     if not path.is_file():
         raise CheckpointError(f"{path} is neither a greedysnake checkpoint directory nor a checkpoint file.")
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     items = [(rename(n), t) for n, t in state.items() if rename(n) is not None]
     specs = [(n, _cast(t, to), tuple(t.shape)) for n, t in items]
-    write_streamed(target, specs, iter(items), meta)  # type: ignore[arg-type]
-    return target
+    return specs, iter(items)  # type: ignore[arg-type]
 
 
 def export_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:

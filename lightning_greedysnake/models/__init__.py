@@ -1,6 +1,7 @@
 """Layered models: the protocol, this package's GPT, and adapters for other model families."""
 
 from lightning_greedysnake.models import hf  # noqa: F401 - registers the Hugging Face adapter
+from lightning_greedysnake.models import litgpt  # noqa: F401 - registers the LitGPT adapter
 from lightning_greedysnake.models.adapters import (
     Adapter,
     chain_of,

@@ -46,7 +46,7 @@ def find_layered_model(root: nn.Module, path: str | None = None) -> tuple[str, n
         if chain is None:
             raise LayeredModelNotFound(
                 f"layered_module={path!r} is a {type(module).__name__}, which is neither an nn.Sequential, "
-                "a LayeredModel nor a Hugging Face causal LM. Fix: implement `layer_chain()` on it (see "
+                "a LayeredModel, a Hugging Face causal LM nor a LitGPT GPT. Fix: implement `layer_chain()` on it (see "
                 "lightning_greedysnake.models.LayeredModel) or point layered_module at another module."
             )
         if not chain.blocks:
@@ -64,7 +64,7 @@ def find_layered_model(root: nn.Module, path: str | None = None) -> tuple[str, n
         raise LayeredModelNotFound(
             f"greedysnake found no layered model in {type(root).__name__} (its children are of types {kinds}). "
             "It needs a chain pre -> blocks -> post: this package's GPT, an nn.Sequential (each child one "
-            "layer), a Hugging Face *ForCausalLM (Llama, Qwen2, Mistral, GPT-2 families), or a module "
+            "layer), a Hugging Face *ForCausalLM (Llama, Qwen2, Mistral, GPT-2 families), a LitGPT GPT, or a module "
             "implementing `layer_chain()` (lightning_greedysnake.models.LayeredModel)."
         )
     if len(found) > 1:

@@ -1,16 +1,20 @@
-"""A plain LightningModule around the package GPT: nothing in it is specific to greedysnake."""
+"""A plain LightningModule around the package GPT (or any ``idx -> logits`` language model given as a module):
+nothing in it is specific to greedysnake."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torchmetrics.text import Perplexity
 
 from lightning_greedysnake.models import GPT, GPTConfig
+from lightning_greedysnake.recipes.meta_init import building_on_meta
 
 OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
 """``module.optimizer`` -> the class (torch.optim's AdamW, or torchao.optim's low-bit AdamW)."""
@@ -19,7 +23,7 @@ OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bi
 class GPTLightningModule(L.LightningModule):
     def __init__(
         self,
-        model: GPTConfig | dict[str, Any] | None = None,
+        model: GPTConfig | dict[str, Any] | nn.Module | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -28,23 +32,27 @@ class GPTLightningModule(L.LightningModule):
         fused: bool | None = None,
         optimizer: str = "adamw",
     ) -> None:
-        """``optimizer``: ``adamw`` (torch's), or torchao's ``adamw8bit`` / ``adamw4bit`` (quantized
+        """``model``: the package GPT's config, or a built model that maps token ids ``(B, T)`` to logits
+        ``(B, T, V)``. ``optimizer``: ``adamw`` (torch's), or torchao's ``adamw8bit`` / ``adamw4bit`` (quantized
         state: a quarter or an eighth of the state bytes; needs ``pip install torchao``)."""
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"module.optimizer={optimizer!r} is not one of {sorted(OPTIMIZERS)}. Fix: use 'adamw', "
                              "or torchao's 'adamw8bit' / 'adamw4bit'.")
         self.optimizer_name = optimizer
-        config = model if isinstance(model, GPTConfig) else GPTConfig(**(model or {}))
         if lr <= 0:
             raise ValueError(f"lr={lr} must be positive.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0.")
-        self.config = config
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.min_lr_ratio, self.fused = warmup_steps, min_lr_ratio, fused
-        self.model = GPT(config)
-        self.val_perplexity = Perplexity()
+        if isinstance(model, nn.Module):
+            self.model, self.config = model, getattr(model, "config", None)
+        else:
+            self.config = model if isinstance(model, GPTConfig) else GPTConfig(**(model or {}))
+            self.model = GPT(self.config)
+        with torch.device("cpu") if building_on_meta() else contextlib.nullcontext():
+            self.val_perplexity = Perplexity()  # its state real also inside init_module(empty_init=True)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

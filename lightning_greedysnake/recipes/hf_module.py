@@ -14,16 +14,15 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lightning_greedysnake.models.hf import attach_pretrained, load_module_weights, safetensors_index
+from lightning_greedysnake.recipes.meta_init import building_on_meta, parameters_on_meta
 
 
 def _config(config: Any) -> Any:
@@ -39,25 +38,6 @@ def _config(config: Any) -> Any:
         rest = {k: v for k, v in config.items() if k != "model_type"}
         return AutoConfig.for_model(config["model_type"], **rest)
     raise TypeError(f"config must be a transformers config, a dict or a path; got {type(config).__name__}")
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Parameters on the meta device, buffers real (rotary frequencies are computed at construction and
-    are not in checkpoints): what accelerate's ``init_empty_weights(include_buffers=False)`` does."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        with torch.device("cpu"):
-            yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 class HFCausalLMModule(L.LightningModule):
@@ -78,8 +58,8 @@ class HFCausalLMModule(L.LightningModule):
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "pretrained": pretrained})
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
-        on_meta = torch.empty(()).is_meta  # inside trainer.init_module(empty_init=True)
-        with _parameters_on_meta() if on_meta else contextlib.nullcontext():
+        on_meta = building_on_meta()
+        with parameters_on_meta() if on_meta else contextlib.nullcontext():
             self.model = AutoModelForCausalLM.from_config(hf_config)
         if pretrained is not None:
             if on_meta:

@@ -84,3 +84,19 @@ def test_finetune_hf_example(tmp_path, work_dir):
     else:
         # (torch's own caches, torchinductor_<user>, may stay in TMPDIR: they are not the example's)
         assert "removed " in result.stdout and not list(tmp.glob("greedysnake_hf_*")), list(tmp.iterdir())
+
+
+def test_finetune_litgpt_example(tmp_path):
+    pytest.importorskip("litgpt")
+    import torch
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    command = [sys.executable, str(ROOT / "examples" / "finetune_litgpt.py"), "trainer.max_steps=4",
+               "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false",
+               "data.max_bytes=200000", f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "placement" in result.stdout and "trained 4 optimizer steps" in result.stdout
+    model = GPT(Config.from_file(tmp_path / "litgpt" / "model_config.yaml"))
+    model.load_state_dict(torch.load(tmp_path / "litgpt" / "lit_model.pth", weights_only=True), strict=True)
