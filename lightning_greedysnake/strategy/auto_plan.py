@@ -15,7 +15,6 @@ from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner import Choice, Machine, PlanError, plan, predict
 from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate, unit_costs, unit_times
-from lightning_greedysnake.strategy.placement import host_budget_bytes
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_budget_bytes"})
@@ -64,9 +63,10 @@ class WarmStepPlan:
     """Runs once, after optimizer step :data:`PLAN_STEP`, when ``auto=True`` left any of
     :data:`FIRST_STEP_SETTINGS` unset. Told of every step's end (:meth:`step_ended`)."""
 
-    def __init__(self, settings: GreedySnakeConfig, local_processes: int) -> None:
+    def __init__(self, settings: GreedySnakeConfig, host_budget_bytes: int) -> None:
         self.settings = settings
-        self.local_processes = local_processes
+        self.host_budget_bytes = host_budget_bytes
+        """The run's host budget, measured once at setup (:class:`~lightning_greedysnake.strategy.unit_plan.SetupPlan`)."""
         self.pending = settings.auto and bool(settings.unset() & FIRST_STEP_SETTINGS)
         self.choice: Choice | None = None
         self.machine: Machine | None = None
@@ -104,7 +104,7 @@ class WarmStepPlan:
         fwd, bwd = self.unit_seconds = unit_times(manager.stats.lanes.spans(self.since, float("inf")),
                                                   manager.num_units)
         costs = unit_costs(manager, fwd, bwd, activation_bytes)
-        budget = host_budget_bytes(self.settings, self.local_processes) - manager.arena.regions.host_bytes()
+        budget = self.host_budget_bytes - manager.arena.regions.host_bytes()
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
         lags = (0, 1, 2) if "lag" in unset else (config.lag,)
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given

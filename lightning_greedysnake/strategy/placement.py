@@ -44,13 +44,13 @@ def host_budget_bytes(config: GreedySnakeConfig, local_processes: int) -> int:
     return available_memory_bytes() // 2 // max(1, local_processes)
 
 
-def plan_checkpoints(activations: Any, settings: GreedySnakeConfig, local_processes: int,
+def plan_checkpoints(activations: Any, settings: GreedySnakeConfig, budget: int,
                      report: Callable[[str], None]) -> None:
     """``auto=True`` with ``offload.checkpoints`` unset: the first save (which knows their size) keeps
     the activation checkpoints in host memory while a window's fit their share of the host budget
     (1/:data:`CHECKPOINT_SHARE`), else puts them on SSD (:meth:`ActivationStore.plan_tier`)."""
     if settings.auto and settings.offload.checkpoints is None:
-        activations.plan_tier(host_budget_bytes(settings, local_processes) // CHECKPOINT_SHARE, report)
+        activations.plan_tier(budget // CHECKPOINT_SHARE, report)
 
 
 def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int, device_tier: bool = False) -> int:
@@ -200,16 +200,15 @@ def placed_config(settings: GreedySnakeConfig, state: StateLayout, lag: int, pla
 
 
 def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, speculative: bool,
-                  clip_norm: bool, local_processes: int, broadcast: Callable[[Any], Any],
+                  clip_norm: bool, budget: int, broadcast: Callable[[Any], Any],
                   report: Callable[[str], None], device: DeviceSide = DeviceSide()
                   ) -> tuple[GreedySnakeConfig, PlacementPlan | None]:
     """The settings in effect for this run, with the unset kinds placed (``auto=True``; else at their
     fixed defaults), and the plan (None when nothing was planned), which goes to ``report`` as a table.
     ``speculative``: fp16's two slots of the kinds a step rewrites; ``device``: on a GPU, what of the
-    compute weights may stay there."""
+    compute weights may stay there; ``budget``: the run's host budget."""
     if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
         return settings.resolved(), None
-    budget = broadcast(host_budget_bytes(settings, local_processes))  # rank 0's: every rank decides alike
     device = broadcast(device)  # (rank 0's device budget: the GPUs' free memory may differ)
     lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm, device=device)
     plan = broadcast(plan)  # every rank runs rank 0's placement (the same one: the same budget and sizes)

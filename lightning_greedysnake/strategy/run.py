@@ -232,7 +232,7 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
             HostMemory.of(planned.placement.budget_bytes, built_bytes,
                           (p for unit in planned.units for p in unit.parameters()), len(manager.slots),
                           config.offload.return_weights).tell(ctx.report, ctx.warn)
-        plan_checkpoints(manager.activations, ctx.settings, ctx.local_processes, ctx.report)
+        plan_checkpoints(manager.activations, ctx.settings, planned.host_budget_bytes, ctx.report)
         directories = OffloadDirectories(config.offload)
         open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
                             planned.units, ctx.broadcast_parameters, cut.layered if cut.on_meta else None, ctx.report,
@@ -252,4 +252,4 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
                                       precision=str(ctx.precision.precision))
     return Run(config, cut, planned.units, manager, engine, guard, checkpoints=checkpoints,
                placement=planned.placement, telemetry=telemetry,
-               warm_plan=WarmStepPlan(ctx.settings, ctx.local_processes), directories=directories)
+               warm_plan=WarmStepPlan(ctx.settings, planned.host_budget_bytes), directories=directories)

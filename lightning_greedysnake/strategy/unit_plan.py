@@ -104,12 +104,13 @@ def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], opt
 
 def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimizer: Any, dtype: torch.dtype,
                          shard: tuple[int, int] | None, k: int, *, speculative: bool, clip_norm: bool,
-                         local_processes: int, default_root: Path, is_global_zero: bool,
+                         budget: int, default_root: Path, is_global_zero: bool,
                          broadcast: Callable[[Any], Any], report: Callable[[str], None],
                          device: DeviceSide = DeviceSide()) -> int:
     """``layers_per_unit`` for this run: the user's, 1 with ``auto=False``, else the best-scoring
     candidate on rank 0 (every rank takes it). A candidate whose staging alone exceeds the host
-    budget is not considered; where none can be measured, 1 (and the report says why)."""
+    budget (``budget``: the run's, :func:`host_budget_bytes`) is not considered; where none can be
+    measured, 1 (and the report says why)."""
     if settings.layers_per_unit is not None or not settings.auto:
         return settings.resolved().layers_per_unit
     if len([c for c in CANDIDATES if c <= len(chain.blocks)]) < 2:
@@ -117,7 +118,6 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
     result: int | str = 1
     if is_global_zero:
         try:
-            budget = host_budget_bytes(settings, local_processes)
             layouts = candidate_layouts(settings, chain, optimizer, dtype, shard)
             scores = _score_all(settings, layouts, optimizer, k, budget, speculative=speculative,
                                 clip_norm=clip_norm, default_root=default_root, device=device)
@@ -140,27 +140,32 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
 
 @dataclasses.dataclass(frozen=True)
 class SetupPlan:
-    """What setup planned: the settings in effect, the placement plan (None: nothing planned) and the
-    units of the planned size."""
+    """What setup planned: the settings in effect, the placement plan (None: nothing planned), the
+    units of the planned size and the run's host budget."""
 
     config: GreedySnakeConfig
     placement: PlacementPlan | None
     units: list
+    host_budget_bytes: int
+    """The run's host budget (:func:`host_budget_bytes`, rank 0's), measured once at setup: every plan of
+    the run (the unit size, the placement, the activation checkpoints' tier, the warm-step plan) is made
+    within this one number, not within the memory available when each runs (which the run itself lowers)."""
 
 
 def plan_setup(ctx: SetupContext, chain: LayerChain, optimizer: Any, dtype: torch.dtype,
                shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool) -> SetupPlan:
-    """What setup plans, in order: ``layers_per_unit``, then the placement of the unset kinds for the
-    units of that size."""
+    """What setup plans, in order: the run's host budget (rank 0's: every rank decides alike), then
+    ``layers_per_unit``, then the placement of the unset kinds for the units of that size."""
     device = device_side(ctx.settings, ctx.device, ctx.device_tier)
+    budget = ctx.broadcast(host_budget_bytes(ctx.settings, ctx.local_processes))
     lpu = plan_layers_per_unit(
         ctx.settings, chain, optimizer, dtype, shard, ctx.accumulate, speculative=speculative,
-        clip_norm=clip_norm, local_processes=ctx.local_processes, default_root=ctx.default_root,
+        clip_norm=clip_norm, budget=budget, default_root=ctx.default_root,
         is_global_zero=ctx.is_global_zero, broadcast=ctx.broadcast, report=ctx.report, device=device)
     units = make_units(chain, lpu)
     config, plan = plan_at_setup(
         dataclasses.replace(ctx.settings, layers_per_unit=lpu),
         state_layout(units, {}, optimizer, ctx.settings.offload.placed(), dtype, shard), ctx.accumulate,
-        speculative=speculative, clip_norm=clip_norm, local_processes=ctx.local_processes,
-        broadcast=ctx.broadcast, report=ctx.report, device=device)
-    return SetupPlan(config, plan, units)
+        speculative=speculative, clip_norm=clip_norm, budget=budget, broadcast=ctx.broadcast, report=ctx.report,
+        device=device)
+    return SetupPlan(config, plan, units, budget)

@@ -209,3 +209,25 @@ def test_the_engine_the_tensor_manager_and_the_plans_see_the_one_resolved_config
     assert handed[0] == (Seen.configs[0], Seen.configs[1])
     assert handed[0][0] is Seen.configs[0] and handed[0][1] is Seen.configs[1]
     assert (Seen.configs[1].alpha, Seen.configs[1].lag) == (strategy.plan_choice.alpha, strategy.plan_choice.lag)
+
+
+def test_every_plan_of_a_run_is_made_within_the_one_host_budget_measured_at_setup(monkeypatch):
+    """The default budget (half of the memory available) is measured once, at setup: the unit size, the
+    placement, the checkpoints' tier and the warm-step plan all plan within it, not within what is
+    available when each runs (the run's own allocations lower it: planning again would count them twice)."""
+    from lightning_greedysnake.strategy import placement
+
+    calls = []
+
+    def available() -> int:
+        calls.append(len(calls))
+        return 8 << 30 if len(calls) == 1 else 1 << 20  # (later: as if the run had taken all but 1 MiB)
+
+    monkeypatch.setattr(placement, "available_memory_bytes", available)
+    strategy = GreedySnakeStrategy()
+    _fit(strategy)
+    run = strategy._run
+    assert len(calls) == 1
+    assert run.placement is not None and run.placement.budget_bytes == 4 << 30
+    assert run.warm_plan.host_budget_bytes == 4 << 30 and strategy.plan_choice is not None
+    assert run.tensor_manager is None or run.tensor_manager.activations.tier is Tier.HOST

@@ -119,7 +119,7 @@ def test_the_first_step_plan_finds_larger_units_where_they_save_recompute():
     def larger(settings: GreedySnakeConfig, recompute: bool) -> tuple[Any, int] | None:
         options = {"alphas": (0.25,), "lags": (2,), "recompute": (recompute,), "checkpoint_placements": ("host",)}
         choice = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,), **options)
-        return WarmStepPlan(settings, 1).larger_units(costs, machine, k, budget, manager, choice, 1, options)
+        return WarmStepPlan(settings, budget).larger_units(costs, machine, k, budget, manager, choice, 1, options)
 
     found = larger(GreedySnakeConfig(), recompute=True)
     assert found is not None and found[1] == 8  # one unit: no recompute at all
