@@ -228,6 +228,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self._unusable.remove()
             self._unusable = None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self.precision_plugin.on_device(self.root_device)  # (autocast on the accelerator's device type)
         ctx = SetupContext(
             self.settings, self.root_device, simulate_device_enabled(), self.global_rank, self.local_rank,
             self.world_size, self.num_processes, trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
