@@ -27,6 +27,8 @@ from lightning_greedysnake.models import LayerChain, Unit, check_parameter_owner
 from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.planner.measure import available_cores
+from lightning_greedysnake.planner.threads import optimizer_threads
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
@@ -90,6 +92,14 @@ class SetupContext:
     def device_tier(self) -> bool:
         """Units placed on the device live in device memory (a GPU, or the simulated device)."""
         return self.device.type == "cuda" or (self.device.type == "cpu" and self.simulated)
+
+    @property
+    def optimizer_threads(self) -> int:
+        """The optimizer lane's intra-op threads: ``offload.optimizer_threads``, else planned from this
+        machine's cores (:func:`~lightning_greedysnake.planner.threads.optimizer_threads`; the simulated
+        device counts as the GPU it stands for)."""
+        return optimizer_threads(available_cores(), device_tier=self.device_tier, local_processes=self.local_processes,
+                                 given=self.settings.offload.optimizer_threads)
 
 
 @dataclass(frozen=True)
@@ -200,7 +210,7 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
     config = planned.config
     manager = new_tensor_manager(planned.units, module, optimizer, config, dtype, ctx.device, clip=clip, shard=shard,
                                  loss_scaler=scaler, data_parallel=ctx.data_parallel,
-                                 gradient_observer=ctx.gradient_observer)
+                                 gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads)
     try:
         plan_checkpoints(manager.activations, ctx.settings, ctx.local_processes, ctx.report)
         directories = OffloadDirectories(config.offload)
