@@ -39,7 +39,7 @@ from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.layout import PARAM_ALIGN_NUMEL, StateLayout, UnitLayout, build_unit_layout
 from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload.activations import ActivationStore
-from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.offload.device import DeviceCopies, named_sync
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.offload.gradients import GradientAccumulator
 from lightning_greedysnake.offload.pool import BufferPool
@@ -471,7 +471,9 @@ class TieredTensorStore:
         total = self.grads.global_norm(order) * (inv_scale if inv_scale is not None else 1.0)
         # the lane scales host gradients: on a device tier this reads the norm back (one wait per step,
         # in this mode only)
-        self.stepper.clip_by_norm(max_norm, total.cpu())
+        with named_sync("clipping norm"):
+            host_total = total.cpu()
+        self.stepper.clip_by_norm(max_norm, host_total)
         return total
 
     def clip_by_value(self, value: float) -> None:

@@ -28,13 +28,15 @@ the handles that track them); the completion/copy threads only complete futures.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import queue
 import random
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -46,6 +48,27 @@ SIMULATE_ENV = "GREEDYSNAKE_SIMULATE_DEVICE"
 
 def simulate_device_enabled() -> bool:
     return os.environ.get(SIMULATE_ENV, "") not in ("", "0")
+
+
+NAMED_SYNCS: collections.Counter[str] = collections.Counter()
+"""How often each :func:`named_sync` ran, since the process started (training thread; read by tests)."""
+
+
+@contextlib.contextmanager
+def named_sync(name: str) -> Iterator[None]:
+    """A host read of device values that the steady state makes on purpose, at most once per window
+    (a window's loss check, its input check, the clipping norm, fp16's finite check). Counted in
+    :data:`NAMED_SYNCS`; under ``torch.cuda.set_sync_debug_mode("error")`` (``tests/gpu``: every other
+    sync in the steady state is an error) it is let through. Training thread only."""
+    NAMED_SYNCS[name] += 1
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if mode:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
 
 
 class UnregisteredHostMemoryError(RuntimeError):
