@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
@@ -33,6 +32,7 @@ from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import LayerChain, Unit
 from lightning_greedysnake.offload import TensorStore
 from lightning_greedysnake.engine.inputs import input_mismatch, same_inputs
+from lightning_greedysnake.engine.timing import ComputeTimer
 from lightning_greedysnake.offload.device import named_sync
 from lightning_greedysnake.schedule import Op, OpKind, Plan, build_plan
 
@@ -200,16 +200,16 @@ class WindowEngine:
         store: TensorStore,
         device: torch.device,
         forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-        observer: Callable[[str, float, float], None] | None = None,
+        timer: ComputeTimer | None = None,
     ) -> None:
         """``config``: resolved (every setting in effect: :meth:`GreedySnakeConfig.resolved`).
         ``forward_context``: entered around every forward the engine runs itself (the precision plugin's
-        autocast), as Lightning enters it around ``training_step``. ``observer``: told ``(op name, start,
-        end)`` of every forward and backward op the engine runs (telemetry)."""
+        autocast), as Lightning enters it around ``training_step``. ``timer``: times every forward and
+        backward op the engine runs, where the compute runs (the plan's compute times, telemetry)."""
         if not config.is_resolved:
             raise ValueError(f"the engine needs resolved settings (GreedySnakeConfig.resolved()), not {config}")
         self.forward_context = forward_context
-        self.observer = observer
+        self.timer = timer
         self.chain = chain
         self.units = units
         self.config = config
@@ -394,12 +394,12 @@ class WindowEngine:
     def _run(self, op: Op) -> None:
         self._hint_next_activation()
         self._hint_next_unit()
-        if self.observer is not None and op.kind is not OpKind.OPTIMIZER:
+        if self.timer is not None and op.kind is not OpKind.OPTIMIZER:
             if op.kind is OpKind.FORWARD or self._inputs(op.microbatch).act_grad is not None:
                 self._ensure_unit(op.unit)  # waiting for the weights is I/O, not this op's compute
-            t0 = time.perf_counter()
+            mark = self.timer.start()
             self._run_op(op)
-            self.observer(str(op), t0, time.perf_counter())
+            self.timer.stop(mark, str(op))
         else:
             self._run_op(op)
 

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.engine import WindowEngine
+from lightning_greedysnake.engine.timing import ComputeTimer, compute_timer_for
 from lightning_greedysnake.models import LayerChain, Unit, check_parameter_ownership, find_layered_model, make_units
 from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
 from lightning_greedysnake.offload.device import DeviceCopies
@@ -141,7 +142,7 @@ class Run:
     def __init__(self, config: GreedySnakeConfig, cut: ModelCut, units: list[Unit], store: TensorStore,
                  engine: WindowEngine, guard: NonFiniteGuard, *, placement: PlacementPlan | None = None,
                  telemetry: StepRecorder | None = None, warm_plan: WarmStepPlan | None = None,
-                 directories: OffloadDirectories | None = None) -> None:
+                 directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None) -> None:
         self._config = config
         self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
         self.units = units
@@ -155,6 +156,9 @@ class Run:
         self.warm_plan = warm_plan
         """``auto=True``'s plan after the warm step (with the tensor manager)."""
         self.directories = directories
+        self.timer = timer
+        """Times the compute ops into the tensor manager's compute lane (with the tensor manager; the
+        engine's and the fused ops'), read once per window."""
         self.closed = False
 
     @property
@@ -224,7 +228,8 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
         telemetry.start_trace(config.trace_steps,
                               Path(config.trace_path or ctx.default_root / "greedysnake_trace.json"))
     lanes = manager.stats.lanes
+    timer = compute_timer_for(ctx.device, lambda name, a, b: lanes.add("compute", a, b, name))
     engine = WindowEngine(cut.chain, planned.units, config, manager, ctx.device, ctx.precision.forward_context,
-                          observer=lambda name, a, b: lanes.add("compute", a, b, name))
+                          timer=timer)
     return Run(config, cut, planned.units, manager, engine, guard, placement=planned.placement, telemetry=telemetry,
-               warm_plan=WarmStepPlan(ctx.settings, ctx.local_processes), directories=directories)
+               warm_plan=WarmStepPlan(ctx.settings, ctx.local_processes), directories=directories, timer=timer)
