@@ -191,6 +191,11 @@ class TieredTensorStore:
         return self.stepper.alpha
 
     @property
+    def host_registrations(self) -> int:
+        """Page-lock registrations of host memory by the device tier since construction (0 without one)."""
+        return self.copies.counts.registrations if self.copies is not None else 0
+
+    @property
     def optimizer_threads(self) -> int:
         """The optimizer lane's intra-op threads."""
         return self.stepper.lane.threads

@@ -84,14 +84,27 @@ class Copy(Future):  # type: ignore[type-arg]
 
 
 class CopyCounts:
-    """Copies and bytes each way since construction. Written by every thread that issues copies (the
-    training thread; the optimizer lane, a step's new resident weights) under ``_lock``; read by anyone."""
+    """Copies and bytes each way, and page-lock registrations of host memory, since construction. Written
+    by every thread that issues copies (the training thread; the optimizer lane, a step's new resident
+    weights) or registers memory under ``_lock``; read by anyone."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._to_device = 0
         self._to_host = 0
         self._copies = 0
+        self._registrations = 0
+
+    def add_registration(self) -> None:
+        with self._lock:
+            self._registrations += 1
+
+    @property
+    def registrations(self) -> int:
+        """Host memory registrations (``cudaHostRegister``; :meth:`DeviceCopies.pin`): slow, and they
+        serialize with the driver; none in the steady state."""
+        with self._lock:
+            return self._registrations
 
     def add(self, *, to_device: int = 0, to_host: int = 0) -> None:
         with self._lock:
@@ -253,6 +266,7 @@ class CudaCopies:
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
         self._pinned.add(ptr)
+        self.counts.add_registration()
 
     def unpin(self, ptr: int) -> None:
         if ptr in self._pinned:
@@ -376,6 +390,7 @@ class SimulatedCopies:
     def pin(self, ptr: int, nbytes: int) -> None:
         with self._lock:
             self._registered[ptr] = ptr + nbytes
+        self.counts.add_registration()
 
     def unpin(self, ptr: int) -> None:
         with self._lock:
