@@ -23,7 +23,10 @@ Two implementations behind the :class:`DeviceCopies` Protocol:
   late too, so a copy of its result that does not wait for it (``to_host(after=...)``) copies NaN.
 
 Threads: the training thread issues copies and waits; the optimizer lane waits on D2H futures (through
-the handles that track them); the completion/copy threads only complete futures.
+the handles that track them); the completion/copy threads only complete futures (the simulated ones
+also write the destinations, which they own until the future is done; the simulated side thread of
+:meth:`SimulatedCopies.land_late` owns its result tensor until its future, the ``after`` a later copy
+waits for, is done).
 """
 
 from __future__ import annotations
