@@ -17,6 +17,7 @@ import pytest
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload.device import SIMULATE_ENV, Copy, SimulatedCopies
+from lightning_greedysnake.offload.pool import debug_pool_enabled
 from lightning_greedysnake.offload.staging import Staged
 from tests.integration.test_equivalence import assert_matches, reference, run
 
@@ -101,10 +102,16 @@ def test_a_compute_stream_that_does_not_wait_for_its_copy_gives_a_wrong_result(s
 
 def test_a_lane_that_does_not_wait_for_the_gradients_copy_gives_a_wrong_result(simulated, monkeypatch):
     """Remove the hand-over from the D2H copy of each gradient to the optimizer lane (the handle forgets
-    the copy filling it, so the lane's wait returns at once): the steps read NaN, and the result is wrong."""
+    the copy filling it, so the lane's wait returns at once): the steps read NaN, and the result is wrong;
+    or, with the poisoning pool (``GREEDYSNAKE_DEBUG_POOL=1``), the copy landing in a buffer given back
+    already is caught as a write into free memory (the pinned arena checks every range it hands out)."""
     track_read = Staged.track_read
     monkeypatch.setattr(Staged, "track_read", lambda self, fut: None if isinstance(fut, Copy) else track_read(self, fut))
-    got = run(GreedySnakeStrategy(auto=False), "gpt", 3)
+    try:
+        got = run(GreedySnakeStrategy(auto=False), "gpt", 3)
+    except Exception as e:  # noqa: BLE001 - the debug pool's report, perhaps wrapped by the optimizer lane
+        assert debug_pool_enabled() and "written while nobody owned it" in str(e), e
+        return
     assert _differs(got, reference("gpt", 3))
 
 
