@@ -204,19 +204,30 @@ def add_machine_args(parser: Any) -> None:
         parser.add_argument(f"--{name}", type=float, default=0.0, help="==SUPPRESS==")  # argparse.SUPPRESS
 
 
-def measure_machine(args: Any, directory: str, quick: bool = False) -> None:
+def measure_machine(args: Any, directory: str, quick: bool = False, device_tier: bool | None = None) -> None:
     """O_DIRECT bandwidth of ``directory`` (256 MiB each way, the best of three) and the optimizer's rate,
-    onto ``args`` (once, in the parent). ``quick``: 8 MiB once and a small optimizer (a dry run's
-    numbers, seconds sooner and meaningless)."""
+    onto ``args`` (once, in the parent). The rate is measured at the intra-op threads greedysnake's optimizer
+    lane gets on this machine (``args.opt_threads``: 1 where the model computes on the CPU; with a GPU,
+    ``device_tier`` (None: whether CUDA is available), the cores the training and I/O threads leave), so
+    the roofline's optimizer bound is the lane's, not all cores'. ``quick``: 8 MiB once and a small
+    optimizer (a dry run's numbers, seconds sooner and meaningless)."""
     from pathlib import Path
 
-    from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
+    from lightning_greedysnake.planner.measure import available_cores, disk_bandwidth, optimizer_rate
+    from lightning_greedysnake.planner.threads import optimizer_threads
 
+    if device_tier is None:
+        import torch
+
+        device_tier = torch.cuda.is_available()
     args.read_bps, args.write_bps = disk_bandwidth(Path(directory), nbytes=(8 if quick else 256) << 20,
                                                    repeats=1 if quick else 3)
-    args.opt_rate = optimizer_rate(numel=1 << 16) if quick else optimizer_rate()
+    args.opt_threads = optimizer_threads(available_cores(), device_tier=device_tier)
+    args.opt_rate = (optimizer_rate(numel=1 << 16, threads=args.opt_threads) if quick
+                     else optimizer_rate(threads=args.opt_threads))
     print(f"  disk: read {args.read_bps / 1e9:.2f} GB/s, write {args.write_bps / 1e9:.2f} GB/s; "
-          f"optimizer {args.opt_rate / 1e6:.0f} M elements/s", file=sys.stderr)
+          f"optimizer {args.opt_rate / 1e6:.0f} M elements/s at the lane's {args.opt_threads} thread(s)",
+          file=sys.stderr)
 
 
 def write_result(out: str, args: Any, settings: list[str], rows: list[dict[str, Any]],

@@ -338,7 +338,8 @@ def main() -> None:
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
     write_result(str(out), args, [*MODEL_FLAGS, "ks", "steps", "precision", "budget_gb", "baseline", "rounds"], rows,
-                 {"read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9})
+                 {"read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9,
+                  "optimizer_Melem_per_s": args.opt_rate / 1e6, "optimizer_threads": args.opt_threads})
     if plotted:
         print(f"and {out.with_suffix('.png')}")
 

@@ -93,7 +93,7 @@ def main() -> None:
                        "compute_s", "ssd_s", "optimizer_s", "ssd_gb", "tokens_per_s"])
     write_result(args.out, args, [*MODEL_FLAGS, "steps", "precision"], rows,
                  {"read_GBps": args.read_bps / 1e9, "write_GBps": args.write_bps / 1e9,
-                  "optimizer_Melem_per_s": args.opt_rate / 1e6})
+                  "optimizer_Melem_per_s": args.opt_rate / 1e6, "optimizer_threads": args.opt_threads})
 
 
 if __name__ == "__main__":

@@ -198,6 +198,13 @@ class OffloadConfig:
     io_threads: int = 4
     """Threads issuing O_DIRECT reads and writes."""
 
+    optimizer_threads: int | None = None
+    """Intra-op threads of the host optimizer step (the optimizer lane's kernels). ``None``: planned from
+    the machine (:func:`lightning_greedysnake.planner.threads.optimizer_threads`): 1 when the model
+    computes on the CPU (its kernels use every core already), and with a GPU the cores of this process's
+    share that the training thread and the I/O threads do not need. The planners measure the
+    optimizer's rate at the count the lane gets."""
+
     io_chunk_bytes: int = 16 * MiB
     """Largest single read or write; large requests keep the SSD busy with few Python wake-ups."""
 
@@ -264,6 +271,12 @@ class OffloadConfig:
             )
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"offload.io_threads={self.io_threads!r} must be >= 1. Fix: e.g. io_threads=4.")
+        if self.optimizer_threads is not None and (
+                isinstance(self.optimizer_threads, bool) or not isinstance(self.optimizer_threads, int)
+                or self.optimizer_threads < 1):
+            raise ValueError(
+                f"offload.optimizer_threads={self.optimizer_threads!r} must be a positive integer (intra-op threads "
+                "of the host optimizer step) or None (planned from the machine). Fix: e.g. optimizer_threads=4.")
         if (
             isinstance(self.io_chunk_bytes, bool)
             or not isinstance(self.io_chunk_bytes, int)

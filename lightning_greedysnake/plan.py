@@ -20,7 +20,8 @@ import torch
 from lightning_greedysnake.engine import SavedBytes
 from lightning_greedysnake.models import GPT, GPTConfig
 from lightning_greedysnake.planner import Machine, UnitCost, plan
-from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
+from lightning_greedysnake.planner.measure import available_cores, disk_bandwidth, optimizer_rate
+from lightning_greedysnake.planner.threads import optimizer_threads
 
 
 def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype, repeats: int = 3
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                        block_size=args.seq)
     bf16 = args.precision == "bf16-mixed"
     read_bps, write_bps = disk_bandwidth(Path(args.offload_dir), nbytes=args.probe_mb << 20)
-    rate = optimizer_rate()
+    rate = optimizer_rate(threads=optimizer_threads(available_cores(), device_tier=torch.cuda.is_available()))
     fwd, bwd, act = block_times(config, args.micro_batch, args.seq, torch.bfloat16 if bf16 else torch.float32)
     block_params = 12 * args.n_embd**2 + 13 * args.n_embd
     wsize = 2 if bf16 else 4

@@ -95,13 +95,18 @@ class GreedySnakePrecision(Precision):
       whole, exactly (see :meth:`TieredTensorStore.finish_step`). On a CPU
       Lightning turns ``Trainer(precision="16-mixed")`` into bf16-mixed; pass
       ``plugins=[GreedySnakePrecision("16-mixed")]`` to run fp16 there (to test the path).
+
+    ``device``: the autocast device type. ``None`` (the default): the accelerator's, taken from the
+    strategy's root device at setup (:meth:`on_device`), so a plugin passed as
+    ``plugins=[GreedySnakePrecision("bf16-mixed")]`` autocasts on the GPU it runs on.
     """
 
-    def __init__(self, precision: str = "32-true", device: str = "cpu", scaler: Any = None) -> None:
+    def __init__(self, precision: str = "32-true", device: str | None = None, scaler: Any = None) -> None:
         if precision not in SUPPORTED_PRECISION:
             raise unsupported_precision_error(precision)
         self.precision = precision  # type: ignore[assignment]
-        self.device = device
+        self.device: str | None = device
+        """The autocast device type; None until :meth:`on_device` (the accelerator's)."""
         self.loss_scaler = LossScaler.from_grad_scaler(scaler) if precision == "16-mixed" else None
         """Under ``16-mixed``: the loss scale and its history (saved in checkpoints with this plugin)."""
         self._before_optimizer_step: Callable[[], None] | None = None
@@ -113,10 +118,17 @@ class GreedySnakePrecision(Precision):
         """dtype of the compute weights the tensor manager hands to forward and backward."""
         return COMPUTE_DTYPES[self.precision]
 
+    def on_device(self, device: torch.device) -> None:
+        """The strategy's root device, at setup (before any forward): an autocast device left unset
+        becomes its type. One given explicitly is kept."""
+        if self.device is None:
+            self.device = device.type
+
     @contextlib.contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision in ("bf16-mixed", "16-mixed"):
+            assert self.device is not None, "forward_context before the strategy's setup set the autocast device"
             with torch.autocast(self.device, dtype=self.compute_dtype, cache_enabled=False):
                 yield
         else:

@@ -33,6 +33,9 @@ class StepTelemetry:
     bytes_written: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
     """Tokens (elements of the model's integer inputs) the step's micro-batches fed the model."""
+    host_registrations: int = 0
+    """Page-lock registrations of host memory (``cudaHostRegister``) in this step: the staging pool's
+    segments and the host tiers' regions, in the first steps; none in the steady state."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -54,6 +57,7 @@ class StepTelemetry:
             "optimizer_busy_s": self.optimizer_busy_s,
             "io_wait_s": self.io_wait_s,
             "optimizer_unhidden_s": self.optimizer_unhidden_s,
+            "host_registrations": float(self.host_registrations),
         }
         out.update({f"read_bytes/{k}": float(v) for k, v in self.bytes_read.items()})
         out.update({f"written_bytes/{k}": float(v) for k, v in self.bytes_written.items()})
@@ -70,6 +74,10 @@ class Observed(Protocol):
     def optimizer_wait_seconds(self) -> float:
         """Seconds the training thread spent blocked on the optimizer lane, since construction."""
 
+    @property
+    def host_registrations(self) -> int:
+        """Page-lock registrations of host memory since construction."""
+
 
 class StepRecorder:
     """Turns the manager's running counters into :class:`StepTelemetry` at each optimizer step."""
@@ -81,6 +89,7 @@ class StepRecorder:
         self._t = time.perf_counter()
         self._counters = manager.stats.snapshot()
         self._lane_wait = manager.optimizer_wait_seconds
+        self._registrations = manager.host_registrations
         self._step = 0
         self.tokens = 0
         """Tokens fed to the model since the last step (the strategy adds them as it sees inputs)."""
@@ -125,9 +134,11 @@ class StepRecorder:
             bytes_read=delta("bytes_read"),
             bytes_written=delta("bytes_written"),
             tokens=self.tokens,
+            host_registrations=self.manager.host_registrations - self._registrations,
         )
         self.tokens = 0
         self._t, self._counters, self._lane_wait = now, counters, self.manager.optimizer_wait_seconds
+        self._registrations += entry.host_registrations
         self.history.append(entry)
         del self.history[: -self.keep]
         if self.trace_path is not None and self._trace_start is not None and self._step >= self.trace_steps:

@@ -39,7 +39,7 @@ from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.layout import PARAM_ALIGN_NUMEL, StateLayout, UnitLayout, build_unit_layout
 from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload.activations import ActivationStore
-from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.offload.device import DeviceCopies, named_sync
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.offload.gradients import GradientAccumulator
 from lightning_greedysnake.offload.pool import BufferPool
@@ -103,7 +103,7 @@ class TieredTensorStore:
                  alpha: float = 0.0, lag: int = 0, shard: tuple[int, int] | None = None,
                  copies: DeviceCopies | None = None, loss_scaler: Any = None,
                  data_parallel: DataParallelHooks | None = None,
-                 gradient_observer: Callable[[int, Tensor], None] | None = None) -> None:
+                 gradient_observer: Callable[[int, Tensor], None] | None = None, optimizer_threads: int = 1) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
@@ -115,7 +115,8 @@ class TieredTensorStore:
         clipping defers the steps, each unit is stepped speculatively as its gradient completes, into
         a second slot of its regions, and a window found to hold an inf or NaN is undone
         (:meth:`finish_step`). ``data_parallel``: the ranks' collectives (None: one process).
-        ``gradient_observer``: see :class:`~lightning_greedysnake.optim.stepper.UnitStepper`."""
+        ``gradient_observer``: see :class:`~lightning_greedysnake.optim.stepper.UnitStepper`.
+        ``optimizer_threads``: the optimizer lane's intra-op threads (planned by the strategy)."""
         if config.unset():
             raise ValueError(f"the tensor manager needs every kind placed (OffloadConfig.placed()), not {config}")
         self.config = config
@@ -138,7 +139,7 @@ class TieredTensorStore:
         """Data parallel: the process group for host tensors (gloo beside NCCL; None: the default group)."""
         # built in dependency order, each complete: the lane first (the pool asks it whether buffers are
         # on their way back; the weights wait on it), then the staging, the weights, the stepper
-        lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b))
+        lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b), threads=optimizer_threads)
         self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1,
                                   copies=copies, others_active=lambda: not lane.idle)
         self.gate = UpdateGate(len(units))
@@ -188,6 +189,16 @@ class TieredTensorStore:
     @property
     def alpha(self) -> float:
         return self.stepper.alpha
+
+    @property
+    def host_registrations(self) -> int:
+        """Page-lock registrations of host memory by the device tier since construction (0 without one)."""
+        return self.copies.counts.registrations if self.copies is not None else 0
+
+    @property
+    def optimizer_threads(self) -> int:
+        """The optimizer lane's intra-op threads."""
+        return self.stepper.lane.threads
 
     @property
     def lag(self) -> int:
@@ -465,7 +476,9 @@ class TieredTensorStore:
         total = self.grads.global_norm(order) * (inv_scale if inv_scale is not None else 1.0)
         # the lane scales host gradients: on a device tier this reads the norm back (one wait per step,
         # in this mode only)
-        self.stepper.clip_by_norm(max_norm, total.cpu())
+        with named_sync("clipping norm"):
+            host_total = total.cpu()
+        self.stepper.clip_by_norm(max_norm, host_total)
         return total
 
     def clip_by_value(self, value: float) -> None:

@@ -21,23 +21,20 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import LayerChain, Unit
 from lightning_greedysnake.offload import TensorStore
+from lightning_greedysnake.engine.inputs import input_mismatch, same_inputs
+from lightning_greedysnake.engine.timing import ComputeTimer
+from lightning_greedysnake.offload.device import named_sync
 from lightning_greedysnake.schedule import Op, OpKind, Plan, build_plan
-
-
-class InputMismatchError(RuntimeError):
-    """The training_step fed the model different inputs than when the window was planned."""
 
 
 @dataclass
@@ -87,6 +84,9 @@ class _Window:
     starts from (the store's checkpoints are copies, without the graph)."""
     fused_leaf: dict[int, Tensor | None] = field(default_factory=dict)
     fused_pending: int | None = None
+    input_checks: list[tuple[int, Tensor]] = field(default_factory=list)
+    """Device-side input comparisons not read yet (micro-batch, flag: True where the inputs differ),
+    read once at the window's end (:meth:`WindowEngine.finish_window`)."""
 
     @property
     def next_op(self) -> Op | None:
@@ -191,23 +191,6 @@ def _check_hidden(value: Any, where: str) -> Tensor:
     return value
 
 
-def same_inputs(a: tuple[tuple, dict], b: tuple[tuple, dict]) -> bool:
-    leaves_a, spec_a = tree_flatten(a)
-    leaves_b, spec_b = tree_flatten(b)
-    if spec_a != spec_b:
-        return False
-    for x, y in zip(leaves_a, leaves_b):
-        if isinstance(x, Tensor) or isinstance(y, Tensor):
-            if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
-                return False
-            # compared where they live: both come from the same batch transfer, so no device copy
-            if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device or not torch.equal(x, y):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
 class WindowEngine:
     def __init__(
         self,
@@ -217,16 +200,16 @@ class WindowEngine:
         store: TensorStore,
         device: torch.device,
         forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-        observer: Callable[[str, float, float], None] | None = None,
+        timer: ComputeTimer | None = None,
     ) -> None:
         """``config``: resolved (every setting in effect: :meth:`GreedySnakeConfig.resolved`).
         ``forward_context``: entered around every forward the engine runs itself (the precision plugin's
-        autocast), as Lightning enters it around ``training_step``. ``observer``: told ``(op name, start,
-        end)`` of every forward and backward op the engine runs (telemetry)."""
+        autocast), as Lightning enters it around ``training_step``. ``timer``: times every forward and
+        backward op the engine runs, where the compute runs (the plan's compute times, telemetry)."""
         if not config.is_resolved:
             raise ValueError(f"the engine needs resolved settings (GreedySnakeConfig.resolved()), not {config}")
         self.forward_context = forward_context
-        self.observer = observer
+        self.timer = timer
         self.chain = chain
         self.units = units
         self.config = config
@@ -274,6 +257,16 @@ class WindowEngine:
         assert w.cursor == len(w.plan.ops), (
             f"window finished after {w.cursor} of {len(w.plan.ops)} ops; next is {w.next_op}"
         )
+        if w.input_checks:
+            # sync: the window's one host read of its device-side input comparisons (there only when
+            # training_step handed the model other tensors than the look-ahead captured: a read-ahead
+            # micro-batch's own transfer, on a GPU)
+            with named_sync("window inputs equal"):
+                differ = torch.stack([flag for _, flag in w.input_checks]).cpu().tolist()
+            bad = sorted({m for (m, _), d in zip(w.input_checks, differ) if d})
+            if bad:
+                self._end(completed=True)  # (its units were stepped: the store ends it as it is)
+                raise input_mismatch(bad)
         self._end(completed=True)
 
     def _end(self, completed: bool) -> None:
@@ -332,13 +325,10 @@ class WindowEngine:
                 "unit by unit and needs exactly one call per training_step."
             )
         mb = self._inputs(microbatch)
-        if not same_inputs((args, kwargs), (mb.args, mb.kwargs)):
-            raise InputMismatchError(
-                f"training_step called the model with different inputs for micro-batch {microbatch} than when "
-                "greedysnake planned the window (it runs training_step once ahead of time, up to the model "
-                "call, to collect every micro-batch's inputs). Fix: make everything before the model call in "
-                "training_step deterministic (e.g. no random augmentation there; do it in the dataloader)."
-            )
+        deferred: list[Tensor] = []
+        if not same_inputs((args, kwargs), (mb.args, mb.kwargs), deferred):
+            raise input_mismatch([microbatch])
+        w.input_checks.extend((microbatch, flag) for flag in deferred)
         unit = self.units[op.unit]
         self._ensure_unit(op.unit)
         self._hint_next_step()  # (the fused unit's own step: its reads overlap the fused ops)
@@ -404,12 +394,12 @@ class WindowEngine:
     def _run(self, op: Op) -> None:
         self._hint_next_activation()
         self._hint_next_unit()
-        if self.observer is not None and op.kind is not OpKind.OPTIMIZER:
+        if self.timer is not None and op.kind is not OpKind.OPTIMIZER:
             if op.kind is OpKind.FORWARD or self._inputs(op.microbatch).act_grad is not None:
                 self._ensure_unit(op.unit)  # waiting for the weights is I/O, not this op's compute
-            t0 = time.perf_counter()
+            mark = self.timer.start()
             self._run_op(op)
-            self.observer(str(op), t0, time.perf_counter())
+            self.timer.stop(mark, str(op))
         else:
             self._run_op(op)
 

@@ -10,25 +10,36 @@ Two implementations behind the :class:`DeviceCopies` Protocol:
 - :class:`CudaCopies`: one H2D and one D2H ``torch.cuda.Stream``; every copy is ordered after the
   compute stream's work enqueued so far (its source or its destination's memory may come from there)
   and recorded as a ``torch.cuda.Event``; a completion thread per stream turns the events into futures,
-  in stream order. The steady state never calls ``torch.cuda.synchronize``.
+  in stream order, waiting on the oldest event in flight with a *blocking* synchronize (the events are
+  ``blocking=True``: the thread sleeps in the driver instead of spinning a core per copy in flight).
+  The steady state never calls ``torch.cuda.synchronize``.
 - :class:`SimulatedCopies` (``GREEDYSNAKE_SIMULATE_DEVICE=1``, CPU): "device" memory is separate CPU
   memory, NaN-filled when allocated; every copy runs on a copy thread per direction after a random
   delay of a few milliseconds; a copy's destination is NaN until it lands. A missing wait then gives a
-  wrong result instead of passing by luck.
+  wrong result instead of passing by luck. Where real CUDA is stricter, so is the simulator: a copy's
+  host side must be memory the device tier registered (:meth:`~DeviceCopies.pin`, or
+  :meth:`~DeviceCopies.empty_host`), else the copy is refused (:class:`UnregisteredHostMemoryError`);
+  and work on another stream (a data-parallel collective, :meth:`SimulatedCopies.land_late`) lands
+  late too, so a copy of its result that does not wait for it (``to_host(after=...)``) copies NaN.
 
 Threads: the training thread issues copies and waits; the optimizer lane waits on D2H futures (through
-the handles that track them); the completion/copy threads only complete futures.
+the handles that track them); the completion/copy threads only complete futures (the simulated ones
+also write the destinations, which they own until the future is done; the simulated side thread of
+:meth:`SimulatedCopies.land_late` owns its result tensor until its future, the ``after`` a later copy
+waits for, is done).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import queue
 import random
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -42,6 +53,32 @@ def simulate_device_enabled() -> bool:
     return os.environ.get(SIMULATE_ENV, "") not in ("", "0")
 
 
+NAMED_SYNCS: collections.Counter[str] = collections.Counter()
+"""How often each :func:`named_sync` ran, since the process started (training thread; read by tests)."""
+
+
+@contextlib.contextmanager
+def named_sync(name: str) -> Iterator[None]:
+    """A host read of device values that the steady state makes on purpose, at most once per window
+    (a window's loss check, its input check, the clipping norm, fp16's finite check). Counted in
+    :data:`NAMED_SYNCS`; under ``torch.cuda.set_sync_debug_mode("error")`` (``tests/gpu``: every other
+    sync in the steady state is an error) it is let through. Training thread only."""
+    NAMED_SYNCS[name] += 1
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if mode:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
+class UnregisteredHostMemoryError(RuntimeError):
+    """The simulated device: an asynchronous copy's host side is not memory the device tier registered
+    (page-locked on CUDA), where a real copy would be synchronous (pageable memory) or wrong."""
+
+
 class Copy(Future):  # type: ignore[type-arg]
     """One host <-> device copy: done once its bytes landed. ``event``: the CUDA event recorded after it
     on its copy stream (None on the simulated device, whose compute is the host)."""
@@ -50,14 +87,27 @@ class Copy(Future):  # type: ignore[type-arg]
 
 
 class CopyCounts:
-    """Copies and bytes each way since construction. Written by every thread that issues copies (the
-    training thread; the optimizer lane, a step's new resident weights) under ``_lock``; read by anyone."""
+    """Copies and bytes each way, and page-lock registrations of host memory, since construction. Written
+    by every thread that issues copies (the training thread; the optimizer lane, a step's new resident
+    weights) or registers memory under ``_lock``; read by anyone."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._to_device = 0
         self._to_host = 0
         self._copies = 0
+        self._registrations = 0
+
+    def add_registration(self) -> None:
+        with self._lock:
+            self._registrations += 1
+
+    @property
+    def registrations(self) -> int:
+        """Host memory registrations (``cudaHostRegister``; :meth:`DeviceCopies.pin`): slow, and they
+        serialize with the driver; none in the steady state."""
+        with self._lock:
+            return self._registrations
 
     def add(self, *, to_device: int = 0, to_host: int = 0) -> None:
         with self._lock:
@@ -104,7 +154,13 @@ class DeviceCopies(Protocol):
         (``Copy.result()``)."""
 
     def wait(self, copy: Copy) -> None:
-        """The compute stream's later work waits for ``copy`` (the host does not, on CUDA)."""
+        """The compute stream's later work waits for ``copy``. On CUDA the host does not wait: the
+        compute stream waits for the copy's event, so work the host enqueues after this call runs after
+        the copy, and the host may already touch neither ``copy``'s host memory (its handle tracks that)
+        nor read the destination's values itself (a host read needs ``copy.result()``). On the simulated
+        device the compute stream is the host thread: this blocks until the copy landed (so code that
+        relies on the host having waited passes there and not on CUDA: a host read of device memory
+        must go through a copy and its future, never through ``wait``)."""
 
     def pin(self, ptr: int, nbytes: int) -> None:
         """Page-lock host memory for asynchronous copies (a no-op where not needed)."""
@@ -181,7 +237,8 @@ class CudaCopies:
             stream.wait_stream(after)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            # blocking: the completion thread's synchronize sleeps in the driver (a default event's spins)
+            event = torch.cuda.Event(blocking=True)
             event.record(stream)
         # ownership: the device-side tensor is the compute stream's; freeing it while the copy is still
         # on the side stream must not hand its memory out before the copy is done
@@ -212,6 +269,7 @@ class CudaCopies:
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
         self._pinned.add(ptr)
+        self.counts.add_registration()
 
     def unpin(self, ptr: int) -> None:
         if ptr in self._pinned:
@@ -236,9 +294,14 @@ class SimulatedCopies:
         self._lock = threading.Lock()
         self._h2d = _Completer("greedysnake-sim-h2d")
         self._d2h = _Completer("greedysnake-sim-d2h")
+        self._side = _Completer("greedysnake-sim-side")
+        """Work on another stream (:meth:`land_late`): a collective's result."""
         self.counts = CopyCounts()
         self._device_memory: weakref.WeakSet[Tensor] = weakref.WeakSet()
         """Every tensor :meth:`empty` handed out that is still alive."""
+        self._registered: dict[int, int] = {}
+        """Host memory a copy may use: start address -> end, from :meth:`pin` (until :meth:`unpin`) and
+        :meth:`empty_host` (until the tensor is freed). Written by any thread under ``_lock``."""
         self._closed = False
 
     def _delay(self) -> float:
@@ -251,13 +314,37 @@ class SimulatedCopies:
         return t
 
     def empty_host(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return _poisoned(numel, dtype)
+        t = _poisoned(numel, dtype)
+        if t.numel():
+            ptr = t.data_ptr()
+            with self._lock:
+                self._registered[ptr] = ptr + t.numel() * t.element_size()
+            weakref.finalize(t, self._forget, ptr)  # (page-locked for its lifetime, as torch's pinned tensors)
+        return t
+
+    def _forget(self, ptr: int) -> None:
+        with self._lock:
+            self._registered.pop(ptr, None)
 
     def memory_allocated(self) -> int:
         """Bytes of simulated device memory still referenced (``torch.cuda.memory_allocated``'s analogue)."""
         return sum(t.numel() * t.element_size() for t in list(self._device_memory))
 
-    def _copy(self, lane: _Completer, src: Tensor, dst: Tensor) -> Copy:
+    def _check_registered(self, host: Tensor, direction: str) -> None:
+        if not host.numel():
+            return
+        lo = host.data_ptr()
+        hi = lo + host.numel() * host.element_size()  # (a contiguous view: every copy here is one)
+        with self._lock:
+            if any(start <= lo and hi <= end for start, end in self._registered.items()):
+                return
+        raise UnregisteredHostMemoryError(
+            f"an asynchronous copy {direction} uses {hi - lo} bytes of host memory that the device tier did "
+            "not register (page-lock): on CUDA such a copy is synchronous or reads memory that may move. "
+            "Copy from or into a staging buffer of the pool, a pinned host region or DeviceCopies.empty_host "
+            "memory; this is a bug in greedysnake, please report it.")
+
+    def _copy(self, lane: _Completer, src: Tensor, dst: Tensor, after: Future | None = None) -> Copy:  # type: ignore[type-arg]
         assert src.numel() == dst.numel(), (src.shape, dst.shape)
         delay = self._delay()
         if dst.is_floating_point():
@@ -266,32 +353,57 @@ class SimulatedCopies:
             dst.fill_(0xFF)  # raw bytes (a device-resident region's): all-ones is NaN in every float dtype
 
         def job() -> None:
+            if after is not None:
+                after.result()  # (the stream that produced the source: a collective, on its own lane)
             time.sleep(delay)
             dst.copy_(src)  # the source as it is now: a change before this point is a missing wait
 
         return lane.submit(job, Copy())
 
     def to_device(self, src: Tensor, dst: Tensor) -> Copy:
+        self._check_registered(src, "to the device")
         self.counts.add(to_device=dst.numel() * dst.element_size())
         return self._copy(self._h2d, src, dst)
 
     def to_host(self, src: Tensor, dst: Tensor, after: Any = None) -> Copy:
+        """As the Protocol's; ``after``: a future of :meth:`land_late` (the simulated other stream), which
+        the copy waits for before it reads ``src``."""
+        self._check_registered(dst, "to the host")
+        assert after is None or isinstance(after, Future), f"after={after!r}: the simulated device's streams are futures"
         self.counts.add(to_host=dst.numel() * dst.element_size())
-        return self._copy(self._d2h, src, dst)  # (the simulated device's collectives are synchronous)
+        return self._copy(self._d2h, src, dst, after)
+
+    def land_late(self, dst: Tensor, result: Tensor) -> Copy:
+        """Work on another stream, simulated: ``dst`` (device memory) holds ``result`` only once the
+        returned future is done, late by more than any copy's delay; NaN until then. A copy of ``dst``
+        that does not wait for it (``to_host(after=...)``) copies NaN."""
+        value = result.clone()
+        dst.fill_(float("nan"))
+        delay = self.max_delay_s + self._delay()
+
+        def job() -> None:
+            time.sleep(delay)
+            dst.copy_(value)
+
+        return self._side.submit(job, Copy())
 
     def wait(self, copy: Copy) -> None:
-        copy.result()  # the simulated compute stream is the host thread
+        copy.result()  # the simulated compute stream is the host thread (see the Protocol)
 
     def pin(self, ptr: int, nbytes: int) -> None:
-        pass
+        with self._lock:
+            self._registered[ptr] = ptr + nbytes
+        self.counts.add_registration()
 
     def unpin(self, ptr: int) -> None:
-        pass
+        with self._lock:
+            self._registered.pop(ptr, None)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._side.close()
         self._h2d.close()
         self._d2h.close()
 

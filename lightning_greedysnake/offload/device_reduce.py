@@ -10,7 +10,9 @@ Ordering: called by the training thread at the unit's gradient-ready op, which e
 same unit order, on the default process group (which only the training thread uses). On CUDA the
 collective runs on a communication stream that first waits for the compute stream (the gradient's last
 add), so the rest of backward overlaps it; the D2H copy of the result waits for that stream, and every
-tensor used there is recorded on it. (On the simulated device the gloo collective is synchronous.)
+tensor used there is recorded on it. (On the simulated device the gloo collective is synchronous, and its
+result is then made to land late, :meth:`SimulatedCopies.land_late`, so a copy that does not wait for
+it copies NaN.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.offload.device import DeviceCopies, SimulatedCopies
 
 
 def _reduce_scatter(out: Tensor, inp: Tensor, group: Any) -> None:
@@ -42,6 +44,8 @@ class DeviceGradientReducer:
         self.group = group
         self.stream: Any = torch.cuda.Stream(copies.device) if copies.device.type == "cuda" else None
         """CUDA: the communication stream (None on the simulated device)."""
+        self._landing: Any = None
+        """The simulated device: the last :meth:`reduce`'s result landing late (training thread)."""
         self.collective_bytes = 0
         """Payload bytes this rank put into the gradient collectives so far (training thread)."""
 
@@ -64,6 +68,7 @@ class DeviceGradientReducer:
             with self._on_stream(flat):
                 dist.all_reduce(flat, group=self.group)
                 flat.div_(self.world)
+            self._land_late(flat)
             self.collective_bytes += flat.numel() * flat.element_size()
             return flat, 0
         chunk = max(b - a for a, b in bounds)
@@ -75,6 +80,7 @@ class DeviceGradientReducer:
                 padded[r * chunk : r * chunk + (b - a)].copy_(flat[a:b])
             _reduce_scatter(mine, padded, self.group)
             mine.div_(self.world)
+        self._land_late(mine)
         self.collective_bytes += padded.numel() * padded.element_size()
         lo, hi = bounds[self.rank]
         return mine[: hi - lo], lo
@@ -88,6 +94,12 @@ class DeviceGradientReducer:
             torch.cuda.current_stream(self.copies.device).wait_stream(self.stream)
         self.collective_bytes += flat.numel() * flat.element_size()
 
+    def _land_late(self, result: Tensor) -> None:
+        """The simulated device: ``result`` lands late, as it would on the communication stream."""
+        if self.stream is None and isinstance(self.copies, SimulatedCopies):
+            self._landing = self.copies.land_late(result, result)
+
     def after(self) -> Any:
-        """What a copy of the result must wait for (the communication stream; None when synchronous)."""
-        return self.stream
+        """What a copy of :meth:`reduce`'s result must wait for: the communication stream on CUDA, the
+        late landing on the simulated device (None when synchronous)."""
+        return self.stream if self.stream is not None else self._landing

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import StateLayout
-from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.offload.device import DeviceCopies, named_sync
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.offload.residency import slot_view
 from lightning_greedysnake.offload.staging import Staged, StagingArena
@@ -234,13 +234,19 @@ class GradientAccumulator:
     def take_finiteness(self) -> bool:
         """Whether every gradient noted since the last call was finite (one read of all the flags)."""
         flags, self._finite = self._finite, []
-        return not flags or bool(torch.stack(flags).all())
+        if not flags:
+            return True
+        with named_sync("window gradients finite"):
+            return bool(torch.stack(flags).all())
 
     def norms_finite(self) -> bool:
         """Whether every recorded norm is finite (an inf or NaN anywhere in a gradient makes its norm so):
         one host read of all of them."""
         norms = [n for per_unit in self._norms.values() for n in per_unit if n is not None]
-        return not norms or bool(torch.isfinite(torch.stack(norms)).all())
+        if not norms:
+            return True
+        with named_sync("window gradient norms finite"):
+            return bool(torch.isfinite(torch.stack(norms)).all())
 
     def clear_norms(self) -> None:
         self._norms.clear()

@@ -7,6 +7,13 @@ one that fits later waits for a release (write-behind completions release from I
 Nobody calls :meth:`BufferPool.release` directly but a :class:`~lightning_greedysnake.offload.staging.Staged`
 handle, which does so only after every transfer on its buffer completed.
 
+With a device tier (a ``pinner``) the memory is page-locked for asynchronous copies, and registering it
+(``cudaHostRegister``) is slow and serializes with the driver: the pool then registers its memory once,
+as segments of a :class:`PinnedArena` (the first as large as the budget), carves every buffer out of them
+and gives it back into them; it never evicts nor unregisters until it is closed. A segment is added only
+when no free range fits a request the budget allows (a larger budget, or fragmented free ranges): in
+the first steps, never in the steady state (``registrations`` counts them).
+
 Debug mode (``GREEDYSNAKE_DEBUG_POOL=1``, or ``debug=True``): every buffer the pool hands out fresh and
 every buffer given back is filled with a poison pattern (all bits set: NaN in every float dtype), and an
 acquisition of a cached buffer first checks that the pattern is intact. So a read of a buffer after it
@@ -16,12 +23,15 @@ buffer (an I/O still filling it) is an error naming the buffer's last owner.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
 from lightning_greedysnake.io import AlignedBuffer, align_up
+from lightning_greedysnake.io.aligned import ALIGN_BYTES
 
 DEBUG_POOL_ENV = "GREEDYSNAKE_DEBUG_POOL"
 POISON_BYTE = 0xFF
@@ -32,6 +42,11 @@ def debug_pool_enabled() -> bool:
     return os.environ.get(DEBUG_POOL_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+FRAGMENTED_WAIT_S = 1.0
+"""With a :class:`PinnedArena`: how long a request whose bytes fit the budget but no free range waits for
+releases (transfers or the optimizer lane in flight) before the arena registers another segment."""
+
+
 class BufferBudgetError(ValueError):
     """A single request is larger than the whole budget, or the budget stayed full too long."""
 
@@ -40,13 +55,105 @@ class PoolCorruptionError(AssertionError):
     """Debug pool: a buffer was written while it was free (a transfer or a thread still used it)."""
 
 
+class CarvedBuffer(AlignedBuffer):
+    """``nbytes`` of a :class:`PinnedArena` segment at ``offset``: the arena owns (and registered) the
+    memory, so :meth:`close` gives nothing back (the pool's release does)."""
+
+    def __init__(self, segment: AlignedBuffer, segment_index: int, offset: int, nbytes: int) -> None:
+        assert segment.tensor is not None and offset % ALIGN_BYTES == 0 and nbytes % ALIGN_BYTES == 0
+        self.nbytes = nbytes
+        self.segment_index, self.offset = segment_index, offset
+        self._segment = segment
+        self._mmap = None
+        self._unpin = None
+        self.tensor = segment.tensor[offset : offset + nbytes]
+
+    def memoryview(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        end = self.nbytes if nbytes is None else offset + nbytes
+        assert 0 <= offset <= end <= self.nbytes, (offset, end, self.nbytes)
+        return self._segment.memoryview(self.offset + offset, end - offset)
+
+    @property
+    def closed(self) -> bool:
+        return self._segment.closed
+
+    def pin(self, pin: Callable[[int, int], None], unpin: Callable[[int], None]) -> None:
+        raise AssertionError("a carved buffer is pinned with its segment")
+
+    def close(self) -> None:
+        pass  # (the arena's memory: given back by the pool's release, freed with the arena)
+
+
+class PinnedArena:
+    """Page-locked segments, each registered once, with the free ranges of each (first fit, coalesced).
+    Owned by a :class:`BufferPool`; every method is called with the pool's lock held."""
+
+    def __init__(self, pinner: tuple[Callable[[int, int], None], Callable[[int], None]], debug: bool) -> None:
+        self._pinner = pinner
+        self._debug = debug
+        self.segments: list[AlignedBuffer] = []
+        self._holes: list[list[tuple[int, int]]] = []
+        """Per segment: its free ranges ``(offset, nbytes)``, sorted by offset, none adjacent."""
+        self.registrations = 0
+        """Segments registered since construction."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def take(self, nbytes: int) -> CarvedBuffer | None:
+        """``nbytes`` (aligned) from the smallest free range they fit (best fit: an exact fit reuses a
+        buffer's own range, and a large range stays whole for a large request); None where none fits."""
+        best: tuple[int, int, int] | None = None  # (size, segment, index of the range)
+        for index, holes in enumerate(self._holes):
+            for i, (_, size) in enumerate(holes):
+                if size >= nbytes and (best is None or size < best[0]):
+                    best = (size, index, i)
+        if best is None:
+            return None
+        size, index, i = best
+        holes = self._holes[index]
+        offset = holes[i][0]
+        holes[i : i + 1] = [(offset + nbytes, size - nbytes)] if size > nbytes else []
+        return CarvedBuffer(self.segments[index], index, offset, nbytes)
+
+    def grow(self, nbytes: int, segment_bytes: int) -> CarvedBuffer:
+        """``nbytes`` at the start of a new registered segment of at least ``segment_bytes``."""
+        segment = AlignedBuffer(align_up(max(nbytes, segment_bytes)))
+        segment.pin(*self._pinner)
+        self.registrations += 1
+        if self._debug:
+            BufferPool._poison(segment)
+        self.segments.append(segment)
+        self._holes.append([(nbytes, segment.nbytes - nbytes)] if segment.nbytes > nbytes else [])
+        return CarvedBuffer(segment, len(self.segments) - 1, 0, nbytes)
+
+    def give_back(self, buf: CarvedBuffer) -> None:
+        holes = self._holes[buf.segment_index]
+        start, end = buf.offset, buf.offset + buf.nbytes
+        i = bisect.bisect_left(holes, (start, 0))
+        assert (i == len(holes) or end <= holes[i][0]) and (i == 0 or sum(holes[i - 1]) <= start), "given back twice"
+        if i < len(holes) and holes[i][0] == end:  # merge with the range after it
+            end += holes.pop(i)[1]
+        if i > 0 and sum(holes[i - 1]) == start:  # and with the one before
+            i -= 1
+            start = holes.pop(i)[0]
+        holes.insert(i, (start, end - start))
+
+    def close(self) -> None:
+        for segment in self.segments:
+            segment.close()  # (unpinned first)
+        self.segments.clear()
+        self._holes.clear()
+
+
 class BufferPool:
     def __init__(self, budget_bytes: int, wait_timeout_s: float = 120.0, debug: bool | None = None,
                  pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None,
                  others_active: Callable[[], bool] | None = None) -> None:
         self.debug = debug_pool_enabled() if debug is None else debug
         """Poison released buffers and check them on reuse (see the module's docstring)."""
-        self._last_owner: dict[int, str] = {}
+        self._last_owner: dict[object, str] = {}
         """Debug mode: who held each free buffer last (its ``what``), for the corruption message."""
         self._owner: dict[int, str] = {}
         self._budget_bytes = budget_bytes
@@ -63,7 +170,9 @@ class BufferPool:
         self._returning = 0
         """Buffers whose owners released them but that wait for I/O to finish before coming back."""
         self.pinner = pinner
-        """``(pin, unpin)`` of the device tier: every new buffer is page-locked for asynchronous copies."""
+        """``(pin, unpin)`` of the device tier: the pool's memory is page-locked for asynchronous copies."""
+        self._arena = PinnedArena(pinner, self.debug) if pinner is not None else None
+        """With a pinner: the registered segments every buffer is carved from (see the module's docstring)."""
         self.others_active = others_active
         """Whether another thread (the optimizer lane) holds buffers it will give back: then waiting for
         memory makes sense even when no I/O is in flight."""
@@ -86,19 +195,44 @@ class BufferPool:
                 f"{what} needs {nbytes} bytes but offload.buffer_budget_bytes={self.budget_bytes}. Fix: raise "
                 "offload.buffer_budget_bytes (or leave it None for automatic), or lower layers_per_unit."
             )
+        fragmented_s = 0.0
         with self._cond:
             assert not self._closed, "buffer pool is closed"
             while True:
                 if not block and self.in_use_bytes + nbytes > self._budget_bytes:
                     return None
-                cached = self._free.get(nbytes)
+                if self._arena is not None:
+                    if self.in_use_bytes + nbytes <= self._budget_bytes:
+                        arena = self._arena
+                        buf = arena.take(nbytes)
+                        if buf is None and arena.capacity_bytes < self._budget_bytes:
+                            buf = arena.grow(nbytes, self._budget_bytes - arena.capacity_bytes)  # (first use, a larger budget)
+                        if buf is None and not block:
+                            return None  # (fragmented: as if full)
+                        in_flight = self._returning > 0 or (self.others_active is not None and self.others_active())
+                        if buf is None and (not in_flight or fragmented_s >= FRAGMENTED_WAIT_S):
+                            # nothing coming back makes room, or not soon: one more registered segment
+                            buf = arena.grow(nbytes, self._budget_bytes // 4)
+                        if buf is not None:
+                            if self.debug:
+                                self._check_poison(buf, what)
+                            break
+                        # the bytes fit but no free range does: wait for a release to make one (as a full
+                        # budget waits), rather than register memory in the steady state
+                        t0 = time.monotonic()
+                        self._cond.wait(FRAGMENTED_WAIT_S)
+                        fragmented_s += time.monotonic() - t0
+                        continue
+                    cached = None
+                else:
+                    cached = self._free.get(nbytes)
                 if cached:
                     buf = cached.pop()
                     self._free_bytes -= nbytes
                     if self.debug:
                         self._check_poison(buf, what)
                     break
-                if self.in_use_bytes + nbytes <= self.budget_bytes:
+                if self._arena is None and self.in_use_bytes + nbytes <= self.budget_bytes:
                     self._evict(self.in_use_bytes + self._free_bytes + nbytes - self.budget_bytes)
                     buf = AlignedBuffer(nbytes)
                     if self.pinner is not None:
@@ -125,7 +259,8 @@ class BufferPool:
             if self.debug:
                 self._owner[id(buf)] = what
             self.in_use_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes + self._free_bytes)
+            held = self._arena.capacity_bytes if self._arena is not None else self.in_use_bytes + self._free_bytes
+            self.peak_bytes = max(self.peak_bytes, held)
             return buf
 
     def wait_returned(self) -> None:
@@ -147,7 +282,15 @@ class BufferPool:
             owned = self._in_use.pop(id(buf), None)
             assert owned is buf, "released a buffer this pool did not hand out"
             self.in_use_bytes -= buf.nbytes
-            if self._closed:
+            if self._arena is not None:
+                assert isinstance(buf, CarvedBuffer)
+                if self.debug and not self._closed:
+                    self._poison(buf)
+                    self._last_owner[(buf.segment_index, buf.offset)] = self._owner.pop(id(buf), "?")
+                self._arena.give_back(buf)
+                if self._closed and not self._in_use:
+                    self._arena.close()
+            elif self._closed:
                 buf.close()
             else:
                 if self.debug:
@@ -170,9 +313,20 @@ class BufferPool:
             raise PoolCorruptionError(
                 f"debug pool: a free buffer of {buf.nbytes} bytes was written while nobody owned it ({count} "
                 f"bytes changed, the first at offset {first}); its last owner was "
-                f"{self._last_owner.get(id(buf), '?')!r}, now acquired for {what!r}. A transfer or a thread "
+                f"{self._last_owner_of(buf)!r}, now acquired for {what!r}. A transfer or a thread "
                 "still used it after it was given back."
             )
+
+    def _last_owner_of(self, buf: AlignedBuffer) -> str:
+        if isinstance(buf, CarvedBuffer):  # (the last owner of the range that started where it starts)
+            return self._last_owner.get((buf.segment_index, buf.offset), "?")
+        return self._last_owner.get(id(buf), "?")
+
+    @property
+    def registrations(self) -> int:
+        """Page-lock registrations of the pool's memory since construction (the arena's segments)."""
+        with self._cond:
+            return self._arena.registrations if self._arena is not None else 0
 
     def _evict(self, excess: int) -> None:
         """Close cached buffers until ``excess`` bytes are gone (called with the lock held)."""
@@ -189,6 +343,8 @@ class BufferPool:
         """Frees cached buffers; buffers still in use are freed as they come back."""
         with self._cond:
             self._closed = True
+            if self._arena is not None and not self._in_use:
+                self._arena.close()
             for bufs in self._free.values():
                 for buf in bufs:
                     buf.close()

@@ -28,8 +28,13 @@ class OptimizerLaneError(RuntimeError):
 
 
 class StepLane:
-    def __init__(self, lag: int, on_busy: Callable[[float, float], None] | None = None) -> None:
+    def __init__(self, lag: int, on_busy: Callable[[float, float], None] | None = None, threads: int = 1) -> None:
+        """``threads``: the intra-op threads of the lane's kernels (planned,
+        :func:`lightning_greedysnake.planner.threads.optimizer_threads`); a synchronous lane's jobs run on
+        the training thread, with its own."""
+        assert threads >= 1, threads
         self.lag = lag
+        self.threads = threads
         self._on_busy = on_busy
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Job, bool]] = deque()
@@ -128,10 +133,11 @@ class StepLane:
                 self._on_busy(t0, time.perf_counter())
 
     def _loop(self) -> None:
-        # One intra-op thread for the optimizer's kernels: on a CPU the training thread's kernels use
-        # every core, and two full OpenMP teams spinning against each other slow both down badly. (The
-        # setting is per thread: the training thread keeps its own.)
-        torch.set_num_threads(1)
+        # the planned intra-op threads for the optimizer's kernels: one on a CPU run (the training
+        # thread's kernels use every core, and two full OpenMP teams spinning against each other slow
+        # both down badly), the cores the training and I/O threads leave with a GPU. (The setting is per
+        # thread: the training thread keeps its own.)
+        torch.set_num_threads(self.threads)
         while True:
             with self._cond:
                 while not self._jobs and not self._stop:

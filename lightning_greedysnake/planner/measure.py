@@ -134,11 +134,46 @@ def interpolate(measured: dict[int, tuple[float, float]]) -> Callable[[int], tup
     return bandwidth
 
 
-def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None) -> float:
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None, threads: int | None = None) -> float:
     """Elements per second of one step of ``optimizer``'s class (with its first param group's settings)
-    on the host, as the optimizer lane runs it; default: fused AdamW. torchao's 8-bit AdamW, say, steps
-    some 20x fewer elements per second on a CPU than fused AdamW (``benchmarks/optimizer_rate.py``):
-    the plan must see the user's own."""
+    on the host, as the optimizer lane runs it: on a thread of its own with ``threads`` intra-op threads
+    (the lane's planned count, :func:`lightning_greedysnake.planner.threads.optimizer_threads`; None:
+    on the calling thread, with its threads). Default optimizer: fused AdamW. torchao's 8-bit AdamW,
+    say, steps some 20x fewer elements per second on a CPU than fused AdamW
+    (``benchmarks/optimizer_rate.py``): the plan must see the user's own."""
+    if threads is None:
+        return _optimizer_rate(numel, repeats, optimizer)
+    import threading
+
+    import torch
+
+    result: list[float] = []
+    errors: list[BaseException] = []
+
+    def measure() -> None:
+        try:
+            torch.set_num_threads(threads)  # (per thread, as the lane's: the caller keeps its own)
+            result.append(_optimizer_rate(numel, repeats, optimizer))
+        except BaseException as e:  # noqa: BLE001 - raised on the calling thread
+            errors.append(e)
+
+    worker = threading.Thread(target=measure, name="greedysnake-optimizer-rate")
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+def _optimizer_rate(numel: int, repeats: int, optimizer: Any) -> float:
     import torch
 
     p = torch.zeros(numel, requires_grad=True)

@@ -32,10 +32,11 @@ def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Ma
     """The offload disks' O_DIRECT bandwidth (each path; units are striped round robin over them, so the
     slowest binds, once per path) and the element rate of the user's optimizer on the host. The probes
     are small (at most 16 MiB of file and buffer, 1M optimizer elements: 16 MiB) so that they fit the
-    host budget too, and the disk's free space (:func:`probe_bytes`). Raises ``OSError`` where a disk
+    host budget too, and the disk's free space (:func:`probe_bytes`); the optimizer at the lane's threads. Raises ``OSError`` where a disk
     cannot be measured."""
     params = sum(lay.trainable_numel for lay in manager.layouts)
-    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=manager.optimizer)
+    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=manager.optimizer,
+                          threads=manager.optimizer_threads)  # (at the threads the lane really gets)
     if not manager.config.uses_ssd:
         return Machine(math.inf, math.inf, rate), "no SSD tier"
     dirs = manager.offload_dirs or [default_root]

@@ -23,7 +23,6 @@ progress (``progress``), and the Lightning internals it needs (``lightning_api``
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -218,6 +217,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self._unusable.remove()
             self._unusable = None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self.precision_plugin.on_device(self.root_device)  # (autocast on the accelerator's device type)
         ctx = SetupContext(
             self.settings, self.root_device, simulate_device_enabled(), self.global_rank, self.local_rank,
             self.world_size, self.num_processes, trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
@@ -308,9 +308,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
         def fused(*a: Any, **kw: Any) -> Any:
             if telemetry is not None:
                 telemetry.tokens += tokens_in(a, kw)
-            t0 = time.perf_counter()
+            mark = self._timer_start()
             out = engine.fused_forward(microbatch, a, kw)
-            self._observe(f"L{engine.units[-1].index}.{microbatch} forward", t0)
+            self._observe(f"L{engine.units[-1].index}.{microbatch} forward", mark)
             return out
 
         with forward_replaced(inputs.layered, fused):
@@ -332,9 +332,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        t0 = time.perf_counter()
+        mark = self._timer_start()
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self._observe(f"L{engine.units[-1].index}.{microbatch} backward", t0)
+        self._observe(f"L{engine.units[-1].index}.{microbatch} backward", mark)
         self._open_run().guard.after_backward(engine, module, closure_loss, microbatch)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -346,20 +346,27 @@ class GreedySnakeStrategy(DataParallelStrategy):
         if self.is_distributed and self.tensor_manager is None:
             self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
 
-    def _observe(self, name: str, start: float) -> None:
-        manager = self.tensor_manager
-        if manager is not None:
-            manager.stats.lanes.add("compute", start, time.perf_counter(), name)
+    def _timer_start(self) -> Any:
+        timer = self._open_run().timer
+        return timer.start() if timer is not None else None
+
+    def _observe(self, name: str, mark: Any) -> None:
+        timer = self._open_run().timer
+        if timer is not None:
+            timer.stop(mark, name)
 
     def _after_step(self) -> None:
         """The step's telemetry to the loggers; the auto plan after the warm step (tensor manager only)."""
         run = self._open_run()
         manager, warm_plan = run.tensor_manager, run.warm_plan
         assert manager is not None and run.telemetry is not None and warm_plan is not None
+        plan_due = warm_plan.step_ended()
+        if run.timer is not None:  # once per window: the compute spans the device finished (all, for the plan)
+            run.timer.collect(wait=plan_due)
         entry = run.telemetry.record()
         trainer = self.lightning_module.trainer
         run.guard.check_gradients(manager.stepper.take_nonfinite(), trainer.global_step)
-        if warm_plan.step_ended():  # between windows: the engine reads its settings op by op
+        if plan_due:  # between windows: the engine reads its settings op by op
             run.replan(warm_plan.run(manager, run.engine.activation_bytes, run.config, trainer.accumulate_grad_batches,
                                      Path(trainer.default_root_dir), self.broadcast, rank_zero_info))
         progress.log_step(trainer, entry)

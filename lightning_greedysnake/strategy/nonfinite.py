@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.loss_scale import LossScaler
 from lightning_greedysnake.steps import step_running
+from lightning_greedysnake.offload.device import named_sync
 
 
 class NonFiniteError(FloatingPointError):
@@ -47,8 +48,11 @@ class NonFiniteGuard:
         """The window's losses so far, checked with one host sync (every loss is kept until then as a
         0-dim tensor: no sync per micro-batch)."""
         losses, self._losses = self._losses, []
-        if not losses or bool(torch.isfinite(torch.stack([loss for _, loss in losses])).all()):
+        if not losses:
             return
+        with named_sync("window losses finite"):
+            if bool(torch.isfinite(torch.stack([loss for _, loss in losses])).all()):
+                return
         microbatch, loss = next((m, t) for m, t in losses if not math.isfinite(float(t)))
         what = f"the loss of micro-batch {microbatch} of {step_running(step)} is {float(loss)}"
         if self.mode == "raise":

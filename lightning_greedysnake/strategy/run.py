@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.engine import WindowEngine
+from lightning_greedysnake.engine.timing import ComputeTimer, compute_timer_for
 from lightning_greedysnake.models import (
     LayerChain,
     Unit,
@@ -34,6 +35,8 @@ from lightning_greedysnake.models import (
 from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.planner.measure import available_cores
+from lightning_greedysnake.planner.threads import optimizer_threads
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
@@ -100,6 +103,14 @@ class SetupContext:
         """Units placed on the device live in device memory (a GPU, or the simulated device)."""
         return self.device.type == "cuda" or (self.device.type == "cpu" and self.simulated)
 
+    @property
+    def optimizer_threads(self) -> int:
+        """The optimizer lane's intra-op threads: ``offload.optimizer_threads``, else planned from this
+        machine's cores (:func:`~lightning_greedysnake.planner.threads.optimizer_threads`; the simulated
+        device counts as the GPU it stands for)."""
+        return optimizer_threads(available_cores(), device_tier=self.device_tier, local_processes=self.local_processes,
+                                 given=self.settings.offload.optimizer_threads)
+
 
 @dataclass(frozen=True)
 class ModelCut:
@@ -143,7 +154,7 @@ class Run:
                  engine: WindowEngine, guard: NonFiniteGuard, *, checkpoints: CheckpointSeam = LIGHTNING,
                  placement: PlacementPlan | None = None,
                  telemetry: StepRecorder | None = None, warm_plan: WarmStepPlan | None = None,
-                 directories: OffloadDirectories | None = None) -> None:
+                 directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None) -> None:
         self._config = config
         self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
         self.name = cut.name
@@ -161,6 +172,9 @@ class Run:
         self.warm_plan = warm_plan
         """``auto=True``'s plan after the warm step (with the tensor manager)."""
         self.directories = directories
+        self.timer = timer
+        """Times the compute ops into the tensor manager's compute lane (with the tensor manager; the
+        engine's and the fused ops'), read once per window."""
         self.closed = False
 
     @property
@@ -226,7 +240,7 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
     built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
     manager = new_tensor_manager(planned.units, module, optimizer, config, dtype, ctx.device, clip=clip, shard=shard,
                                  loss_scaler=scaler, data_parallel=ctx.data_parallel,
-                                 gradient_observer=ctx.gradient_observer)
+                                 gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads)
     try:
         if planned.placement is not None:  # (a host budget was planned within: say what it covers)
             HostMemory.of(planned.placement.budget_bytes, built_bytes,
@@ -245,11 +259,12 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
         telemetry.start_trace(config.trace_steps,
                               Path(config.trace_path or ctx.default_root / "greedysnake_trace.json"))
     lanes = manager.stats.lanes
+    timer = compute_timer_for(ctx.device, lambda name, a, b: lanes.add("compute", a, b, name))
     engine = WindowEngine(cut.chain, planned.units, config, manager, ctx.device, ctx.precision.forward_context,
-                          observer=lambda name, a, b: lanes.add("compute", a, b, name))
+                          timer=timer)
     checkpoints = StreamedCheckpoints(manager, rank=ctx.global_rank, world=ctx.world_size,
                                       layered_prefix=f"{cut.path}." if cut.path else "",
                                       precision=str(ctx.precision.precision))
     return Run(config, cut, planned.units, manager, engine, guard, checkpoints=checkpoints,
                placement=planned.placement, telemetry=telemetry,
-               warm_plan=WarmStepPlan(ctx.settings, planned.host_budget_bytes), directories=directories)
+               warm_plan=WarmStepPlan(ctx.settings, planned.host_budget_bytes), directories=directories, timer=timer)

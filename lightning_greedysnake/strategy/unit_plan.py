@@ -66,7 +66,7 @@ def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer:
 
 def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any, k: int, budget: int,
                *, speculative: bool, clip_norm: bool, default_root: Path,
-               device: DeviceSide = DeviceSide()) -> dict[int, UnitSizeScore]:
+               device: DeviceSide = DeviceSide(), optimizer_threads: int = 1) -> dict[int, UnitSizeScore]:
     placed: dict[int, tuple[list, Any, int]] = {}
     for lpu, state in layouts.items():
         try:
@@ -98,7 +98,7 @@ def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], opt
         def bandwidth(size: int) -> tuple[float, float]:
             return float("inf"), float("inf")
     params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
-    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=optimizer)
+    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=optimizer, threads=optimizer_threads)
     return {lpu: score_unit_size(lpu, costs, t, bandwidth, rate, slots) for lpu, (costs, t, slots) in placed.items()}
 
 
@@ -106,7 +106,7 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
                          shard: tuple[int, int] | None, k: int, *, speculative: bool, clip_norm: bool,
                          budget: int, default_root: Path, is_global_zero: bool,
                          broadcast: Callable[[Any], Any], report: Callable[[str], None],
-                         device: DeviceSide = DeviceSide()) -> int:
+                         device: DeviceSide = DeviceSide(), optimizer_threads: int = 1) -> int:
     """``layers_per_unit`` for this run: the user's, 1 with ``auto=False``, else the best-scoring
     candidate on rank 0 (every rank takes it). A candidate whose staging alone exceeds the host
     budget (``budget``: the run's, :func:`host_budget_bytes`) is not considered; where none can be
@@ -120,7 +120,8 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
         try:
             layouts = candidate_layouts(settings, chain, optimizer, dtype, shard)
             scores = _score_all(settings, layouts, optimizer, k, budget, speculative=speculative,
-                                clip_norm=clip_norm, default_root=default_root, device=device)
+                                clip_norm=clip_norm, default_root=default_root, device=device,
+                                optimizer_threads=optimizer_threads)
             if scores:
                 chosen = choose_unit_size(scores)
                 result = chosen
@@ -161,7 +162,8 @@ def plan_setup(ctx: SetupContext, chain: LayerChain, optimizer: Any, dtype: torc
     lpu = plan_layers_per_unit(
         ctx.settings, chain, optimizer, dtype, shard, ctx.accumulate, speculative=speculative,
         clip_norm=clip_norm, budget=budget, default_root=ctx.default_root,
-        is_global_zero=ctx.is_global_zero, broadcast=ctx.broadcast, report=ctx.report, device=device)
+        is_global_zero=ctx.is_global_zero, broadcast=ctx.broadcast, report=ctx.report, device=device,
+        optimizer_threads=ctx.optimizer_threads)
     units = make_units(chain, lpu)
     config, plan = plan_at_setup(
         dataclasses.replace(ctx.settings, layers_per_unit=lpu),

@@ -103,3 +103,33 @@ def test_bf16_mixed_with_everything_on_the_device_is_lightnings_own_policy():
     make_trainer("auto", K, max_epochs=1, precision="bf16-mixed").fit(ref, token_loader(NUM_BATCHES))
     got, _ = greedysnake_bf16(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("device")), epochs=1)
     assert max_abs_diff(got, {n: p.detach() for n, p in ref.named_parameters()}) <= 1e-5
+
+
+def test_the_precision_plugin_autocasts_on_the_accelerators_device():
+    # passed explicitly as plugins=[GreedySnakePrecision("bf16-mixed")] on a GPU, a fixed "cpu" default
+    # ran the CUDA forward wholly in bf16 (LayerNorm, softmax) with no error: the device comes from the
+    # accelerator unless given
+    from lightning_greedysnake.precision import GreedySnakePrecision
+
+    plugin = GreedySnakePrecision("bf16-mixed")
+    plugin.on_device(torch.device("cuda", 1))
+    assert plugin.device == "cuda"
+    given = GreedySnakePrecision("bf16-mixed", device="cpu")
+    given.on_device(torch.device("cuda", 0))
+    assert given.device == "cpu"  # (an explicit one is kept)
+
+
+def test_a_precision_plugin_passed_explicitly_on_the_simulated_device_matches(reference, monkeypatch):
+    from lightning_greedysnake.offload.device import SIMULATE_ENV
+    from lightning_greedysnake.precision import GreedySnakePrecision
+
+    monkeypatch.setenv(SIMULATE_ENV, "1")
+    plugin = GreedySnakePrecision("bf16-mixed")
+    L.seed_everything(0, verbose=False)
+    module = TinyGPTModule(n_layer=3, lr=LR)
+    trainer = make_trainer(GreedySnakeStrategy(auto=False), K, max_epochs=EPOCHS, plugins=[plugin])
+    trainer.fit(module, token_loader(NUM_BATCHES))
+    assert trainer.strategy.precision_plugin is plugin
+    assert plugin.device == trainer.strategy.root_device.type
+    got = {n: p.detach().clone() for n, p in module.named_parameters()}
+    assert max_abs_diff(got, reference) <= 1e-5

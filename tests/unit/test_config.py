@@ -97,6 +97,8 @@ def test_everything_on_the_device_needs_no_tensor_manager():
         ({"optimizer_states": "device"}, ["offload.optimizer_states='device'", "Fix"]),
         ({"buffer_budget_bytes": -1}, ["offload.buffer_budget_bytes=-1", "Fix"]),
         ({"io_threads": 0}, ["offload.io_threads=0", "Fix"]),
+        ({"optimizer_threads": 0}, ["offload.optimizer_threads=0", "Fix"]),
+        ({"optimizer_threads": 2.5}, ["offload.optimizer_threads=2.5", "Fix"]),
         ({"prefetch_units": -1}, ["offload.prefetch_units=-1", "Fix"]),
         ({"optimizer_states": {"host": 0.5}}, ["offload.optimizer_states", "sum to 0.5", "Fix"]),
         ({"optimizer_states": {"device": 0.5, "ssd": 0.5}}, ["offload.optimizer_states", "only weights", "Fix"]),

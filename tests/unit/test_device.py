@@ -23,8 +23,15 @@ def copies():
     c.close()
 
 
+def host(copies, values: torch.Tensor) -> torch.Tensor:
+    """``values`` in host memory the device tier registered (an async copy refuses any other)."""
+    out = copies.empty_host(values.numel(), values.dtype)
+    out.copy_(values)
+    return out
+
+
 def test_a_simulated_copy_is_late_and_its_destination_nan_until_it_lands(copies):
-    src = torch.arange(1000, dtype=torch.float32)
+    src = host(copies, torch.arange(1000, dtype=torch.float32))
     dst = copies.empty(1000, torch.float32)
     assert dst.isnan().all()  # fresh device memory is NaN, not zeros that might pass
     copy = copies.to_device(src, dst)
@@ -36,8 +43,8 @@ def test_a_simulated_copy_is_late_and_its_destination_nan_until_it_lands(copies)
 def test_a_copy_reads_its_source_when_it_runs_so_a_change_before_it_landed_shows():
     copies = SimulatedCopies(max_delay_s=0.05, seed=1)
     try:
-        src = torch.ones(10)
-        dst = copies.empty(10, torch.float32)
+        src = copies.empty(10, torch.float32).fill_(1.0)
+        dst = copies.empty_host(10, torch.float32)
         copy = copies.to_host(src, dst)
         src.fill_(7.0)  # the owner changed the source before the copy was done: a missing wait
         copy.result()
@@ -51,7 +58,7 @@ def test_copies_of_one_direction_land_in_order_and_close_waits_for_them():
     order: list[int] = []
     dsts = [copies.empty(4, torch.float32) for _ in range(8)]
     for i, dst in enumerate(dsts):
-        copies.to_device(torch.full((4,), float(i)), dst).add_done_callback(lambda _, i=i: order.append(i))
+        copies.to_device(host(copies, torch.full((4,), float(i))), dst).add_done_callback(lambda _, i=i: order.append(i))
     copies.close()  # waits for what is in flight
     assert order == list(range(8))
     assert all(torch.equal(d, torch.full((4,), float(i))) for i, d in enumerate(dsts))
@@ -164,13 +171,13 @@ def test_the_byte_counters_are_exact_under_concurrent_copy_issuers():
 
     copies = SimulatedCopies(max_delay_s=0.0, seed=0)
     threads, per_thread = 8, 400
-    src = torch.ones(4).as_subclass(Tensor)
+    src = host(copies, torch.ones(4)).as_subclass(Tensor)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
         def issue() -> None:
             dst = copies.empty(4, torch.float32).as_subclass(Tensor)
-            back = torch.empty(4).as_subclass(Tensor)
+            back = copies.empty_host(4, torch.float32).as_subclass(Tensor)
             for _ in range(per_thread):
                 copies.to_device(src, dst)
                 copies.to_host(dst, back)
@@ -186,3 +193,99 @@ def test_the_byte_counters_are_exact_under_concurrent_copy_issuers():
     assert copies.counts.bytes_to_device == threads * per_thread * 16
     assert copies.counts.bytes_to_host == threads * per_thread * 16
     assert copies.counts.copies == 2 * threads * per_thread
+
+
+# -- where real CUDA is stricter, the simulator is too ---------------------------------------------------
+def test_an_async_copy_from_host_memory_nobody_registered_is_refused(copies):
+    from lightning_greedysnake.offload.device import UnregisteredHostMemoryError
+
+    dst = copies.empty(16, torch.float32)
+    with pytest.raises(UnregisteredHostMemoryError, match="did not register"):
+        copies.to_device(torch.ones(16), dst)  # pageable memory: synchronous (or wrong) on CUDA
+    with pytest.raises(UnregisteredHostMemoryError):
+        copies.to_host(dst, torch.empty(16))
+    buf = AlignedBuffer(4096)
+    buf.pin(copies.pin, copies.unpin)
+    copies.to_device(buf.view(torch.float32, 16, 64), dst).result()  # a view inside a pinned buffer
+    buf.close()  # unpinned
+    with pytest.raises(UnregisteredHostMemoryError):
+        copies.to_device(AlignedBuffer(4096).view(torch.float32, 16), dst)
+    copies.to_host(dst, copies.empty_host(16, torch.float32)).result()
+
+
+def test_a_copy_after_another_streams_work_waits_for_it_and_copies_nan_if_not():
+    copies = SimulatedCopies(max_delay_s=0.01, seed=3)
+    try:
+        reduced = copies.empty(64, torch.float32)
+        landing = copies.land_late(reduced, torch.arange(64.0))  # a collective's result, late
+        assert reduced.isnan().all()
+        waited = copies.empty_host(64, torch.float32)
+        copies.to_host(reduced, waited, after=landing).result()
+        assert torch.equal(waited, torch.arange(64.0))
+        early = copies.empty(64, torch.float32)
+        copies.land_late(early, torch.arange(64.0))
+        missed = copies.empty_host(64, torch.float32)
+        copies.to_host(early, missed).result()  # no ``after``: the copy ran before the collective landed
+        assert missed.isnan().all()
+    finally:
+        copies.close()
+
+
+# -- CUDA copies, run on the CPU against a recording stand-in for torch.cuda ------------------------------
+class _FakeEvent:
+    made: list[_FakeEvent] = []
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.blocking, self.enable_timing = blocking, enable_timing
+        self.synchronized_on: list[str] = []
+        _FakeEvent.made.append(self)
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        self.synchronized_on.append(threading.current_thread().name)
+
+    def query(self) -> bool:
+        return True
+
+
+class _FakeStream:
+    def __init__(self, device: object = None) -> None:
+        pass
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import contextlib
+
+    _FakeEvent.made = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    return _FakeEvent
+
+
+def test_cuda_copy_completions_block_in_the_driver_instead_of_spinning(fake_cuda):
+    from lightning_greedysnake.offload.device import CudaCopies
+
+    copies = CudaCopies(torch.device("cpu"))
+    try:
+        src, dst = torch.arange(8.0), torch.empty(8)
+        copies.to_device(src, dst).result(timeout=5)
+        copies.to_host(dst, torch.empty(8)).result(timeout=5)
+    finally:
+        copies.close()
+    waited = [e for e in fake_cuda.made if e.synchronized_on]
+    assert len(waited) == 2
+    # a default event's synchronize spins a core per copy in flight; a blocking one sleeps
+    assert all(e.blocking for e in waited)
+    assert {name for e in waited for name in e.synchronized_on} == {"greedysnake-h2d-events", "greedysnake-d2h-events"}

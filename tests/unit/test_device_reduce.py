@@ -31,6 +31,14 @@ def _expected() -> torch.Tensor:
     return sum(_gradient(r) for r in range(WORLD)) / WORLD  # type: ignore[return-value]
 
 
+def _landed(copies: SimulatedCopies, reducer: DeviceGradientReducer, values: torch.Tensor) -> torch.Tensor:
+    """:meth:`reduce`'s result as its one consumer reads it: copied to the host after the collective (on
+    the simulated device its result lands late, NaN until then)."""
+    out = copies.empty_host(values.numel(), values.dtype)
+    copies.to_host(values, out, after=reducer.after()).result()
+    return out
+
+
 def _worker(rank: int, store_path: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, WORLD)
@@ -47,14 +55,18 @@ def _worker(rank: int, store_path: str) -> None:
         # reduce, replicated state: the whole unit, averaged
         flat = copies.empty(NUMEL, torch.float32)
         flat.copy_(_gradient(rank))
-        values, first = DeviceGradientReducer(copies, rank, WORLD, partitioned=False).reduce(flat, BOUNDS)
+        reducer = DeviceGradientReducer(copies, rank, WORLD, partitioned=False)
+        values, first = reducer.reduce(flat, BOUNDS)
+        values = _landed(copies, reducer, values)
         assert first == 0
         torch.testing.assert_close(values, expected, rtol=0, atol=0,
                                    msg=lambda m: f"rank {rank}: reduce() (replicated) is not the mean\n{m}")
         # reduce, partitioned state: this rank's chunk of the average only
         flat = copies.empty(NUMEL, torch.float32)
         flat.copy_(_gradient(rank))
-        values, first = DeviceGradientReducer(copies, rank, WORLD, partitioned=True).reduce(flat, BOUNDS)
+        reducer = DeviceGradientReducer(copies, rank, WORLD, partitioned=True)
+        values, first = reducer.reduce(flat, BOUNDS)
+        values = _landed(copies, reducer, values)
         lo, hi = BOUNDS[rank]
         assert first == lo
         torch.testing.assert_close(

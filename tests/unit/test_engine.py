@@ -119,3 +119,32 @@ def test_the_engine_asks_for_the_next_prefetch_units_units_in_plan_order(depth):
     assert {2, 3}.intersection(range(2, 2 + depth)) <= asked_while[1]
     assert max(len(units) for units in asked_while.values()) >= min(depth, last)
     assert all(len({u for u in units if u > h}) <= depth for h, units in asked_while.items())
+
+
+def test_inputs_that_are_the_same_memory_are_equal_without_reading_them(monkeypatch):
+    """A micro-batch's inputs are compared with the look-ahead's once per micro-batch: ``torch.equal`` of
+    device tensors is a host sync each time. The same view of the same memory (training_step slicing the
+    batch the look-ahead captured from) is equal without a read; other device tensors are compared on the
+    device into a flag the engine reads once per window."""
+    from lightning_greedysnake.engine import same_inputs
+
+    batch = torch.arange(24).view(2, 12)
+    captured, called = ((batch[:, :-1],), {"targets": batch[:, 1:]}), ((batch[:, :-1],), {"targets": batch[:, 1:]})
+    assert captured[0][0] is not called[0][0]
+
+    def no_read(*args: object) -> bool:
+        raise AssertionError("torch.equal read the inputs")
+
+    monkeypatch.setattr(torch, "equal", no_read)
+    assert same_inputs(captured, called)
+
+
+def test_other_host_tensors_are_still_compared_by_value():
+    from lightning_greedysnake.engine import same_inputs
+
+    a, b = torch.arange(6), torch.arange(6)
+    deferred: list[torch.Tensor] = []
+    assert same_inputs(((a,), {}), ((b,), {}), deferred) and deferred == []  # (host: compared now)
+    assert not same_inputs(((a,), {}), ((b + 1,), {}), deferred)
+    batch = torch.arange(24).view(2, 12)
+    assert not same_inputs(((batch[:, :-1],), {}), ((batch[:, 1:],), {}))  # (same storage, another slice)

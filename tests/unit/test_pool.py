@@ -108,3 +108,66 @@ def test_the_debug_pool_follows_the_environment(monkeypatch):
     assert BufferPool(4096).debug
     monkeypatch.setenv("GREEDYSNAKE_DEBUG_POOL", "0")
     assert not BufferPool(4096).debug
+
+
+# -- a device tier's pool: its memory registered once ------------------------------------------------------
+class Pinner:
+    def __init__(self) -> None:
+        self.pinned: dict[int, int] = {}
+        self.registrations = 0
+
+    def pin(self, ptr: int, nbytes: int) -> None:
+        self.pinned[ptr] = nbytes
+        self.registrations += 1
+
+    def unpin(self, ptr: int) -> None:
+        del self.pinned[ptr]
+
+
+def test_a_pinned_pool_registers_its_budget_once_and_carves_every_size_from_it():
+    pinner = Pinner()
+    pool = BufferPool(8 * 4096, pinner=(pinner.pin, pinner.unpin), debug=True)
+    for _ in range(50):  # a changing mix of sizes (a step's weights, gradients, state, checkpoints)
+        held = [pool.acquire(n * 4096) for n in (3, 1, 2)]
+        pool.release(held[1])
+        held[1] = pool.acquire(2 * 4096)
+        for buf in held:
+            assert buf.tensor.data_ptr() % 4096 == 0
+            pool.release(buf)
+    assert pinner.registrations == 1 and pool.registrations == 1 and list(pinner.pinned.values()) == [8 * 4096]
+    assert pool.peak_bytes == 8 * 4096
+    pool.close()
+    assert pinner.pinned == {}  # unregistered at close, not before
+
+
+def test_a_pinned_pool_still_catches_a_write_into_free_memory():
+    from lightning_greedysnake.offload.pool import PoolCorruptionError
+
+    pinner = Pinner()
+    pool = BufferPool(4 * 4096, pinner=(pinner.pin, pinner.unpin), debug=True)
+    buf = pool.acquire(4096, what="unit 0 weights")
+    view = buf.tensor
+    pool.release(buf)
+    view[10] = 1  # a late write (a transfer still filling it)
+    with pytest.raises(PoolCorruptionError, match="unit 0 weights"):
+        pool.acquire(4096, what="unit 1 weights")
+    pool.close()
+
+
+def test_a_fragmented_pinned_pool_waits_for_a_release_before_it_registers_more():
+    pinner = Pinner()
+    pool = BufferPool(4 * 4096, pinner=(pinner.pin, pinner.unpin), others_active=lambda: True)
+    a, b, c, d = (pool.acquire(4096) for _ in range(4))
+    pool.release(a)
+    pool.release(c)  # two free pages, not adjacent: the bytes of a 2-page request fit, no range does
+    threading.Timer(0.1, pool.release, (b,)).start()  # (the lane gives one back)
+    got = pool.acquire(2 * 4096)
+    assert got.nbytes == 2 * 4096 and pinner.registrations == 1  # waited, then took the coalesced range
+    pool.release(got)
+    pool.release(d)
+    pool.set_budget(6 * 4096)  # a larger budget: one more segment, once
+    held = [pool.acquire(4096) for _ in range(6)]
+    for buf in held:
+        pool.release(buf)
+    assert pinner.registrations == 2
+    pool.close()
