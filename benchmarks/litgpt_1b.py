@@ -78,8 +78,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data = torch.randint(0, vocab, (args.k * args.steps, args.seq + 1), generator=torch.Generator().manual_seed(0))
     trainer.fit(module, DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=1))
     params = sum(p.numel() for p in module.parameters())
-    return {"model": module.config.name, "params": params, "seq": args.seq, "k": args.k,
-            "precision": args.precision, "offload_dir": str(root / "offload"), "steps": steps.rows,
+    return {"settings": {"model": module.config.name, "params": params, "seq": args.seq, "k": args.k,
+                         "precision": args.precision, "offload_dir": str(root / "offload")},
+            "rows": steps.rows,  # (one per optimizer step: its seconds and its own SSD bytes)
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
 
 
@@ -98,8 +99,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "litgpt_1b.json"))
     args = parser.parse_args()
     result = run(args)
-    print(f"{result['model']}: {result['params'] / 1e9:.2f}B parameters, peak RSS {result['peak_rss_gb']} GB")
-    for row in result["steps"]:
+    settings = result["settings"]
+    print(f"{settings['model']}: {settings['params'] / 1e9:.2f}B parameters, peak RSS {result['peak_rss_gb']} GB")
+    for row in result["rows"]:
         print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,10 @@ SECTIONS: tuple[Section, ...] = (
         (Result("memory", "GPT 1024 x 20 (270M parameters), sequence 128, K=4."),
          Result("scale_1p6b", "A GPT of 2048 x 32 whose model state exceeds this machine's RAM, built on "
                               "the meta device, bf16-mixed, every kind on SSD (measured before the background "
-                              "optimizer lane landed).")),
+                              "optimizer lane landed)."),
+         Result("litgpt_1b", "LitGPT's 1B Llama config (its untied head counted in params) built on the meta device, "
+                             "every kind on SSD (auto=False), return_weights=False, 32-true, sequence 256, K=4: "
+                             "each optimizer step's seconds and its own SSD bytes.")),
     ),
     Section(
         "The overlapped optimizer",
