@@ -235,10 +235,15 @@ def mounted(path: Path, fstype: str = "tmpfs", size: str | None = None) -> Itera
 
 def mixed_policy_start(module: Any, dtype: torch.dtype) -> tuple[Any, Any, list[nn.Parameter], nn.Module]:
     """The start of a plain-PyTorch mixed-precision reference loop: the module's optimizer and LR
-    scheduler, its fp32 parameters (the master weights) and a ``dtype`` copy of its model to compute with."""
+    scheduler, its fp32 parameters (the master weights) and a copy of its model to compute with whose
+    parameters are ``dtype`` (only the parameters, as under the strategy: buffers such as a rope cache
+    keep their dtype)."""
     config = module.configure_optimizers()
     master = list(module.model.parameters())
-    return config["optimizer"], config["lr_scheduler"]["scheduler"], master, copy.deepcopy(module.model).to(dtype)
+    compute = copy.deepcopy(module.model)
+    for p in compute.parameters():
+        p.data = p.data.to(dtype)
+    return config["optimizer"], config["lr_scheduler"]["scheduler"], master, compute
 
 
 def policy_window(compute: nn.Module, master: list[nn.Parameter], window: list[Any], dtype: torch.dtype,

@@ -4,7 +4,6 @@ does (fp32: weights and every window's gradient; bf16-mixed: against the same po
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import lightning as L
@@ -22,9 +21,9 @@ from lightning_greedysnake.models import chain_of  # noqa: E402
 from tests.helpers import (  # noqa: E402
     OptimizerMixin,
     UnitGradients,
+    bf16_policy_run,
     make_trainer,
     max_abs_diff,
-    policy_window,
     token_loader,
 )
 
@@ -157,27 +156,12 @@ def test_the_reference_really_trains():
 
 
 def _bf16_policy(family: str) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """The plain-PyTorch bf16-mixed policy (``tests.helpers.policy_window``): bf16 copies of the fp32
+    """The plain-PyTorch bf16-mixed policy (``tests.helpers.bf16_policy_run``): bf16 copies of the fp32
     master weights under autocast, gradients accumulated in fp32, the module's AdamW on the masters. Only
     the parameters are bf16: the rope cache stays fp32, as under Lightning's bf16-mixed."""
     L.seed_everything(0, verbose=False)
     module = LitModule(family)
-    config = module.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    master = list(module.model.parameters())
-    compute = copy.deepcopy(module.model)
-    for p in compute.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    batches, grads = list(token_loader(NUM_BATCHES, vocab=VOCAB)), []
-    for _ in range(2):
-        for start in range(0, NUM_BATCHES, K):
-            sums = policy_window(compute, master, batches[start : start + K], torch.bfloat16, lambda i, loss: loss / K)
-            for m, a in zip(master, sums, strict=True):
-                m.grad = a
-            grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
+    grads = bf16_policy_run(module, list(token_loader(NUM_BATCHES, vocab=VOCAB)), K, epochs=2)
     return {n: p.detach().clone() for n, p in module.named_parameters()}, grads
 
 
