@@ -117,11 +117,19 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 
 def deepspeed_step_times(n_embd: int, n_layer: int, n_head: int, vocab: int, seq: int, k: int, steps: int,
-                         micro_batch: int, bf16: bool, nvme_dir: str, cuda: bool, offload: str = "nvme") -> list[float]:
+                         micro_batch: int, bf16: bool, nvme_dir: str, cuda: bool, offload: str = "nvme",
+                         zero_init: bool = False, overrides: dict[str, dict[str, Any]] | None = None,
+                         phases: dict[str, Any] | None = None, on_step: Any = None) -> list[float]:
     """DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer state offloaded to NVMe at ``nvme_dir``;
     ``offload="cpu"``: to host memory instead, ZeRO-Offload, and ``nvme_dir`` unused; AdamW) on the package GPT with :func:`token_loader`'s data, ``k`` micro-batches of ``micro_batch`` per
     step: the seconds of each of ``steps`` optimizer steps (on CUDA, synchronized at each step's end: the
-    benchmark's clock). One process, world size 1. ``cuda=False``: DeepSpeed's CPU accelerator
+    benchmark's clock). One process, world size 1. ``zero_init``: the model built under
+    ``deepspeed.zero.Init`` (each parameter partitioned to the offload device as it is created, never
+    whole in RAM: DeepSpeed's way to build a model larger than memory). ``overrides``: merged into the
+    config's sections (``{"zero_optimization": {...}, "aio": {...}}``; ``offload_param`` and
+    ``offload_optimizer`` inside ``zero_optimization`` merged key by key). ``phases``: filled with the
+    seconds of building the model (``build_s``), of ``deepspeed.initialize`` (``initialize_s``) and the
+    config used (``config``). ``on_step(step)``: called after each step's clock stops. ``cuda=False``: DeepSpeed's CPU accelerator
     (``DS_ACCELERATOR=cpu`` unless set) over gloo. Imports DeepSpeed (not a dependency: see
     ``benchmarks/compare.py`` and ``benchmarks/build_gpu_wheels.sh``)."""
     import time
@@ -156,9 +164,25 @@ def deepspeed_step_times(n_embd: int, n_layer: int, n_head: int, vocab: int, seq
         },
         "steps_per_print": 10**9,
     }
+    for section, values in (overrides or {}).items():
+        target = config.setdefault(section, {})
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(target.get(key), dict):
+                target[key] = {**target[key], **value}
+            else:
+                target[key] = value
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=seq))
+    t0 = time.perf_counter()
+    gpt_config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=seq)
+    if zero_init:
+        with deepspeed.zero.Init(remote_device=offload, config_dict_or_path=config):
+            model = GPT(gpt_config)
+    else:
+        model = GPT(gpt_config)
+    t1 = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if phases is not None:
+        phases.update(build_s=t1 - t0, initialize_s=time.perf_counter() - t1, config=config)
     batches = list(token_loader(vocab, seq, k * steps * micro_batch, micro_batch))
     times = []
     for step in range(steps):
@@ -172,6 +196,8 @@ def deepspeed_step_times(n_embd: int, n_layer: int, n_head: int, vocab: int, seq
         if cuda:
             torch.cuda.synchronize()  # (the benchmark's clock)
         times.append(time.perf_counter() - t0)
+        if on_step is not None:
+            on_step(step)
     return times
 
 
