@@ -31,11 +31,12 @@ Broadcast = Callable[[list[nn.Parameter]], None]
 def stand_in_for_meta_parameters(module: nn.Module, units: list[Unit], uses_tensor_manager: bool) -> bool:
     """Swap every meta parameter of the layered model for a memory-less CPU stand-in (the same
     Parameter object, so the optimizer Lightning builds next refers to it); False if none is meta."""
+    unit_params = [p for unit in units for p in unit.parameters()]
+    owned = {id(p) for p in unit_params}  # (one pass: a test per tensor against every unit was quadratic)
     meta_outside = [
-        n for n, t in [*module.named_parameters(), *module.named_buffers()]
-        if t.is_meta and not any(t is q for unit in units for q in unit.parameters())
+        n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta and id(t) not in owned
     ]
-    in_units = [p for unit in units for p in unit.parameters() if p.is_meta]
+    in_units = [p for p in unit_params if p.is_meta]
     if not in_units and not meta_outside:
         return False
     if meta_outside:
