@@ -148,7 +148,7 @@ SECTIONS: tuple[Section, ...] = (
     ),
 )
 
-_HIDDEN = {"package", "runs", "seq", "round", "units", "plan", "placement", "first_step_note"}
+_HIDDEN = {"package", "runs", "seq", "round", "units", "plan", "placement", "first_step_note", "log_tail"}
 """Row fields not shown as columns (the run's own bookkeeping, or nested)."""
 
 

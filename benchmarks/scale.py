@@ -42,9 +42,10 @@ whose estimated NVMe footprint exceeds the free disk is not started (``not run: 
 starts it anyway); greedysnake's own preflight refuses such a size before any work, and that refusal is
 the row.
 
-Writes ``--out`` (default ``benchmarks/results/scale.json``: the command, the machine, the disk's measured
-speed and free space, the settings, every row and the headline) and appends each row as it lands to
-``<out>.rows.jsonl`` (a ladder stopped midway keeps what it measured).
+Writes ``--out`` (default ``benchmarks/results/scale.json``; with ``--smoke``, the temp dir's): the
+command, the machine, the disk's measured speed and free space, the settings, every row and the
+headline; and appends each row as it lands to ``<out>.rows.jsonl`` (a ladder stopped midway keeps what
+it measured).
 """
 
 from __future__ import annotations
@@ -440,7 +441,8 @@ def main() -> None:
                         help="start DeepSpeed even where its estimated footprint exceeds the free disk")
     parser.add_argument("--ds-sub-group-size", type=float, default=1e8)
     parser.add_argument("--ds-max-in-cpu", type=int, default=0)
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/scale.json (scale_smoke.json with --smoke)")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/scale.json (--smoke: the temp dir's greedysnake_scale_smoke.json)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -450,7 +452,8 @@ def main() -> None:
 
     sizes = args.sizes or (["smoke"] if args.smoke else LADDER)
     if args.out is None:
-        args.out = str(Path(__file__).parent / "results" / ("scale_smoke.json" if args.smoke else "scale.json"))
+        args.out = str(Path(tempfile.gettempdir()) / "greedysnake_scale_smoke.json" if args.smoke
+                       else Path(__file__).parent / "results" / "scale.json")
     systems = list(args.systems)
     if "deepspeed" in systems and importlib.util.find_spec("deepspeed") is None:
         print("  deepspeed is not importable: skipping it (see benchmarks/compare.py's docstring)", file=sys.stderr)
