@@ -71,9 +71,13 @@ def test_a_size_past_the_free_disk_is_refused_before_any_work(tmp_path: Path) ->
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (not a dependency)")
-def test_smoke_row_of_deepspeed(tmp_path: Path) -> None:
-    result = _run(tmp_path, "--systems", "deepspeed")
-    (row,) = result["rows"]
-    _check_trained(row)
-    assert row["deepspeed_zero"]["offload_param"]["device"] == "nvme"
-    assert row["deepspeed_zero"]["offload_optimizer"]["device"] == "nvme"
+def test_smoke_row_of_deepspeed_beside_greedysnake(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--systems", "gs_ssd", "deepspeed")
+    gs, ds = result["rows"]
+    for row in (gs, ds):
+        _check_trained(row)
+    assert ds["system"] == "deepspeed" and ds["deepspeed_zero"]["offload_param"]["device"] == "nvme"
+    assert ds["deepspeed_zero"]["offload_optimizer"]["device"] == "nvme"
+    first = result["headline"]["time_to_first_step_at_deepspeeds_largest"]  # (item 6: the same table)
+    assert first["size"] == "smoke" and first["gs_ssd"]["time_to_first_step_s"] == gs["time_to_first_step_s"]
+    assert first["deepspeed"]["time_to_first_step_s"] == ds["time_to_first_step_s"]
