@@ -15,6 +15,8 @@ from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner import Choice, Machine, PlanError, plan, predict
 from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate, unit_costs, unit_times
+from lightning_greedysnake.planner.plan import merge
+from lightning_greedysnake.planner.unit_size import choose_unit_size, plans_by_size
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_budget_bytes"})
@@ -51,13 +53,6 @@ def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
     less (the probe's scratch file must not fill a disk the run is using), in 64 KiB steps."""
     step = 64 << 10
     return max(step, min(largest, disk_free_bytes(directory) // 4 // step * step))
-
-
-LARGER_UNITS_GAIN = 0.05
-"""How much faster (a fraction of the step) larger units must be predicted for the warm-step plan to
-suggest them for the next run (the files are shaped by the unit size: a run keeps the size it started
-with; moving the state mid-run was measured no faster than setup's choice, see
-``benchmarks/results/unit_size_relayout_disk.json``)."""
 
 
 class WarmStepPlan:
@@ -117,11 +112,11 @@ class WarmStepPlan:
             "alphas": tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
             "lags": lags or (config.lag,),
             "recompute": (True, False) if "recompute" in unset else (config.recompute,),
-            "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",)}
+            "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",),
+            "prefetch_units": manager.config.prefetch_units}
         try:
             choice: Choice | str = disks if machine is None else plan(
-                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,),
-                prefetch_units=manager.config.prefetch_units, **options)
+                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,), **options)
         except PlanError as e:
             choice = str(e)
         choice = broadcast(choice)  # rank 0's, a choice or why there is none: every rank does the same
@@ -140,31 +135,31 @@ class WarmStepPlan:
         report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
                f"elements/s; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
                f"{'binding resource':<22}{bound:>20}")
-        larger = self.larger_units(costs, machine, k, budget, manager, choice, config.layers_per_unit, options)
+        larger = self.larger_units(costs, machine, k, budget, manager, config.layers_per_unit, options)
         if larger is not None:
-            report(larger_units_note(*larger, choice))
+            report(larger_units_note(*larger))
         return config
 
     def larger_units(self, costs: list, machine: Machine, k: int, budget: int, manager: TieredTensorStore,
-                     choice: Choice, lpu: int, options: dict[str, Any]) -> tuple[Choice, int] | None:
-        """The plan of units of several of this run's (``lpu`` blocks each) and their ``layers_per_unit``,
-        where they are predicted :data:`LARGER_UNITS_GAIN` faster with this step's measured compute, over
-        the same ``options`` (setup, which sees no batch, chose the size from the disks alone). None
-        otherwise, and when the user set ``layers_per_unit``."""
-        sizes = tuple(n for n in (2, 4, 8) if n * lpu <= 8 and n <= len(costs))
-        if self.settings.layers_per_unit is not None or not sizes:
+                     lpu: int, options: dict[str, Any]) -> tuple[Choice, Choice] | None:
+        """Whether units of several of this run's (``lpu`` blocks each) are faster with this step's
+        measured compute, by setup's model and rule (:mod:`~lightning_greedysnake.planner.unit_size`;
+        setup, which sees no batch, chose from the disks alone), over the same ``options``: the plan of
+        the size chosen and of this one's. None where this one stays, and when the user set ``layers_per_unit``."""
+        sizes = [n for n in (1, 2, 4, 8) if n * lpu <= 8 and n <= len(costs)]
+        if self.settings.layers_per_unit is not None or len(sizes) < 2:
             return None
-        try:
-            best = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=sizes, **options)
-        except PlanError:
+        plans = plans_by_size({n * lpu: (merge(costs, n), machine) for n in sizes}, k, budget,
+                              manager.checkpoint_bytes, **options)
+        if lpu not in plans:
             return None
-        if best.step_s > choice.step_s * (1 - LARGER_UNITS_GAIN):
-            return None
-        return best, best.layers_per_unit * lpu
+        chosen = choose_unit_size(plans)
+        return None if chosen == lpu else (plans[chosen], plans[lpu])
 
 
-def larger_units_note(best: Choice, lpu: int, current: Choice) -> str:
+def larger_units_note(best: Choice, current: Choice) -> str:
     """The report's suggestion of larger units for the next run."""
+    lpu = best.layers_per_unit
     return (f"greedysnake: larger units are faster here: layers_per_unit={lpu} is predicted at {best.step_s:.3f} s a "
             f"step against {current.step_s:.3f} s (its last unit recomputes nothing; staging "
             f"{best.buffer_budget_bytes:,} bytes). Set layers_per_unit={lpu} for the next run (a run keeps the unit "

@@ -17,15 +17,10 @@ from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.config import REGION_KINDS
 from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, probe_sizes, request_bandwidth
-from lightning_greedysnake.planner.roofline import traffic
+from lightning_greedysnake.planner.plan import Choice
+from lightning_greedysnake.planner.roofline import Machine, traffic
 from lightning_greedysnake.strategy.device_plan import DeviceSide, device_side
-from lightning_greedysnake.planner.unit_size import (
-    UnitSizeScore,
-    choose_unit_size,
-    requests,
-    score_unit_size,
-    table,
-)
+from lightning_greedysnake.planner.unit_size import Bandwidth, choose_unit_size, machine_at, plans_by_size, requests, table
 from lightning_greedysnake.strategy.placement import (
     PlacementPlan,
     host_budget_bytes,
@@ -64,18 +59,28 @@ def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer:
             for c in sizes}
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitSizeScores:
+    """Each candidate's roofline plan, its machine (the disks at its request sizes) and SSD bytes a step."""
+
+    plans: dict[int, Choice]
+    machines: dict[int, Machine]
+    ssd_bytes: dict[int, int]
+
+
 def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any, k: int, budget: int,
                *, speculative: bool, clip_norm: bool, default_root: Path,
-               device: DeviceSide = DeviceSide(), optimizer_threads: int = 1) -> dict[int, UnitSizeScore]:
-    placed: dict[int, tuple[list, Any, int]] = {}
+               device: DeviceSide = DeviceSide(), optimizer_threads: int = 1) -> UnitSizeScores:
+    placed: dict[int, tuple[list, Any, int, int, GreedySnakeConfig]] = {}
     for lpu, state in layouts.items():
         try:
             if settings.offload.unset() & set(REGION_KINDS):
-                lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm,
-                                        device=device)
-                config = placed_config(settings, state, lag, plan)
+                lag, placement = place_kinds(settings, state, k, budget, speculative=speculative,
+                                             clip_norm=clip_norm, device=device)
+                config = placed_config(settings, state, lag, placement)
+                room = budget - sum(kind.host_bytes for kind in placement.kinds.values())
             else:  # every kind placed by the user: the budget still bounds a larger unit's staging
-                config = settings.resolved()
+                config, room = settings.resolved(), budget
                 if lpu > 1 and staging_estimate(state, config.offload, config.lag, device.tier) > budget:
                     continue
         except ValueError:
@@ -83,13 +88,13 @@ def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], opt
         costs = planned_costs(state, config.offload, config.alpha or 0.0, device.tier)
         schedule = config.schedule.value
         placed[lpu] = (costs, traffic(costs, schedule, k, clip_norm=clip_norm and schedule == "vertical"),
-                       state.num_slots)
+                       state.num_slots, room, config)
     if not placed:
-        return {}
-    if any(t.read_bytes + t.write_bytes for _, t, _ in placed.values()):
+        return UnitSizeScores({}, {}, {})
+    if any(t.read_bytes + t.write_bytes for _, t, *_ in placed.values()):
         io = settings.offload
         dirs = [probe_directory(p, default_root) for p in (io.paths or [None])]
-        sizes = probe_sizes([request for costs, _, slots in placed.values() for request in requests(costs, slots)])
+        sizes = probe_sizes([request for costs, _, slots, *_ in placed.values() for request in requests(costs, slots)])
         per_path = [request_bandwidth(d, sizes, io.io_threads, io.io_chunk_bytes, io.direct_io) for d in dirs]
         measured = {size: (len(dirs) * min(p[size][0] for p in per_path), len(dirs) * min(p[size][1] for p in per_path))
                     for size in sizes}
@@ -99,7 +104,21 @@ def _score_all(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], opt
             return float("inf"), float("inf")
     params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
     rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=optimizer, threads=optimizer_threads)
-    return {lpu: score_unit_size(lpu, costs, t, bandwidth, rate, slots) for lpu, (costs, t, slots) in placed.items()}
+    return score_candidates(placed, bandwidth, rate, k)
+
+
+def score_candidates(placed: dict[int, tuple[list, Any, int, int, GreedySnakeConfig]], bandwidth: Bandwidth,
+                     rate: float, k: int) -> UnitSizeScores:
+    """Each candidate (``layers_per_unit -> (its units' costs, their traffic, the state's slots, the host
+    room for staging, its settings)``) on the disks at its request sizes, by the roofline: setup sees no
+    batch (no checkpoints), the first steps' settings."""
+    machines = {lpu: machine_at(costs, t, bandwidth, rate, slots) for lpu, (costs, t, slots, *_) in placed.items()}
+    plans: dict[int, Choice] = {}
+    for lpu, (costs, _, _, room, config) in placed.items():
+        plans.update(plans_by_size({lpu: (costs, machines[lpu])}, k, room, 0, alphas=(config.alpha,),
+                                   lags=(config.lag,), recompute=(True,), checkpoint_placements=("host",),
+                                   prefetch_units=config.offload.prefetch_units))
+    return UnitSizeScores(plans, machines, {lpu: t.read_bytes + t.write_bytes for lpu, (_, t, *_) in placed.items()})
 
 
 def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimizer: Any, dtype: torch.dtype,
@@ -122,12 +141,14 @@ def plan_layers_per_unit(settings: GreedySnakeConfig, chain: LayerChain, optimiz
             scores = _score_all(settings, layouts, optimizer, k, budget, speculative=speculative,
                                 clip_norm=clip_norm, default_root=default_root, device=device,
                                 optimizer_threads=optimizer_threads)
-            if scores:
-                chosen = choose_unit_size(scores)
+            if scores.plans:
+                chosen = choose_unit_size(scores.plans)
                 result = chosen
                 report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up to "
                        "rounding, not bit for bit, and this choice rests on a measurement): the disks measured at "
-                       "each candidate's request sizes, its placement within the host budget\n" + table(scores, chosen))
+                       "each candidate's request sizes, its placement within the host budget, its step predicted by the "
+                       "roofline without compute (setup sees no batch)\n"
+                       + table(scores.plans, scores.machines, scores.ssd_bytes, chosen))
         except OSError as e:
             result = f"layers_per_unit=1: the offload disk could not be measured ({e})"
         except ValueError as e:  # a setting refused: setup refuses it next, on every rank (none waits here)

@@ -163,10 +163,11 @@ def test_larger_units_predicted_faster_are_suggested_for_the_next_run_and_the_un
     """The files are laid out by the unit size: where the warm-step plan finds larger units faster, the
     report names the ``layers_per_unit`` to set; this run keeps its units. Stand-ins: setup's choice is
     pinned to one block, and every larger size counts as faster."""
-    from lightning_greedysnake.strategy import auto_plan, unit_plan
+    from lightning_greedysnake.planner import unit_size
+    from lightning_greedysnake.strategy import unit_plan
 
     monkeypatch.setattr(unit_plan, "plan_layers_per_unit", lambda *a, **kw: 1)
-    monkeypatch.setattr(auto_plan, "LARGER_UNITS_GAIN", -10.0)
+    monkeypatch.setattr(unit_size, "LARGER_UNIT_GAIN", -10.0)
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, offload=ALL_SSD)
     with caplog.at_level("INFO"):
         _fit(strategy)
