@@ -23,6 +23,9 @@ from typing import Any
 from lightning_greedysnake.planner.plan import Choice, PlanError, plan
 from lightning_greedysnake.planner.roofline import Machine, Traffic, UnitCost
 
+CANDIDATES = (1, 2, 4, 8)
+"""The unit sizes considered (blocks per unit; those up to the model's number of blocks)."""
+
 LARGER_UNIT_GAIN = 0.1
 """How much faster (a fraction of the smaller's predicted step) a larger unit must be to be preferred,
 at setup and after the warm step alike: a measurement's noise must not buy memory (a larger unit stages
@@ -33,24 +36,18 @@ Bandwidth = Callable[[int], tuple[float, float]]
 size (several paths: the slowest path's times their number; units are striped round robin)."""
 
 
-def request_bytes(units: Sequence[UnitCost]) -> dict[str, int]:
-    """The mean request of each kind: its region bytes per unit (0 where a kind has none)."""
-    sizes = {
-        "weights": [u.weight_bytes for u in units], "master_weights": [u.master_bytes for u in units],
-        "optimizer_states": [u.state_bytes for u in units], "gradients": [u.grad_bytes for u in units],
-    }
-    return {kind: sum(s) // max(1, sum(1 for x in s if x)) for kind, s in sizes.items()}
-
-
-def _request(sizes: Mapping[str, int], kind: str, state_slots: int) -> int:
-    return sizes[kind] // (max(1, state_slots) if kind == "optimizer_states" else 1)
+def request_bytes(units: Sequence[UnitCost], state_slots: int = 1) -> dict[str, int]:
+    """Each kind's request (bytes): its mean region per unit (0 where a kind has none), the optimizer
+    state's per slot (each slot is read and written as its own range)."""
+    sizes = {"weights": [u.weight_bytes for u in units], "master_weights": [u.master_bytes for u in units],
+             "optimizer_states": [u.state_bytes for u in units], "gradients": [u.grad_bytes for u in units]}
+    return {kind: sum(s) // max(1, sum(1 for x in s if x)) // (max(1, state_slots) if kind == "optimizer_states" else 1)
+            for kind, s in sizes.items()}
 
 
 def requests(units: Sequence[UnitCost], state_slots: int = 1) -> list[int]:
-    """The request sizes (bytes) a step of ``units`` makes of the disks: each kind's mean region on SSD,
-    the optimizer state's per slot."""
-    sizes = request_bytes(units)
-    return [_request(sizes, kind, state_slots) for kind, size in sizes.items()
+    """The request sizes (bytes) a step of ``units`` makes of the disks: those of the kinds on SSD."""
+    return [size for kind, size in request_bytes(units, state_slots).items()
             if size and any(kind in u.on_ssd for u in units)]
 
 
@@ -58,13 +55,11 @@ def machine_at(units: Sequence[UnitCost], traffic: Traffic, bandwidth: Bandwidth
                state_slots: int = 1) -> Machine:
     """The machine ``units`` see: the disks at their request sizes, each kind's bandwidth weighted by the
     bytes it moves a step (``traffic``, the units' placement's), and the optimizer's rate."""
-    sizes = request_bytes(units)
-    seconds = {"read": 0.0, "write": 0.0}
-    moved = {"read": 0, "write": 0}
+    sizes = request_bytes(units, state_slots)
+    seconds, moved = {"read": 0.0, "write": 0.0}, {"read": 0, "write": 0}
     for name, nbytes in traffic.terms.items():
         op, kind = name.split("/", 1)
-        read, write = bandwidth(max(1, _request(sizes, kind, state_slots)))
-        seconds[op] += nbytes / (read if op == "read" else write)
+        seconds[op] += nbytes / bandwidth(max(1, sizes[kind]))[op == "write"]
         moved[op] += nbytes
     fallback = bandwidth(max(1, *sizes.values()))  # (a direction that moves nothing: any size will do)
     return Machine(moved["read"] / seconds["read"] if seconds["read"] else fallback[0],
@@ -79,7 +74,7 @@ def plans_by_size(candidates: Mapping[int, tuple[list[UnitCost], Machine]], k: i
     out = {}
     for lpu, (units, machine) in candidates.items():
         try:
-            best = plan(units, machine, k, budget, checkpoint_bytes, layers_per_unit=(1,), **options)
+            best = plan(units, machine, k, budget, checkpoint_bytes, **options)
         except PlanError:
             continue
         out[lpu] = dataclasses.replace(best, layers_per_unit=lpu)

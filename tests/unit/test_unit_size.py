@@ -40,7 +40,7 @@ def disk(latency_s: float, bytes_per_s: float = 2e9):
 def at_setup(bandwidth, costs: list[UnitCost] | None = None, rate: float = 1e9, on_ssd: frozenset[str] | None = None,
              sizes=(1, 2, 4, 8), budget: int = 1 << 30):
     """Setup's scores of ``costs`` (per layer; no compute, as setup sees them) merged into each size."""
-    from lightning_greedysnake.strategy.unit_plan import score_candidates
+    from lightning_greedysnake.strategy.planning.unit_size import score_candidates
 
     placed = {}
     for lpu in sizes:
@@ -150,12 +150,22 @@ def compute_bound(n: int = 8) -> list[UnitCost]:
 
 def warm_step(settings: GreedySnakeConfig, costs: list[UnitCost], machine: Machine, budget: int = 1 << 30,
               checkpoint_bytes: int = 4096, **options: Any):
+    """The run's planner's warm-step suggestion (built as setup builds it, K=4, on the CPU, in one process)."""
     from types import SimpleNamespace
 
-    from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
+    import torch
 
-    manager = SimpleNamespace(checkpoint_bytes=checkpoint_bytes)
-    return WarmStepPlan(settings, budget).larger_units(costs, machine, 4, budget, manager, 1, {**OPTIONS, **options})
+    from lightning_greedysnake.strategy.planning import Planner
+    from lightning_greedysnake.strategy.run import SetupContext
+
+    def nothing(*args: Any) -> None:
+        return None
+
+    ctx = SetupContext(dataclasses.replace(settings, auto_host_budget_bytes=budget), torch.device("cpu"), False,
+                       0, 0, 1, 1, 4, Path("."), True, SimpleNamespace(loss_scaler=None), lambda obj: obj, nothing,
+                       nothing, nothing, nothing, nothing)
+    planner = Planner(ctx, torch.nn.Linear(1, 1))
+    return planner.larger_units(costs, machine, budget, checkpoint_bytes, 1, {**OPTIONS, **options})
 
 
 def test_the_first_step_plan_finds_larger_units_where_they_save_recompute():
@@ -164,7 +174,7 @@ def test_the_first_step_plan_finds_larger_units_where_they_save_recompute():
     costs, machine = compute_bound(), Machine(2e9, 2e9, 1e9)
     found = warm_step(GreedySnakeConfig(), costs, machine)
     assert found is not None and found[0].layers_per_unit == 8  # one unit: no recompute at all
-    current = plan(costs, machine, 4, 1 << 30, 4096, layers_per_unit=(1,), **OPTIONS)
+    current = plan(costs, machine, 4, 1 << 30, 4096, **OPTIONS)
     assert found[1] == current  # this run's units, as the warm-step plan chose for them
     assert found[0].step_s < 0.9 * current.step_s
     assert warm_step(GreedySnakeConfig(layers_per_unit=1), costs, machine) is None  # the user's setting

@@ -14,7 +14,7 @@ the device resumes a checkpoint an offloaded run streamed (gathered in memory, a
 gathers it). Every rank applies rank 0's decision.
 
 A model that does not fit is offloaded, but not wholly: setup's placement
-(:mod:`lightning_greedysnake.strategy.placement`) then keeps what fits of its compute weights resident
+(:mod:`lightning_greedysnake.strategy.planning.placement`) then keeps what fits of its compute weights resident
 on the device, a prefix of units, in :func:`weights_room_bytes` (:class:`DeviceSide` carries the budget
 there), beside the host optimizer.
 
