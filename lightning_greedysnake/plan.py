@@ -20,10 +20,10 @@ import torch
 from lightning_greedysnake.engine import SavedBytes
 from lightning_greedysnake.models import GPT, GPTConfig
 from lightning_greedysnake.planner import Machine, UnitCost, plan
-from lightning_greedysnake.planner.plan import merge
-from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size
 from lightning_greedysnake.planner.measure import available_cores, disk_bandwidth, optimizer_rate
+from lightning_greedysnake.planner.plan import merge
 from lightning_greedysnake.planner.threads import optimizer_threads
+from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size
 
 
 def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype, repeats: int = 3

@@ -36,10 +36,12 @@ class Applied(L.Callback):
 
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 def test_auto_plans_the_unset_settings_after_the_first_step_and_stays_exact(schedule, caplog):
-    ref = _fit(GreedySnakeStrategy(auto=False, schedule=schedule, offload=ALL_SSD))  # alpha 0.25, lag 2
     strategy, applied = GreedySnakeStrategy(schedule=schedule, auto_host_budget_bytes=1 << 30, offload=ALL_SSD), Applied()
     with caplog.at_level("INFO"):
         got = _fit(strategy, [applied])
+    # alpha 0.25, lag 2, in the units setup planned (unit sizes agree up to rounding, not bit for bit)
+    ref = _fit(GreedySnakeStrategy(auto=False, schedule=schedule, offload=ALL_SSD,
+                                   layers_per_unit=strategy.config.layers_per_unit))
     choice = strategy.plan_choice
     assert choice is not None and 0.0 <= choice.alpha <= 1.0 and choice.lag in (0, 1, 2)
     assert choice.host_bytes <= 1 << 30

@@ -5,10 +5,10 @@ model and rule, and the probe that measures that bandwidth on a real file."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import astuple
-from typing import Any
 import math
+from dataclasses import astuple
 from pathlib import Path
+from typing import Any
 
 import pytest
 

@@ -8,7 +8,14 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, OffloadConfig, Split, TensorKind, Tier
+from lightning_greedysnake.config import (
+    REGION_KINDS,
+    GreedySnakeConfig,
+    OffloadConfig,
+    Split,
+    TensorKind,
+    Tier,
+)
 from lightning_greedysnake.layout import StateLayout, UnitLayout, unit_tiers
 from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.offload.regions import SLOTTED, placement_of

@@ -25,7 +25,7 @@ from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate
 from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.plan import merge
 from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size, table
-from lightning_greedysnake.strategy.planning.device import DeviceSide, device_side, plan_device
+from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
 from lightning_greedysnake.strategy.planning.placement import (
     CHECKPOINT_SHARE,
     host_budget_bytes,
@@ -124,7 +124,11 @@ class Planner:
         applies rank 0's, printed as a table), and the checkpoints' share. ``speculative``: fp16's two slots
         of the kinds a step rewrites."""
         ctx, settings, budget = self.ctx, self.settings, self.host_budget_bytes
-        device = ctx.broadcast(device_side(settings, ctx.device, ctx.device_tier))  # (GPUs' free memory differs)
+        # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
+        # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
+        planned_weights = ctx.device_tier and settings.auto and settings.offload.weights is None
+        device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
+                                          if planned_weights else None))
         lpu = self.unit_size(chain, optimizer, dtype, shard, speculative=speculative, clip_norm=clip_norm,
                              device=device)
         units = make_units(chain, lpu)

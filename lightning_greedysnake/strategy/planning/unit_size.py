@@ -18,8 +18,14 @@ from lightning_greedysnake.planner.plan import Choice
 from lightning_greedysnake.planner.roofline import Machine, traffic
 from lightning_greedysnake.planner.unit_size import CANDIDATES, Bandwidth, machine_at, plans_by_size, requests
 from lightning_greedysnake.strategy.planning.device import DeviceSide
-from lightning_greedysnake.strategy.planning.placement import place_kinds, placed_config, planned_costs, staging_estimate
+from lightning_greedysnake.strategy.planning.placement import (
+    place_kinds,
+    placed_config,
+    planned_costs,
+    staging_estimate,
+)
 from lightning_greedysnake.tensor_manager import discover_slots, state_format_for, state_layout
+
 
 def probe_directory(setting: str | None, default_root: Path) -> Path:
     """Where to measure the disk of an offload path before it exists: its nearest existing ancestor
