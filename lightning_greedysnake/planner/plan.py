@@ -1,5 +1,6 @@
-"""Choosing alpha, lag, layers_per_unit, checkpoint placement and the staging budget from measured
-costs: an exhaustive search over a small grid, scored by a two-phase roofline. Pure arithmetic.
+"""Choosing alpha, lag, recompute, checkpoint placement and the staging budget from measured costs: an
+exhaustive search over a small grid, scored by a two-phase roofline, the one model every plan uses (the
+unit size too: :mod:`~lightning_greedysnake.planner.unit_size` scores each size with it). Pure arithmetic.
 
 Step time (vertical order, K micro-batches):
 

@@ -21,7 +21,7 @@ from lightning_greedysnake.models import LayerChain, Unit, make_units
 from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
-from lightning_greedysnake.planner.measure import disk_bandwidth, optimizer_rate, unit_costs, unit_times
+from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidth, unit_costs, unit_times
 from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.plan import merge
 from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size, table
@@ -50,21 +50,21 @@ planned (the settings in effect are kept)."""
 
 
 def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Machine, str]:
-    """The offload disks' O_DIRECT bandwidth (each path; units are striped round robin over them, so the
-    slowest binds, once per path) and the element rate of the user's optimizer on the host. The probes
-    are small (at most 16 MiB of file and buffer, 1M optimizer elements: 16 MiB) so that they fit the
-    host budget too, and the disk's free space (:func:`probe_bytes`); the optimizer at the lane's threads. Raises ``OSError`` where a disk
-    cannot be measured."""
+    """The offload disks' O_DIRECT bandwidth (:func:`~lightning_greedysnake.planner.measure.paths_bandwidth`,
+    as setup measures them, here at one request of :func:`probe_bytes`) and the element rate of the user's
+    optimizer at the lane's threads. The probes are small (at most 16 MiB of file and buffer, 1M optimizer
+    elements: 16 MiB) so that they fit the host budget and the disks' free space. Raises ``OSError`` where
+    a disk cannot be measured."""
     params = sum(lay.trainable_numel for lay in manager.layouts)
     rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=manager.optimizer,
                           threads=manager.optimizer_threads)  # (at the threads the lane really gets)
     if not manager.config.uses_ssd:
         return Machine(math.inf, math.inf, rate), "no SSD tier"
     dirs = manager.offload_dirs or [default_root]
-    per_path = [disk_bandwidth(d, nbytes=probe_bytes(d)) for d in dirs]
-    read, write = len(dirs) * min(r for r, _ in per_path), len(dirs) * min(w for _, w in per_path)
-    paths = ", ".join(f"{d}: read {r / 1e9:.2f} GB/s, write {w / 1e9:.2f} GB/s" for d, (r, w) in zip(dirs, per_path))
-    return Machine(read, write, rate), paths
+    size = min(probe_bytes(d) for d in dirs)
+    read, write = paths_bandwidth(dirs, [size], manager.config, min_probe_bytes=size)[size]
+    paths = ", ".join(map(str, dirs))
+    return Machine(read, write, rate), f"{paths}: read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s"
 
 
 def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
@@ -241,8 +241,12 @@ class Planner:
                    f"elements/s; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
                    f"{'binding resource':<22}{bound:>20}")
         larger = self.larger_units(costs, machine, budget, manager.checkpoint_bytes, config.layers_per_unit, options)
-        if larger is not None:
-            ctx.report(larger_units_note(*larger))
+        if larger is not None:  # (the files are laid out by the unit size: a run keeps its own)
+            (best, current), lpu = larger, larger[0].layers_per_unit
+            ctx.report(f"greedysnake: larger units are faster here: layers_per_unit={lpu} is predicted at "
+                       f"{best.step_s:.3f} s a step against {current.step_s:.3f} s (its last unit recomputes "
+                       f"nothing; staging {best.buffer_budget_bytes:,} bytes). Set layers_per_unit={lpu} for the "
+                       "next run (a run keeps the unit size its files were laid out in).")
         return config
 
     def larger_units(self, costs: list[UnitCost], machine: Machine, budget: int, checkpoint_bytes: int, lpu: int,
@@ -260,12 +264,3 @@ class Planner:
             return None
         chosen = choose_unit_size(plans)
         return None if chosen == lpu else (plans[chosen], plans[lpu])
-
-
-def larger_units_note(best: Choice, current: Choice) -> str:
-    """The report's suggestion of larger units for the next run."""
-    lpu = best.layers_per_unit
-    return (f"greedysnake: larger units are faster here: layers_per_unit={lpu} is predicted at {best.step_s:.3f} s a "
-            f"step against {current.step_s:.3f} s (its last unit recomputes nothing; staging "
-            f"{best.buffer_budget_bytes:,} bytes). Set layers_per_unit={lpu} for the next run (a run keeps the unit "
-            "size its files were laid out in).")

@@ -5,6 +5,7 @@ candidates' request sizes (at most 64 MiB of scratch file), and the optimizer's 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig
 from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.models import LayerChain, make_units
-from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, probe_sizes, request_bandwidth
+from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, paths_bandwidth, probe_sizes
 from lightning_greedysnake.planner.plan import Choice
 from lightning_greedysnake.planner.roofline import Machine, traffic
 from lightning_greedysnake.planner.unit_size import CANDIDATES, Bandwidth, machine_at, plans_by_size, requests
@@ -81,17 +82,10 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
                        state.num_slots, room, config)
     if not placed:
         return UnitSizeScores({}, {}, {})
-    if any(t.read_bytes + t.write_bytes for _, t, *_ in placed.values()):
-        io = settings.offload
-        dirs = [probe_directory(p, default_root) for p in (io.paths or [None])]
-        sizes = probe_sizes([request for costs, _, slots, *_ in placed.values() for request in requests(costs, slots)])
-        per_path = [request_bandwidth(d, sizes, io.io_threads, io.io_chunk_bytes, io.direct_io) for d in dirs]
-        measured = {size: (len(dirs) * min(p[size][0] for p in per_path), len(dirs) * min(p[size][1] for p in per_path))
-                    for size in sizes}
-        bandwidth = interpolate(measured)
-    else:
-        def bandwidth(size: int) -> tuple[float, float]:
-            return float("inf"), float("inf")
+    sizes = probe_sizes([request for costs, _, slots, *_ in placed.values() for request in requests(costs, slots)])
+    dirs = [probe_directory(p, default_root) for p in (settings.offload.paths or [None])]
+    moved = any(t.read_bytes + t.write_bytes for _, t, *_ in placed.values())  # (else nothing to measure)
+    bandwidth = interpolate(paths_bandwidth(dirs, sizes, settings.offload) if moved else {1: (math.inf, math.inf)})
     params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
     rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=optimizer, threads=optimizer_threads)
     return score_candidates(placed, bandwidth, rate, k)
