@@ -96,7 +96,6 @@ class Planner:
 
     def __init__(self, ctx: SetupContext, module: nn.Module) -> None:
         self.ctx = ctx
-        self.settings = ctx.settings
         self.config = plan_device(ctx.settings, module, ctx.device, simulated=ctx.simulated,
                                   loss_scaling=ctx.precision.loss_scaler is not None, broadcast=ctx.broadcast,
                                   report=ctx.report).resolved()
@@ -109,8 +108,7 @@ class Planner:
         self.pending = ctx.settings.auto and bool(ctx.settings.unset() & FIRST_STEP_SETTINGS)
         """The warm-step plan is still to run."""
         self.steps, self.since = 0, 0.0
-        """Optimizer steps ended in this fit, and ``time.perf_counter()`` at the end of the one before the
-        warm one (its compute is measured from there)."""
+        """Optimizer steps ended in this fit; ``perf_counter()`` at the end of the one before the warm one."""
         self.choice: Choice | None = None
         """The warm-step plan's choice, :attr:`machine` what it measured (the disks, the optimizer's rate)
         and :attr:`unit_seconds` each unit's forward and backward seconds a micro-batch."""
@@ -123,7 +121,7 @@ class Planner:
         """``layers_per_unit``, then the placement of the unset kinds for units of that size (every rank
         applies rank 0's, printed as a table), and the checkpoints' share. ``speculative``: fp16's two slots
         of the kinds a step rewrites."""
-        ctx, settings, budget = self.ctx, self.settings, self.host_budget_bytes
+        ctx, settings, budget = self.ctx, self.ctx.settings, self.host_budget_bytes
         # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
         # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
         planned_weights = ctx.device_tier and settings.auto and settings.offload.weights is None
@@ -150,10 +148,10 @@ class Planner:
         """``layers_per_unit`` for this run: the user's, 1 with ``auto=False``, else rank 0's choice
         (:mod:`~lightning_greedysnake.planner.unit_size`) among the candidates whose staging fits the host
         budget; where none can be measured, 1 (and the report says why)."""
-        ctx, settings = self.ctx, self.settings
+        ctx, settings = self.ctx, self.ctx.settings
         if settings.layers_per_unit is not None or not settings.auto:
             return settings.resolved().layers_per_unit
-        if len([c for c in CANDIDATES if c <= len(chain.blocks)]) < 2:
+        if len(chain.blocks) < CANDIDATES[1]:  # (one candidate: nothing to measure)
             return 1
         result: int | str = 1
         if ctx.is_global_zero:
@@ -198,7 +196,7 @@ class Planner:
         ctx, k = self.ctx, self.ctx.accumulate
         self.pending = False
         manager.drain()
-        unset = self.settings.unset()
+        unset = ctx.settings.unset()
         try:
             machine, disks = measured_machine(manager, ctx.default_root)
         except OSError as e:  # (a full disk, say: every rank still takes rank 0's word below)
@@ -256,7 +254,7 @@ class Planner:
         setup, which sees no batch, chose from the disks alone), over the same ``options``: the plans of
         the size chosen and of this one. None where this one stays, and when the user set ``layers_per_unit``."""
         sizes = [n for n in CANDIDATES if n * lpu <= CANDIDATES[-1] and n <= len(costs)]
-        if self.settings.layers_per_unit is not None or len(sizes) < 2:
+        if self.ctx.settings.layers_per_unit is not None or len(sizes) < 2:
             return None
         plans = plans_by_size({n * lpu: (merge(costs, n), machine) for n in sizes}, self.ctx.accumulate, budget,
                               checkpoint_bytes, **options)

@@ -4,10 +4,9 @@ candidates' request sizes (at most 64 MiB of scratch file), and the optimizer's 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,12 +18,7 @@ from lightning_greedysnake.planner.plan import Choice
 from lightning_greedysnake.planner.roofline import Machine, traffic
 from lightning_greedysnake.planner.unit_size import CANDIDATES, Bandwidth, machine_at, plans_by_size, requests
 from lightning_greedysnake.strategy.planning.device import DeviceSide
-from lightning_greedysnake.strategy.planning.placement import (
-    place_kinds,
-    placed_config,
-    planned_costs,
-    staging_estimate,
-)
+from lightning_greedysnake.strategy.planning.placement import place_kinds, placed_config, planned_costs
 from lightning_greedysnake.tensor_manager import discover_slots, state_format_for, state_layout
 
 
@@ -48,8 +42,7 @@ def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer:
             for c in sizes}
 
 
-@dataclasses.dataclass(frozen=True)
-class UnitSizeScores:
+class UnitSizeScores(NamedTuple):
     """Each candidate's roofline plan, its machine (the disks at its request sizes) and SSD bytes a step."""
 
     plans: dict[int, Choice]
@@ -60,8 +53,9 @@ class UnitSizeScores:
 def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any, k: int, budget: int,
                 *, speculative: bool, clip_norm: bool, default_root: Path, device: DeviceSide,
                 optimizer_threads: int) -> UnitSizeScores:
-    """Place each candidate within ``budget`` (one whose staging alone exceeds it is left out), measure
-    the disks at their request sizes and the optimizer, and score them (:func:`score_candidates`)."""
+    """Place each candidate within ``budget`` (one whose staging alone exceeds it is left out, by the
+    placement or the roofline's plan), measure the disks at their request sizes and the optimizer, and
+    score them (:func:`score_candidates`)."""
     placed: dict[int, tuple[list, Any, int, int, GreedySnakeConfig]] = {}
     for lpu, state in layouts.items():
         try:
@@ -70,10 +64,8 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
                                              clip_norm=clip_norm, device=device)
                 config = placed_config(settings, state, lag, placement)
                 room = budget - sum(kind.host_bytes for kind in placement.kinds.values())
-            else:  # every kind placed by the user: the budget still bounds a larger unit's staging
+            else:  # every kind placed by the user (the roofline's plan still bounds each size's staging)
                 config, room = settings.resolved(), budget
-                if lpu > 1 and staging_estimate(state, config.offload, config.lag, device.tier) > budget:
-                    continue
         except ValueError:
             continue  # its staging alone exceeds the budget
         costs = planned_costs(state, config.offload, config.alpha or 0.0, device.tier)
