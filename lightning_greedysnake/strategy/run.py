@@ -1,9 +1,10 @@
 """A run's parts, built complete at setup from what setup reads of the strategy and the Trainer, and
 closed together.
 
-:class:`SetupContext` is everything the planners and builders take (never the strategy itself);
-:func:`cut_model` finds the layered model and cuts it into units (before Lightning moves the model);
-:func:`open_run` plans the run (the unit size and the placement, with ``auto=True``), builds the tensor
+:class:`SetupContext` is everything the planner and the builders take (never the strategy itself); the
+run's one :class:`~lightning_greedysnake.strategy.planning.Planner` is built from it first (the device
+plan); :func:`cut_model` finds the layered model and cuts it into units (before Lightning moves the model);
+:func:`open_run` plans the run (the planner's setup plan, with ``auto=True``), builds the tensor
 manager, the engine and the window's helpers, and returns them as one :class:`Run`, whose ``config`` is
 the one resolved configuration every part was built from (a new one after the warm-step plan,
 :meth:`Run.replan`).
@@ -86,7 +87,7 @@ class SetupContext:
     warn: Callable[[str, str], None]
     """Warns once per key (rank 0)."""
     report: Callable[[str], None]
-    """The planners' reports (rank 0's log)."""
+    """The planner's reports (rank 0's log)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -210,9 +211,10 @@ class Run:
 def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelCut,
              optimizer: torch.optim.Optimizer | None, clip: ClipPolicy) -> Run:
     """Plan (``planner``'s setup plan), build and open the run over ``cut`` (after Lightning's own setup:
-    ``optimizer`` is the one it configured, None outside fitting). With the tensor manager: the unit size and the placement
-    planned, the manager made, connected to the ranks and opened in its prepared directories with the
-    model's initial weights; otherwise the units stay on the device with rank 0's weights."""
+    ``optimizer`` is the one it configured, None outside fitting). With the tensor manager: the unit size
+    and the placement planned, the manager made, connected to the ranks and opened in its prepared
+    directories with the model's initial weights; otherwise the units stay on the device with rank 0's
+    weights."""
     guard = NonFiniteGuard(cut.config.on_nonfinite, ctx.warn, ctx.precision.loss_scaler)
     if not cut.config.offload.uses_tensor_manager:
         directories = OffloadDirectories(cut.config.offload)
