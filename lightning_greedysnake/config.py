@@ -416,7 +416,7 @@ class GreedySnakeConfig:
     """On a GPU, device memory the planner may count on, per process: where the model's whole training
     state (weights, gradients, optimizer state) fits in half of it and no kind's placement is given,
     every kind stays on the device and nothing is offloaded (:mod:`~lightning_greedysnake.strategy.
-    device_plan`). ``None``: the GPU's free memory at setup. ``0``: always plan the offload."""
+    planning.device`). ``None``: the GPU's free memory at setup. ``0``: always plan the offload."""
 
     on_nonfinite: str = "warn"
     """A micro-batch's loss or a unit's gradient that is not finite (NaN or inf): ``"warn"`` names the

@@ -21,7 +21,9 @@ from lightning_greedysnake.engine import SavedBytes
 from lightning_greedysnake.models import GPT, GPTConfig
 from lightning_greedysnake.planner import Machine, UnitCost, plan
 from lightning_greedysnake.planner.measure import available_cores, disk_bandwidth, optimizer_rate
+from lightning_greedysnake.planner.plan import merge
 from lightning_greedysnake.planner.threads import optimizer_threads
+from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size
 
 
 def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype, repeats: int = 3
@@ -75,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
                       activation_bytes=act) for i in range(args.n_layer)]
     checkpoint_bytes = args.micro_batch * args.seq * args.n_embd * (2 if bf16 else 4)
     machine = Machine(read_bps, write_bps, rate)
-    choice = plan(units, machine, args.k, int(args.host_budget_gb * 2**30), checkpoint_bytes)
+    budget = int(args.host_budget_gb * 2**30)
+    plans = plans_by_size({n: (merge(units, n), machine) for n in CANDIDATES if n <= args.n_layer}, args.k, budget,
+                          checkpoint_bytes)  # (the unit size by setup's rule; the rest as the warm-step plan)
+    # (where no size fits, plan says why)
+    choice = plans[choose_unit_size(plans)] if plans else plan(units, machine, args.k, budget, checkpoint_bytes)
     print(f"measured: SSD read {read_bps / 1e9:.2f} GB/s, write {write_bps / 1e9:.2f} GB/s; optimizer "
           f"{rate / 1e6:.0f} M elements/s; block forward {fwd * 1e3:.1f} ms, recompute+backward {bwd * 1e3:.1f} ms")
     print(choice.table())

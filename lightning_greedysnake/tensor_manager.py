@@ -103,7 +103,8 @@ class TieredTensorStore:
                  alpha: float = 0.0, lag: int = 0, shard: tuple[int, int] | None = None,
                  copies: DeviceCopies | None = None, loss_scaler: Any = None,
                  data_parallel: DataParallelHooks | None = None,
-                 gradient_observer: Callable[[int, Tensor], None] | None = None, optimizer_threads: int = 1) -> None:
+                 gradient_observer: Callable[[int, Tensor], None] | None = None, optimizer_threads: int = 1,
+                 checkpoint_plan: tuple[int, Callable[[str], None]] | None = None) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
@@ -116,7 +117,9 @@ class TieredTensorStore:
         a second slot of its regions, and a window found to hold an inf or NaN is undone
         (:meth:`finish_step`). ``data_parallel``: the ranks' collectives (None: one process).
         ``gradient_observer``: see :class:`~lightning_greedysnake.optim.stepper.UnitStepper`.
-        ``optimizer_threads``: the optimizer lane's intra-op threads (planned by the strategy)."""
+        ``optimizer_threads``: the optimizer lane's intra-op threads (planned by the strategy).
+        ``checkpoint_plan``: the activation checkpoints' tier, planned at their first save (see
+        :class:`~lightning_greedysnake.offload.activations.ActivationStore`)."""
         if config.unset():
             raise ValueError(f"the tensor manager needs every kind placed (OffloadConfig.placed()), not {config}")
         self.config = config
@@ -153,7 +156,7 @@ class TieredTensorStore:
                                    gradient_observer=gradient_observer)
         self.grads = GradientAccumulator(self.arena, self.state, self.params, copies,
                                          data_parallel.device_reducer if data_parallel is not None else None)
-        self.activations = ActivationStore(self.arena, config, self.stats, copies)
+        self.activations = ActivationStore(self.arena, config, self.stats, copies, checkpoint_plan)
         self.between_windows = StateBetweenWindows(optimizer, self.arena, self.weights, self.stepper, self.grads.where,
                                                    self.slots, self.state_format, compute_dtype, self.drain)
 

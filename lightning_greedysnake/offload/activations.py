@@ -66,7 +66,11 @@ class _OnHost:
 
 class ActivationStore:
     def __init__(self, arena: StagingArena, config: OffloadConfig, stats: IOStats,
-                 copies: DeviceCopies | None = None) -> None:
+                 copies: DeviceCopies | None = None, plan: tuple[int, Callable[[str], None]] | None = None) -> None:
+        """``plan``: ``auto=True`` with ``offload.checkpoints`` unset, their share of the host budget and
+        where to report: the first save, which knows the checkpoints' size, keeps a window's checkpoints
+        in host memory if they fit that share, else puts them on SSD (where the run has an offload
+        directory), and says so."""
         self._arena = arena
         self._copies = copies
         self._copied: dict[tuple[int, int], _OnHost] = {}
@@ -91,15 +95,9 @@ class ActivationStore:
         """The window's (micro-batches, units), from :meth:`begin_window`."""
         self._reserved = False
         self.tier: Tier = config.tier(TensorKind.CHECKPOINTS)  # type: ignore[assignment]
-        """Where checkpoints go (host, SSD or device); planned at the first save with :meth:`plan_tier`."""
-        self._plan: tuple[int, Callable[[str], None]] | None = None
+        """Where checkpoints go (host, SSD or device); planned at the first save with a ``plan``."""
+        self._plan = plan
         self._offload: tuple[list[Path], list[IOEngine]] = ([], [])
-
-    def plan_tier(self, host_share_bytes: int, report: Callable[[str], None]) -> None:
-        """``auto=True`` with ``offload.checkpoints`` unset: the first save, which knows the checkpoints'
-        size, keeps a window's checkpoints in host memory if they fit ``host_share_bytes`` (their share of
-        the host budget), else puts them on SSD (where the run has an offload directory), and says so."""
-        self._plan = (host_share_bytes, report)
 
     def _decide(self, nbytes: int) -> None:
         assert self._plan is not None

@@ -1,5 +1,6 @@
-"""Choosing alpha, lag, layers_per_unit, checkpoint placement and the staging budget from measured
-costs: an exhaustive search over a small grid, scored by a two-phase roofline. Pure arithmetic.
+"""Choosing alpha, lag, recompute, checkpoint placement and the staging budget from measured costs: an
+exhaustive search over a small grid, scored by a two-phase roofline, the one model every plan uses (the
+unit size too: :mod:`~lightning_greedysnake.planner.unit_size` scores each size with it). Pure arithmetic.
 
 Step time (vertical order, K micro-batches):
 
@@ -208,12 +209,13 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
 
 def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int, checkpoint_bytes: int,
          alphas: tuple[float, ...] = tuple(a / 20 for a in range(11)), lags: tuple[int, ...] = (0, 1, 2),
-         layers_per_unit: tuple[int, ...] = (1, 2, 4),
          checkpoint_placements: tuple[str, ...] = ("host", "ssd"),
-         recompute: tuple[bool, ...] = (True, False), prefetch_units: int = 1) -> Choice:
-    """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory).
+         recompute: tuple[bool, ...] = (True, False), prefetch_units: int = 1, layers_per_unit: int = 1) -> Choice:
+    """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory), for
+    ``units`` as given (the unit size is :mod:`~lightning_greedysnake.planner.unit_size`'s to choose).
 
-    ``units``: per-layer costs (one block each); ``checkpoint_bytes``: one unit input of one micro-batch;
+    ``units``: per-unit costs (``layers_per_unit`` blocks each: :func:`merge` them; the last one is the
+    fused unit); ``checkpoint_bytes``: one unit input of one micro-batch;
     ``prefetch_units``: the weights prefetches the staging budget holds room for (``offload.prefetch_units``).
     Keeping the graphs is considered only where every recomputed unit's activation bytes were measured.
     """
@@ -223,33 +225,32 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
         options.append((False, "none"))
     best: Choice | None = None
     smallest = None
-    for lpu in layers_per_unit:
-        merged = merge(units, lpu)
-        second_set = second_working_set_bytes(merged)
-        for lag in lags:
-            for double, ahead in ((False, False), (True, False), (False, True), (True, True)):
-                if ahead and lag == 0:
-                    continue  # the synchronous step reads in line anyway
-                staging = (staging_bytes(merged, lag, prefetch_units) + (second_set if double else 0)
-                           + (read_ahead_bytes(merged) if ahead else 0))
-                for recomputing, checkpoints in options:
-                    if recomputing:
-                        host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
-                    else:  # every unit's graph for every micro-batch, but the fused last unit's
-                        host_ckpt = k * sum(u.activation_bytes for u in merged[:-1])
-                    host = staging + host_ckpt
-                    smallest = host if smallest is None else min(smallest, host)
-                    if host > host_budget_bytes:
-                        continue
-                    for alpha in alphas:
-                        f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints, double,
-                                     recompute=recomputing, read_ahead=ahead)
-                        choice = Choice(alpha, lag, lpu, checkpoints, staging, host, f + b, f, b,
-                                        recomputing, ahead)
-                        # ties: less memory, then recompute (the method's default)
-                        key = (choice.step_s, choice.host_bytes, not choice.recompute)
-                        if best is None or key < (best.step_s, best.host_bytes, not best.recompute):
-                            best = choice
+    merged = merge(units, 1)  # (the last unit fused: it recomputes nothing)
+    second_set = second_working_set_bytes(merged)
+    for lag in lags:
+        for double, ahead in ((False, False), (True, False), (False, True), (True, True)):
+            if ahead and lag == 0:
+                continue  # the synchronous step reads in line anyway
+            staging = (staging_bytes(merged, lag, prefetch_units) + (second_set if double else 0)
+                       + (read_ahead_bytes(merged) if ahead else 0))
+            for recomputing, checkpoints in options:
+                if recomputing:
+                    host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
+                else:  # every unit's graph for every micro-batch, but the fused last unit's
+                    host_ckpt = k * sum(u.activation_bytes for u in merged[:-1])
+                host = staging + host_ckpt
+                smallest = host if smallest is None else min(smallest, host)
+                if host > host_budget_bytes:
+                    continue
+                for alpha in alphas:
+                    f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints, double,
+                                 recompute=recomputing, read_ahead=ahead)
+                    choice = Choice(alpha, lag, layers_per_unit, checkpoints, staging, host, f + b, f, b,
+                                    recomputing, ahead)
+                    # ties: less memory, then recompute (the method's default)
+                    key = (choice.step_s, choice.host_bytes, not choice.recompute)
+                    if best is None or key < (best.step_s, best.host_bytes, not best.recompute):
+                        best = choice
     if smallest is None:
         raise PlanError("no configuration to consider: kept graphs (recompute=False) need every unit's activation "
                         "bytes measured, and recomputing was not allowed")

@@ -1,114 +1,104 @@
-"""Choosing ``layers_per_unit`` at setup, before any file is shaped by it: pure arithmetic over each
-candidate's placement (its SSD bytes per step), the offload disks' measured bandwidth at that
-candidate's request sizes, and the optimizer's rate. No torch.
+"""Choosing ``layers_per_unit``: one model and one rule for setup and the warm step. Pure arithmetic.
 
-What a unit's size changes, and what setup can see of it:
+Each candidate size is scored by the roofline (:func:`~lightning_greedysnake.planner.plan.plan`) over
+its units' costs (:func:`~lightning_greedysnake.planner.measure.unit_costs`) on its machine; the
+smallest wins unless a larger one is predicted :data:`LARGER_UNIT_GAIN` faster than every smaller one.
 
-- **SSD time.** Every region of a unit moves as one request (split into ``io_chunk_bytes`` chunks over
-  the I/O threads): small units make small requests, which a disk serves at a fraction of its bandwidth
-  (per-request latency, too few chunks to keep the threads busy). Measured: each disk's O_DIRECT
-  bandwidth at the candidate's request size (:func:`~lightning_greedysnake.planner.measure.request_bandwidth`).
-- **Host memory.** The staging grows with the unit (its working set, the queued steps' weights and
-  gradients, the prefetch): what is left of the host budget keeps fewer kinds in RAM, so more bytes go
-  over the SSD. Counted: each candidate's own placement plan within the same budget.
-- **The pipeline's fill.** One unit's share of the transfers does not overlap compute (the first
-  unit's reads before anything computes, the last one's writes after): ``1/units`` of the SSD time,
-  which is all of it for a model in one unit.
-- **The window's tail.** The window's last optimizer step (unit 0's) overlaps nothing: its optimizer
-  time and its state reads grow with the unit. Counted: unit 0's elements over the measured optimizer
-  rate, and its master weights and state on SSD over the read bandwidth.
-
-Not seen at setup: compute. Larger units recompute less (the fused last unit is not recomputed at all)
-and pay less per-op overhead, which helps small models on CPUs; how much depends on the tokens per
-micro-batch, which setup does not see. The score therefore leaves compute out: it prefers the smallest
-unit unless larger ones move the same bytes measurably faster, which is where the disk binds.
+- **At setup** no batch has run: the costs carry no compute, so the score is the SSD-bound step (plus
+  the window's last optimizer step, which nothing overlaps). Each candidate has its own placement within
+  the host budget (small units stage less, so more can stay in RAM) and its own machine: the disks
+  measured at its request sizes (every region of a unit moves as one request; small ones pay the disk's
+  per-request latency), :func:`machine_at`.
+- **After the warm step** the costs carry this run's measured compute (larger units recompute less: the
+  fused last unit not at all) and the machine is the one measured then; the candidates are this run's
+  units merged. A larger size is only reported, for the next run (the files are shaped by the unit size).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import Any
 
-from lightning_greedysnake.planner.roofline import Traffic, UnitCost
+from lightning_greedysnake.planner.plan import Choice, PlanError, plan
+from lightning_greedysnake.planner.roofline import Machine, Traffic, UnitCost
+
+CANDIDATES = (1, 2, 4, 8)
+"""The unit sizes considered (blocks per unit; those up to the model's number of blocks)."""
+
+LARGER_UNIT_GAIN = 0.1
+"""How much faster (a fraction of the smaller's predicted step) a larger unit must be to be preferred,
+at setup and after the warm step alike: a measurement's noise must not buy memory (a larger unit stages
+more) nor a new layout."""
 
 Bandwidth = Callable[[int], tuple[float, float]]
-"""``bandwidth(request_bytes) -> (read, write)`` bytes/s of the offload disks together at that request
-size (several paths: the slowest path's times their number; units are striped round robin)."""
+"""``bandwidth(request_bytes) -> (read, write)`` bytes/s of the offload disks together (``paths_bandwidth``)."""
 
 
-@dataclass(frozen=True)
-class UnitSizeScore:
-    layers_per_unit: int
-    ssd_s: float
-    """Seconds of SSD transfer per step: each kind's bytes over the bandwidth at its request size."""
-    fill_s: float
-    """The part of ``ssd_s`` no compute overlaps: one unit's share."""
-    tail_s: float
-    """Seconds of the window's last step (unit 0's), which nothing overlaps."""
-    ssd_bytes: int
-    """SSD bytes per step with this candidate's placement."""
-
-    @property
-    def score_s(self) -> float:
-        return self.ssd_s + self.fill_s + self.tail_s
-
-
-def request_bytes(units: Sequence[UnitCost]) -> dict[str, int]:
-    """The mean request of each kind: its region bytes per unit (0 where a kind has none)."""
-    sizes = {
-        "weights": [u.weight_bytes for u in units], "master_weights": [u.master_bytes for u in units],
-        "optimizer_states": [u.state_bytes for u in units], "gradients": [u.grad_bytes for u in units],
-    }
-    return {kind: sum(s) // max(1, sum(1 for x in s if x)) for kind, s in sizes.items()}
+def request_bytes(units: Sequence[UnitCost], state_slots: int = 1) -> dict[str, int]:
+    """Each kind's request (bytes): its mean region per unit (0 where a kind has none), the optimizer
+    state's per slot (each slot is read and written as its own range)."""
+    sizes = {"weights": [u.weight_bytes for u in units], "master_weights": [u.master_bytes for u in units],
+             "optimizer_states": [u.state_bytes for u in units], "gradients": [u.grad_bytes for u in units]}
+    return {kind: sum(s) // max(1, sum(1 for x in s if x)) // (max(1, state_slots) if kind == "optimizer_states" else 1)
+            for kind, s in sizes.items()}
 
 
 def requests(units: Sequence[UnitCost], state_slots: int = 1) -> list[int]:
-    """The request sizes (bytes) a step of ``units`` makes of the disks: each kind's mean region on SSD,
-    the optimizer state's per slot."""
-    sizes = request_bytes(units)
-    sizes["optimizer_states"] //= max(1, state_slots)
-    return [size for kind, size in sizes.items() if size and any(kind in u.on_ssd for u in units)]
+    """The request sizes (bytes) a step of ``units`` makes of the disks: those of the kinds on SSD."""
+    return [size for kind, size in request_bytes(units, state_slots).items()
+            if size and any(kind in u.on_ssd for u in units)]
 
 
-def score_unit_size(layers_per_unit: int, units: Sequence[UnitCost], traffic: Traffic, bandwidth: Bandwidth,
-                    optimizer_elements_per_s: float, state_slots: int = 1) -> UnitSizeScore:
-    """Score one candidate: ``units`` are its units (region sizes and their tiers, as its placement
-    plan put them) and ``traffic`` that plan's SSD bytes per step. The optimizer state region holds
-    ``state_slots`` slots, each read and written as its own range."""
-    sizes = request_bytes(units)
-    ssd = 0.0
+def machine_at(units: Sequence[UnitCost], traffic: Traffic, bandwidth: Bandwidth, optimizer_elements_per_s: float,
+               state_slots: int = 1) -> Machine:
+    """The machine ``units`` see: the disks at their request sizes, each kind's bandwidth weighted by the
+    bytes it moves a step (``traffic``, the units' placement's), and the optimizer's rate."""
+    sizes = request_bytes(units, state_slots)
+    seconds, moved = {"read": 0.0, "write": 0.0}, {"read": 0, "write": 0}
     for name, nbytes in traffic.terms.items():
         op, kind = name.split("/", 1)
-        size = sizes[kind] // (max(1, state_slots) if kind == "optimizer_states" else 1)
-        read, write = bandwidth(max(1, size))
-        ssd += nbytes / (read if op == "read" else write)
-    u = units[0]
-    tail_reads = sum(nbytes for kind, nbytes in (("master_weights", u.master_bytes), ("optimizer_states", u.state_bytes))
-                     if kind in u.on_ssd)
-    tail = u.params / optimizer_elements_per_s
-    if tail_reads:
-        tail += tail_reads / bandwidth(max(1, tail_reads))[0]
-    return UnitSizeScore(layers_per_unit, ssd, ssd / len(units), tail, traffic.read_bytes + traffic.write_bytes)
+        seconds[op] += nbytes / bandwidth(max(1, sizes[kind]))[op == "write"]
+        moved[op] += nbytes
+    fallback = bandwidth(max(1, *sizes.values()))  # (a direction that moves nothing: any size will do)
+    return Machine(moved["read"] / seconds["read"] if seconds["read"] else fallback[0],
+                   moved["write"] / seconds["write"] if seconds["write"] else fallback[1], optimizer_elements_per_s)
 
 
-def choose_unit_size(scores: Mapping[int, UnitSizeScore], tolerance: float = 0.1) -> int:
-    """The candidate with the lowest score; a larger one only where it beats every smaller one by more
-    than ``tolerance`` of the smaller's score (measurement noise must not buy memory)."""
-    best: UnitSizeScore | None = None
-    for lpu in sorted(scores):
-        s = scores[lpu]
-        if best is None or s.score_s < best.score_s * (1 - tolerance):
-            best = s
+def plans_by_size(candidates: Mapping[int, tuple[list[UnitCost], Machine]], k: int, budget: int,
+                  checkpoint_bytes: int, **options: Any) -> dict[int, Choice]:
+    """The roofline's best plan of each candidate (``layers_per_unit -> (its units' costs, its
+    machine)``) within ``budget`` over ``options`` (:func:`~lightning_greedysnake.planner.plan.plan`'s);
+    a candidate that fits none is left out."""
+    out = {}
+    for lpu, (units, machine) in candidates.items():
+        try:
+            best = plan(units, machine, k, budget, checkpoint_bytes, **options)
+        except PlanError:
+            continue
+        out[lpu] = dataclasses.replace(best, layers_per_unit=lpu)
+    return out
+
+
+def choose_unit_size(plans: Mapping[int, Choice], gain: float | None = None) -> int:
+    """The smallest candidate, or a larger one predicted ``gain`` (:data:`LARGER_UNIT_GAIN`) faster than
+    every smaller one."""
+    gain = LARGER_UNIT_GAIN if gain is None else gain
+    best: int | None = None
+    for lpu in sorted(plans):
+        if best is None or plans[lpu].step_s < plans[best].step_s * (1 - gain):
+            best = lpu
     assert best is not None, "no candidate unit size"
-    return best.layers_per_unit
+    return best
 
 
-def table(scores: Mapping[int, UnitSizeScore], chosen: int) -> str:
-    rows = [(f"{'layers_per_unit':<17}{'SSD GB/step':>12}{'SSD (s)':>10}{'fill (s)':>10}{'last step (s)':>15}"
-            f"{'score (s)':>11}")]
-    for lpu in sorted(scores):
-        s = scores[lpu]
-        rows.append(f"{lpu:<17}{s.ssd_bytes / 1e9:>12.3f}{s.ssd_s:>10.3f}{s.fill_s:>10.3f}{s.tail_s:>15.3f}"
-                    f"{s.score_s:>11.3f}"
+def table(plans: Mapping[int, Choice], machines: Mapping[int, Machine], ssd_bytes: Mapping[int, int],
+          chosen: int) -> str:
+    """Each candidate's SSD bytes a step, its disks' bandwidth at its request sizes and its predicted step."""
+    rows = [f"{'layers_per_unit':<17}{'SSD GB/step':>12}{'read GB/s':>11}{'write GB/s':>12}{'step (s)':>10}"]
+    for lpu in sorted(plans):
+        m = machines[lpu]
+        rows.append(f"{lpu:<17}{ssd_bytes[lpu] / 1e9:>12.3f}{m.read_bytes_per_s / 1e9:>11.2f}"
+                    f"{m.write_bytes_per_s / 1e9:>12.2f}{plans[lpu].step_s:>10.3f}"
                     + ("   <- chosen" if lpu == chosen else ""))
     return "\n".join(rows)

@@ -16,7 +16,7 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
 Each concern beside the routing lives in its own module of this package: a run's parts, built at setup
 and closed at teardown (``run``), data-parallel plumbing
 (``data_parallel``), the offload directory (``offload_dir``), window inputs (``inputs``), meta models
-(``materialize``), checks (``checks``), the auto plan (``auto_plan``), checkpoints (``checkpoints``),
+(``materialize``), checks (``checks``), the planner (``planning``), checkpoints (``checkpoints``),
 progress (``progress``), and the Lightning internals it needs (``lightning_api``).
 """
 
@@ -48,7 +48,8 @@ from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import after_fit, checkpoints, checks, progress
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, tokens_in
-from lightning_greedysnake.strategy.placement import PlacementPlan
+from lightning_greedysnake.strategy.planning import Planner
+from lightning_greedysnake.strategy.planning.placement import PlacementPlan
 from lightning_greedysnake.strategy.run import Run, SetupContext, cut_model, open_run
 from lightning_greedysnake.telemetry import StepTelemetry
 from lightning_greedysnake.tensor_manager import TieredTensorStore
@@ -142,7 +143,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def plan_choice(self) -> Choice | None:
         """The warm-step plan's choice when ``auto=True`` (after the second optimizer step)."""
         run = self._run
-        return run.warm_plan.choice if run is not None and run.warm_plan is not None else None
+        return run.planner.choice if run is not None and run.planner is not None else None
 
     @property
     def engine(self) -> WindowEngine:
@@ -223,7 +224,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self.world_size, self.num_processes, trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
             fitting, self.precision_plugin, self.broadcast, self.broadcast_parameters, self.data_parallel_hooks,
             self.gradient_hooks, self._warn_once, rank_zero_info)
-        cut = cut_model(ctx, module)
+        planner = Planner(ctx, module)  # (the device plan and the host budget, before Lightning's setup)
+        cut = cut_model(ctx, planner.config, module)
         uses_manager = cut.config.offload.uses_tensor_manager
         if uses_manager:
             self.units_stay_on_host = cut.units  # the tensor manager brings them to the device unit by unit
@@ -234,7 +236,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             checks.check_loss_scaling(self.precision_plugin, uses_manager)
         optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
         clip = checks.clip_policy(trainer, module, self._warn_once) if fitting and uses_manager else ClipPolicy()
-        self._run = run = open_run(ctx, module, cut, optimizer, clip)
+        self._run = run = open_run(ctx, planner, module, cut, optimizer, clip)
         manager = run.tensor_manager
         self.precision_plugin.attach(self._finish_window, manager, self._after_step if manager else None)
 
@@ -358,17 +360,16 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def _after_step(self) -> None:
         """The step's telemetry to the loggers; the auto plan after the warm step (tensor manager only)."""
         run = self._open_run()
-        manager, warm_plan = run.tensor_manager, run.warm_plan
-        assert manager is not None and run.telemetry is not None and warm_plan is not None
-        plan_due = warm_plan.step_ended()
+        manager, planner = run.tensor_manager, run.planner
+        assert manager is not None and run.telemetry is not None and planner is not None
+        plan_due = planner.step_ended()
         if run.timer is not None:  # once per window: the compute spans the device finished (all, for the plan)
             run.timer.collect(wait=plan_due)
         entry = run.telemetry.record()
         trainer = self.lightning_module.trainer
         run.guard.check_gradients(manager.stepper.take_nonfinite(), trainer.global_step)
         if plan_due:  # between windows: the engine reads its settings op by op
-            run.replan(warm_plan.run(manager, run.engine.activation_bytes, run.config, trainer.accumulate_grad_batches,
-                                     Path(trainer.default_root_dir), self.broadcast, rank_zero_info))
+            run.replan(planner.plan_warm_step(manager, run.engine.activation_bytes, run.config))
         progress.log_step(trainer, entry)
 
     # -- state dicts and checkpoints (the tensor manager holds the real values) -------------------------

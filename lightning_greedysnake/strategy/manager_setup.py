@@ -98,13 +98,15 @@ def new_tensor_manager(units: list[Unit], module: nn.Module, optimizer: torch.op
                        clip: ClipPolicy, shard: tuple[int, int] | None, loss_scaler: Any = None,
                        data_parallel: Callable[[DeviceCopies | None, bool], DataParallelHooks | None] | None = None,
                        gradient_observer: Callable[[int, Tensor], None] | None = None,
-                       optimizer_threads: int = 1) -> TieredTensorStore:
+                       optimizer_threads: int = 1,
+                       checkpoint_plan: tuple[int, Callable[[str], None]] | None = None) -> TieredTensorStore:
     """The tensor manager for ``units``, with the device tier ``device`` needs (CUDA copy streams, the
     simulated device, or none: the CPU computes in host memory), which it owns from then on.
     ``loss_scaler``: fp16's (see :class:`~lightning_greedysnake.loss_scale.LossScaler`), or None;
     ``data_parallel``: the ranks' collectives for that device tier and ``shard`` (None: one process);
     ``gradient_observer``: the strategy's gradient hooks (see :meth:`GreedySnakeStrategy.register_gradient_hook`);
-    ``optimizer_threads``: the optimizer lane's intra-op threads."""
+    ``optimizer_threads``: the optimizer lane's intra-op threads; ``checkpoint_plan``: the activation
+    checkpoints' tier plan (see :class:`~lightning_greedysnake.offload.activations.ActivationStore`)."""
     copies = device_copies_for(device)
     try:
         return TieredTensorStore(
@@ -112,7 +114,7 @@ def new_tensor_manager(units: list[Unit], module: nn.Module, optimizer: torch.op
             compute_dtype=compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
             copies=copies, loss_scaler=loss_scaler,
             data_parallel=data_parallel(copies, shard is not None) if data_parallel is not None else None,
-            gradient_observer=gradient_observer, optimizer_threads=optimizer_threads)
+            gradient_observer=gradient_observer, optimizer_threads=optimizer_threads, checkpoint_plan=checkpoint_plan)
     except BaseException:
         if copies is not None:
             copies.close()

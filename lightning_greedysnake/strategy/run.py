@@ -1,9 +1,10 @@
 """A run's parts, built complete at setup from what setup reads of the strategy and the Trainer, and
 closed together.
 
-:class:`SetupContext` is everything the planners and builders take (never the strategy itself);
-:func:`cut_model` finds the layered model and cuts it into units (before Lightning moves the model);
-:func:`open_run` plans the run (the unit size and the placement, with ``auto=True``), builds the tensor
+:class:`SetupContext` is everything the planner and the builders take (never the strategy itself); the
+run's one :class:`~lightning_greedysnake.strategy.planning.Planner` is built from it first (the device
+plan); :func:`cut_model` finds the layered model and cuts it into units (before Lightning moves the model);
+:func:`open_run` plans the run (the planner's setup plan, with ``auto=True``), builds the tensor
 manager, the engine and the window's helpers, and returns them as one :class:`Run`, whose ``config`` is
 the one resolved configuration every part was built from (a new one after the warm-step plan,
 :meth:`Run.replan`).
@@ -39,9 +40,7 @@ from lightning_greedysnake.planner.measure import available_cores
 from lightning_greedysnake.planner.threads import optimizer_threads
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import checks
-from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
 from lightning_greedysnake.strategy.checkpoints import LIGHTNING, CheckpointSeam, StreamedCheckpoints
-from lightning_greedysnake.strategy.device_plan import plan_device
 from lightning_greedysnake.strategy.host_memory import HostMemory
 from lightning_greedysnake.strategy.inputs import WindowInputs
 from lightning_greedysnake.strategy.manager_setup import (
@@ -52,8 +51,8 @@ from lightning_greedysnake.strategy.manager_setup import (
 )
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.strategy.placement import PlacementPlan, empty_path_note, plan_checkpoints
-from lightning_greedysnake.strategy.unit_plan import plan_setup
+from lightning_greedysnake.strategy.planning import Planner
+from lightning_greedysnake.strategy.planning.placement import PlacementPlan, empty_path_note
 from lightning_greedysnake.telemetry import StepRecorder
 from lightning_greedysnake.tensor_manager import DataParallelHooks, TieredTensorStore
 
@@ -88,7 +87,7 @@ class SetupContext:
     warn: Callable[[str, str], None]
     """Warns once per key (rank 0)."""
     report: Callable[[str], None]
-    """The planners' reports (rank 0's log)."""
+    """The planner's reports (rank 0's log)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -128,12 +127,10 @@ class ModelCut:
     """The layered model was built on the meta device: the tensor manager materializes it."""
 
 
-def cut_model(ctx: SetupContext, module: nn.Module) -> ModelCut:
-    """Plan the device, find the layered model and cut it into units of the settings' size (the unit
-    plan may choose another at :func:`open_run`); refuse what cannot train, before any work."""
-    config = plan_device(ctx.settings, module, ctx.device, simulated=ctx.simulated,
-                         loss_scaling=ctx.precision.loss_scaler is not None, broadcast=ctx.broadcast,
-                         report=ctx.report).resolved()
+def cut_model(ctx: SetupContext, config: GreedySnakeConfig, module: nn.Module) -> ModelCut:
+    """Find the layered model and cut it into units of ``config``'s size (the device plan's settings,
+    :attr:`Planner.config`; the unit plan may choose another size at :func:`open_run`); refuse what
+    cannot train, before any work."""
     if ctx.fitting:
         checks.check_module_for_training(module, ctx.warn)
     path, layered, chain = find_layered_model(module, config.layered_module)
@@ -153,7 +150,7 @@ class Run:
     def __init__(self, config: GreedySnakeConfig, cut: ModelCut, units: list[Unit], store: TensorStore,
                  engine: WindowEngine, guard: NonFiniteGuard, *, checkpoints: CheckpointSeam = LIGHTNING,
                  placement: PlacementPlan | None = None,
-                 telemetry: StepRecorder | None = None, warm_plan: WarmStepPlan | None = None,
+                 telemetry: StepRecorder | None = None, planner: Planner | None = None,
                  directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None) -> None:
         self._config = config
         self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
@@ -169,8 +166,8 @@ class Run:
         self.placement = placement
         """The placement planned at setup (``auto=True`` and a kind left unset; else None)."""
         self.telemetry = telemetry
-        self.warm_plan = warm_plan
-        """``auto=True``'s plan after the warm step (with the tensor manager)."""
+        self.planner = planner
+        """The run's planner, whose warm-step plan runs after the warm step (with the tensor manager)."""
         self.directories = directories
         self.timer = timer
         """Times the compute ops into the tensor manager's compute lane (with the tensor manager; the
@@ -211,12 +208,13 @@ class Run:
                     self.directories.cleanup(manager.files if manager is not None else [])
 
 
-def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: torch.optim.Optimizer | None,
-             clip: ClipPolicy) -> Run:
-    """Plan, build and open the run over ``cut`` (after Lightning's own setup: ``optimizer`` is the one
-    it configured, None outside fitting). With the tensor manager: the unit size and the placement
-    planned, the manager made, connected to the ranks and opened in its prepared directories with the
-    model's initial weights; otherwise the units stay on the device with rank 0's weights."""
+def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelCut,
+             optimizer: torch.optim.Optimizer | None, clip: ClipPolicy) -> Run:
+    """Plan (``planner``'s setup plan), build and open the run over ``cut`` (after Lightning's own setup:
+    ``optimizer`` is the one it configured, None outside fitting). With the tensor manager: the unit size
+    and the placement planned, the manager made, connected to the ranks and opened in its prepared
+    directories with the model's initial weights; otherwise the units stay on the device with rank 0's
+    weights."""
     guard = NonFiniteGuard(cut.config.on_nonfinite, ctx.warn, ctx.precision.loss_scaler)
     if not cut.config.offload.uses_tensor_manager:
         directories = OffloadDirectories(cut.config.offload)
@@ -231,22 +229,22 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
         except BaseException:
             directories.cleanup([])
             raise
-        return Run(cut.config, cut, cut.units, engine.store, engine, guard, directories=directories)
+        return Run(cut.config, cut, cut.units, engine.store, engine, guard, directories=directories, planner=planner)
     shard = (ctx.global_rank, ctx.world_size) if ctx.is_distributed and cut.config.shard_state else None
     dtype, scaler = ctx.precision.compute_dtype, ctx.precision.loss_scaler
-    planned = plan_setup(ctx, cut.chain, optimizer, dtype, shard,
-                         speculative=scaler is not None and not clip.defer, clip_norm=clip.defer)
+    planned = planner.plan_setup(cut.chain, optimizer, dtype, shard, speculative=scaler is not None and not clip.defer,
+                                 clip_norm=clip.defer)
     config = planned.config
     built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
     manager = new_tensor_manager(planned.units, module, optimizer, config, dtype, ctx.device, clip=clip, shard=shard,
                                  loss_scaler=scaler, data_parallel=ctx.data_parallel,
-                                 gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads)
+                                 gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads,
+                                 checkpoint_plan=planned.checkpoints)
     try:
         if planned.placement is not None:  # (a host budget was planned within: say what it covers)
             HostMemory.of(planned.placement.budget_bytes, built_bytes,
                           (p for unit in planned.units for p in unit.parameters()), len(manager.slots),
                           config.offload.return_weights).tell(ctx.report, ctx.warn)
-        plan_checkpoints(manager.activations, ctx.settings, planned.host_budget_bytes, ctx.report)
         directories = OffloadDirectories(config.offload)
         open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
                             planned.units, ctx.broadcast_parameters, cut.layered if cut.on_meta else None, ctx.report,
@@ -267,4 +265,4 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
                                       precision=str(ctx.precision.precision))
     return Run(config, cut, planned.units, manager, engine, guard, checkpoints=checkpoints,
                placement=planned.placement, telemetry=telemetry,
-               warm_plan=WarmStepPlan(ctx.settings, planned.host_budget_bytes), directories=directories, timer=timer)
+               planner=planner, directories=directories, timer=timer)

@@ -276,7 +276,7 @@ def test_no_synchronize_in_the_steady_state(monkeypatch, weights):
 def test_with_the_whole_state_over_the_budget_the_plan_keeps_the_compute_weights_on_the_gpu():
     """auto=True with a device budget under twice the model's state: offloaded, but the compute weights
     stay on the GPU (the device's share of setup's placement), exact against Lightning."""
-    from lightning_greedysnake.strategy.device_plan import model_state_bytes
+    from lightning_greedysnake.strategy.planning.device import model_state_bytes
 
     strategy = GreedySnakeStrategy(auto_device_budget_bytes=2 * model_state_bytes(Module()) - 1, layers_per_unit=1)
     got = fit(strategy, "bf16-mixed", callbacks=(DeviceTierSeen(),))

@@ -12,7 +12,7 @@ import torch
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import TensorKind, Tier
-from lightning_greedysnake.strategy.auto_plan import PLAN_STEP
+from lightning_greedysnake.strategy.planning.planner import PLAN_STEP
 from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
 
 
@@ -36,10 +36,12 @@ class Applied(L.Callback):
 
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 def test_auto_plans_the_unset_settings_after_the_first_step_and_stays_exact(schedule, caplog):
-    ref = _fit(GreedySnakeStrategy(auto=False, schedule=schedule, offload=ALL_SSD))  # alpha 0.25, lag 2
     strategy, applied = GreedySnakeStrategy(schedule=schedule, auto_host_budget_bytes=1 << 30, offload=ALL_SSD), Applied()
     with caplog.at_level("INFO"):
         got = _fit(strategy, [applied])
+    # alpha 0.25, lag 2, in the units setup planned (unit sizes agree up to rounding, not bit for bit)
+    ref = _fit(GreedySnakeStrategy(auto=False, schedule=schedule, offload=ALL_SSD,
+                                   layers_per_unit=strategy.config.layers_per_unit))
     choice = strategy.plan_choice
     assert choice is not None and 0.0 <= choice.alpha <= 1.0 and choice.lag in (0, 1, 2)
     assert choice.host_bytes <= 1 << 30
@@ -64,7 +66,7 @@ def test_the_plan_measures_the_warm_step_not_the_first(monkeypatch):
 
     strategy = GreedySnakeStrategy(layers_per_unit=1, auto_host_budget_bytes=1 << 30, offload=ALL_SSD)
     _fit(strategy, [FirstStepSlow()])
-    warm = strategy._run.warm_plan
+    warm = strategy._run.planner
     assert strategy.plan_choice is not None and warm.steps == PLAN_STEP > 1
     fwd, bwd = warm.unit_seconds
     assert len(bwd) == 3 and all(0 < t < slow / 3 for t in bwd + fwd)  # step 1's sleep is not in it
@@ -72,7 +74,7 @@ def test_the_plan_measures_the_warm_step_not_the_first(monkeypatch):
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, offload=ALL_SSD)  # a run too short to plan
     L.seed_everything(0, verbose=False)
     make_trainer(strategy, 3, max_steps=PLAN_STEP - 1).fit(TinyGPTModule(n_layer=3, lr=3e-3), token_loader(12))
-    assert strategy.plan_choice is None and strategy._run.warm_plan.pending
+    assert strategy.plan_choice is None and strategy._run.planner.pending
 
 
 def test_the_first_step_plan_keeps_every_setting_given():
@@ -163,10 +165,11 @@ def test_larger_units_predicted_faster_are_suggested_for_the_next_run_and_the_un
     """The files are laid out by the unit size: where the warm-step plan finds larger units faster, the
     report names the ``layers_per_unit`` to set; this run keeps its units. Stand-ins: setup's choice is
     pinned to one block, and every larger size counts as faster."""
-    from lightning_greedysnake.strategy import auto_plan, unit_plan
+    from lightning_greedysnake.planner import unit_size
+    from lightning_greedysnake.strategy.planning import Planner
 
-    monkeypatch.setattr(unit_plan, "plan_layers_per_unit", lambda *a, **kw: 1)
-    monkeypatch.setattr(auto_plan, "LARGER_UNITS_GAIN", -10.0)
+    monkeypatch.setattr(Planner, "unit_size", lambda *a, **kw: 1)
+    monkeypatch.setattr(unit_size, "LARGER_UNIT_GAIN", -10.0)
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, offload=ALL_SSD)
     with caplog.at_level("INFO"):
         _fit(strategy)
@@ -179,17 +182,17 @@ def test_the_engine_the_tensor_manager_and_the_plans_see_the_one_resolved_config
     warm-step plan, each time into one object that every part reads: the engine's config is the
     strategy's, the tensor manager's offload settings are its ``offload``, and the warm-step plan is
     handed the one in effect and returns the next."""
-    from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
+    from lightning_greedysnake.strategy.planning import Planner
 
     handed: list[tuple[object, object]] = []
-    real_run = WarmStepPlan.run
+    real_run = Planner.plan_warm_step
 
     def run(self, manager, activation_bytes, config, *args, **kwargs):
         out = real_run(self, manager, activation_bytes, config, *args, **kwargs)
         handed.append((config, out))
         return out
 
-    monkeypatch.setattr(WarmStepPlan, "run", run)
+    monkeypatch.setattr(Planner, "plan_warm_step", run)
 
     class Seen(L.Callback):
         configs: list = []
@@ -215,7 +218,7 @@ def test_every_plan_of_a_run_is_made_within_the_one_host_budget_measured_at_setu
     """The default budget (half of the memory available) is measured once, at setup: the unit size, the
     placement, the checkpoints' tier and the warm-step plan all plan within it, not within what is
     available when each runs (the run's own allocations lower it: planning again would count them twice)."""
-    from lightning_greedysnake.strategy import placement
+    from lightning_greedysnake.strategy.planning import placement
 
     calls = []
 
@@ -229,5 +232,5 @@ def test_every_plan_of_a_run_is_made_within_the_one_host_budget_measured_at_setu
     run = strategy._run
     assert len(calls) == 1
     assert run.placement is not None and run.placement.budget_bytes == 4 << 30
-    assert run.warm_plan.host_budget_bytes == 4 << 30 and strategy.plan_choice is not None
+    assert run.planner.host_budget_bytes == 4 << 30 and strategy.plan_choice is not None
     assert run.tensor_manager is None or run.tensor_manager.activations.tier is Tier.HOST

@@ -45,7 +45,7 @@ class DeviceTimer:
 
 class Seen(L.Callback):
     def on_train_end(self, trainer: Any, module: Any) -> None:
-        self.warm_plan = trainer.strategy._run.warm_plan
+        self.planner = trainer.strategy._run.planner
 
 
 def test_the_plan_reads_its_compute_from_the_device_timer(monkeypatch):
@@ -60,7 +60,7 @@ def test_the_plan_reads_its_compute_from_the_device_timer(monkeypatch):
     seen = Seen()
     run(GreedySnakeStrategy(layers_per_unit=1), "gpt", 3, callbacks=(seen,))  # auto=True: alpha and lag planned
     assert len(timers) == 1
-    fwd, bwd = seen.warm_plan.unit_seconds
+    fwd, bwd = seen.planner.unit_seconds
     assert fwd == pytest.approx([SPAN_S] * len(fwd)) and bwd == pytest.approx([SPAN_S] * len(bwd))
     assert True in timers[0].collected_with_wait  # (every span read for the plan: its one wait)
     assert timers[0].collected_with_wait.count(False) >= 1  # (the other windows: no wait)

@@ -15,7 +15,7 @@ from lightning_greedysnake import GreedySnakePrecision, GreedySnakeStrategy
 from lightning_greedysnake.checkpoint import is_checkpoint_dir
 from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.offload.device import SIMULATE_ENV
-from lightning_greedysnake.strategy.device_plan import model_state_bytes
+from lightning_greedysnake.strategy.planning.device import model_state_bytes
 from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
 from tests.integration.test_equivalence import _make, assert_matches, reference, run
 
@@ -78,7 +78,7 @@ def test_what_does_not_fit_whole_keeps_the_compute_weights_that_fit_on_the_devic
     """Over half the budget: offloaded, but the placement plan puts the compute weights on the device
     first (a prefix of units, within half the budget less the device tier's working set), the rest of
     them in RAM; exact against Lightning."""
-    from lightning_greedysnake.strategy.device_plan import weights_room_bytes
+    from lightning_greedysnake.strategy.planning.device import weights_room_bytes
 
     seen = WeightTiers()
     budget = 2 * _need() - 1

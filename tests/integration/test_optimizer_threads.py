@@ -17,7 +17,8 @@ from lightning_greedysnake.offload.device import SIMULATE_ENV
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.planner import measure
 from lightning_greedysnake.planner.threads import optimizer_threads
-from lightning_greedysnake.strategy import auto_plan, run as run_module, unit_plan
+from lightning_greedysnake.strategy import run as run_module
+from lightning_greedysnake.strategy.planning import planner, unit_size
 from tests.integration.test_equivalence import run
 
 CORES = 16
@@ -71,8 +72,8 @@ def sixteen_cores(monkeypatch):
         rates.append(threads)
         return real(*args, threads=threads, **kwargs)
 
-    monkeypatch.setattr(auto_plan, "optimizer_rate", recording)
-    monkeypatch.setattr(unit_plan, "optimizer_rate", recording)
+    monkeypatch.setattr(planner, "optimizer_rate", recording)
+    monkeypatch.setattr(unit_size, "optimizer_rate", recording)
     return rates
 
 

@@ -20,7 +20,7 @@ from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, Split, Tier
 from lightning_greedysnake.offload.device import simulate_device_enabled
 from lightning_greedysnake.config import REGION_KINDS
-from lightning_greedysnake.strategy.placement import CHECKPOINT_SHARE
+from lightning_greedysnake.strategy.planning.placement import CHECKPOINT_SHARE
 from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,8 +13,9 @@ import torch
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.models import find_layered_model
-from lightning_greedysnake.strategy import unit_plan
-from lightning_greedysnake.strategy.placement import staging_estimate
+from lightning_greedysnake.planner import measure
+from lightning_greedysnake.strategy.planning import unit_size
+from lightning_greedysnake.strategy.planning.placement import staging_estimate
 from tests.helpers import TinyGPTModule, bf16_policy_run, make_trainer, max_abs_diff, token_loader
 from tests.integration.test_planned_placement import K, Seen
 
@@ -38,14 +39,15 @@ def chosen_row(text: str) -> int:
 
 
 def slow_requests(directory: Any, sizes: list[int], *args: Any, **kwargs: Any) -> dict[int, tuple[float, float]]:
-    """A disk that pays 20 ms per request (a network volume, say): what the probe would measure there.
+    """A disk that pays 20 ms per request (a network volume, say): what the probes (setup's, the warm
+    step's) would measure there.
     The only stand-in in this file; the run, its files and its threads are real."""
     return {size: (size / (0.02 + size / 1e9),) * 2 for size in sizes}
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_a_disk_slow_per_request_gets_larger_units_bit_identical_to_them_in_ram(precision, monkeypatch, caplog):
-    monkeypatch.setattr(unit_plan, "request_bandwidth", slow_requests)
+    monkeypatch.setattr(measure, "request_bandwidth", slow_requests)
     strategy = GreedySnakeStrategy(alpha=0.25, lag=2, offload=ON_SSD)
     with caplog.at_level("INFO"):
         got, seen = fit(strategy, precision)
@@ -81,7 +83,7 @@ def test_the_disk_is_measured_and_the_choice_applied(caplog):
 
 @pytest.mark.parametrize("settings, expected", [({"layers_per_unit": 2}, 2), ({"auto": False}, 1)])
 def test_a_set_value_or_auto_false_is_not_planned(settings, expected, monkeypatch, caplog):
-    monkeypatch.setattr(unit_plan, "request_bandwidth", slow_requests)
+    monkeypatch.setattr(measure, "request_bandwidth", slow_requests)
     strategy = GreedySnakeStrategy(offload=ON_SSD, **settings)
     with caplog.at_level("INFO"):
         _, seen = fit(strategy)
@@ -90,13 +92,13 @@ def test_a_set_value_or_auto_false_is_not_planned(settings, expected, monkeypatc
 
 
 def test_sizes_whose_staging_exceeds_the_budget_are_not_candidates(monkeypatch, caplog):
-    monkeypatch.setattr(unit_plan, "request_bandwidth", slow_requests)
+    monkeypatch.setattr(measure, "request_bandwidth", slow_requests)
     settings = GreedySnakeStrategy(offload=ON_SSD).settings
     module = TinyGPTModule(n_layer=BLOCKS, lr=3e-3)
     _, _, chain = find_layered_model(module, None)
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    layouts = unit_plan.candidate_layouts(settings, chain, optimizer, torch.float32, None)
+    layouts = unit_size.candidate_layouts(settings, chain, optimizer, torch.float32, None)
     staging = {lpu: staging_estimate(state, settings.resolved().offload, 2) for lpu, state in layouts.items()}
     budget = (staging[1] + staging[2]) // 2  # one block per unit fits (at the fixed lag, 2), two do not
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=budget, offload=ON_SSD)

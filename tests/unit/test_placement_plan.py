@@ -10,7 +10,7 @@ from lightning_greedysnake.config import GreedySnakeConfig, Tier
 from lightning_greedysnake.layout import unit_tiers
 from lightning_greedysnake.planner.placement import host_units_within, plan_placement
 from lightning_greedysnake.planner.roofline import UnitCost
-from lightning_greedysnake.strategy.placement import as_placement, available_memory_bytes, host_budget_bytes
+from lightning_greedysnake.strategy.planning.placement import as_placement, available_memory_bytes, host_budget_bytes
 
 MB = 1 << 20
 N = 6

@@ -51,11 +51,10 @@ def test_without_overlap_the_optimizer_adds_to_the_step():
 
 def test_a_tight_budget_moves_checkpoints_to_ssd_and_lowers_lag():
     disk = Machine(read_bytes_per_s=2e9, write_bytes_per_s=2e9, optimizer_elements_per_s=1e12)
-    roomy = plan(layers(), disk, k=16, host_budget_bytes=10**12, checkpoint_bytes=64 * MB, layers_per_unit=(1,))
+    roomy = plan(layers(), disk, k=16, host_budget_bytes=10**12, checkpoint_bytes=64 * MB)
     assert roomy.checkpoints == "host"  # seven checkpoint writes per micro-batch would cost disk time
     tight_budget = staging_bytes(layers(), 0) + 4 * MB  # (the budget holds its 16 MiB slack) 4 MiB: not lag 1
-    tight = plan(layers(), disk, k=16, host_budget_bytes=tight_budget, checkpoint_bytes=64 * MB,
-                 layers_per_unit=(1,))
+    tight = plan(layers(), disk, k=16, host_budget_bytes=tight_budget, checkpoint_bytes=64 * MB)
     assert tight.checkpoints == "ssd" and tight.lag == 0 and tight.host_bytes <= tight_budget
 
 
@@ -75,7 +74,7 @@ def test_the_planners_memory_model_is_the_tensor_managers(placement, tmp_path):
     from lightning_greedysnake.config import Split
     from lightning_greedysnake.models import find_layered_model, make_units
     from lightning_greedysnake.planner.measure import unit_costs
-    from lightning_greedysnake.strategy.placement import staging_estimate
+    from lightning_greedysnake.strategy.planning.placement import staging_estimate
     from lightning_greedysnake.tensor_manager import TieredTensorStore
 
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=8))
@@ -122,7 +121,7 @@ def test_spare_memory_buys_a_second_optimizer_buffer_that_overlaps_the_optimizer
     lean = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=False)
     double = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=True)
     assert sum(double) < sum(lean)
-    roomy = plan(layers(), disk, k=1, host_budget_bytes=10**12, checkpoint_bytes=MB, layers_per_unit=(1,))
+    roomy = plan(layers(), disk, k=1, host_budget_bytes=10**12, checkpoint_bytes=MB)
     assert roomy.buffer_budget_bytes > staging_bytes(layers(), roomy.lag)
 
 
@@ -169,7 +168,7 @@ def test_keeping_the_graphs_is_chosen_when_they_fit_and_saves_the_recompute():
 def test_graphs_that_do_not_fit_mean_recompute():
     units = _with_graphs(layers(), activation_bytes=64 * MB)
     budget = staging_bytes(units, 2) + 4 * 7 * MB + 10 * MB  # host checkpoints fit, graphs do not
-    choice = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB, layers_per_unit=(1,))
+    choice = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB)
     assert choice.recompute and choice.host_bytes <= budget
 
 
@@ -224,11 +223,11 @@ def test_a_last_step_whose_state_is_in_ram_reads_nothing_from_the_disk():
 def test_the_planner_buys_read_ahead_with_spare_memory_and_does_without_when_tight():
     units = _with_state(layers(backward_s=0.5))
     disk = Machine(read_bytes_per_s=1e9, write_bytes_per_s=1e9, optimizer_elements_per_s=1e8)
-    roomy = plan(units, disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB, layers_per_unit=(1,), lags=(1,))
+    roomy = plan(units, disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB, lags=(1,))
     assert roomy.read_ahead
     assert roomy.buffer_budget_bytes >= staging_bytes(units, 1) + read_ahead_bytes(units)
     tight_budget = staging_bytes(units, 1) + 7 * 4 * MB + read_ahead_bytes(units) // 2
-    tight = plan(units, disk, k=4, host_budget_bytes=tight_budget, checkpoint_bytes=MB, layers_per_unit=(1,),
+    tight = plan(units, disk, k=4, host_budget_bytes=tight_budget, checkpoint_bytes=MB,
                  lags=(1,), checkpoint_placements=("host",))
     assert not tight.read_ahead and tight.host_bytes <= tight_budget
     assert tight.step_s > roomy.step_s

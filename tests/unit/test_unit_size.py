@@ -1,22 +1,27 @@
-"""Choosing ``layers_per_unit`` at setup (:mod:`lightning_greedysnake.planner.unit_size`): the arithmetic
-over each candidate's placement and the disks' bandwidth at its request sizes, and the probe that
-measures that bandwidth on a real file."""
+"""Choosing ``layers_per_unit`` (:mod:`lightning_greedysnake.planner.unit_size`): setup's scores over each
+candidate's placement and the disks' bandwidth at its request sizes, the warm step's suggestion by the same
+model and rule, and the probe that measures that bandwidth on a real file."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 import math
+from dataclasses import astuple
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.planner.measure import PROBE_SIZES, interpolate, probe_sizes, request_bandwidth
-from lightning_greedysnake.planner.plan import merge
-from lightning_greedysnake.planner.roofline import UnitCost, traffic
-from lightning_greedysnake.planner.unit_size import choose_unit_size, requests, score_unit_size, table
+from lightning_greedysnake.planner.plan import merge, staging_bytes
+from lightning_greedysnake.planner.roofline import Machine, UnitCost, traffic
+from lightning_greedysnake.planner.unit_size import choose_unit_size, machine_at, requests, table
 
 LAYER = 256 << 10  # a small layer: 64K parameters, 256 KiB of fp32 weights
+FIRST_STEPS = GreedySnakeConfig().resolved()  # alpha 0.25, lag 2: the settings setup scores with
+OPTIONS = {"alphas": (0.25,), "lags": (2,), "recompute": (True,), "checkpoint_placements": ("host",),
+           "prefetch_units": 1}  # the same, as the warm-step plan's options
 
 
 def layers(n: int = 8) -> list[UnitCost]:
@@ -32,45 +37,77 @@ def disk(latency_s: float, bytes_per_s: float = 2e9):
     return bandwidth
 
 
-def scores(bandwidth, rate: float = 1e9, on_ssd: frozenset[str] | None = None, sizes=(1, 2, 4, 8)):
-    out = {}
+def at_setup(bandwidth, costs: list[UnitCost] | None = None, rate: float = 1e9, on_ssd: frozenset[str] | None = None,
+             sizes=(1, 2, 4, 8), budget: int = 1 << 30):
+    """Setup's scores of ``costs`` (per layer; no compute, as setup sees them) merged into each size."""
+    from lightning_greedysnake.strategy.planning.unit_size import score_candidates
+
+    placed = {}
     for lpu in sizes:
-        units = merge(layers(), lpu)
+        units = merge(costs or layers(), lpu)
         if on_ssd is not None:
             units = [dataclasses.replace(u, on_ssd=on_ssd) for u in units]
-        out[lpu] = score_unit_size(lpu, units, traffic(units, "vertical", 4), bandwidth, rate, state_slots=2)
-    return out
+        placed[lpu] = (units, traffic(units, "vertical", 4), 2, budget, FIRST_STEPS)
+    return score_candidates(placed, bandwidth, rate, 4)
 
 
-def test_a_disk_slow_per_request_gets_larger_units_a_fast_one_the_smallest():
-    slow = scores(disk(latency_s=5e-3))
-    assert choose_unit_size(slow) > 1
-    assert slow[1].ssd_s > slow[4].ssd_s  # the same bytes in fewer, larger requests
-    fast = scores(disk(latency_s=0.0))
-    assert choose_unit_size(fast) == 1  # nothing to gain; the fill and the last step grow with the unit
-    assert fast[8].fill_s == pytest.approx(fast[8].ssd_s)  # one unit: nothing overlaps its transfers
-    assert fast[1].tail_s < fast[8].tail_s
-    chosen = [line.split()[0] for line in table(slow, choose_unit_size(slow)).splitlines() if "<- chosen" in line]
-    assert chosen == [str(choose_unit_size(slow))]
+def test_a_disk_slow_per_request_gets_larger_units():
+    slow = at_setup(disk(latency_s=5e-3))
+    assert choose_unit_size(slow.plans) > 1
+    assert slow.machines[1].read_bytes_per_s < slow.machines[4].read_bytes_per_s  # larger requests, faster
+    assert slow.plans[1].step_s > slow.plans[4].step_s  # the same bytes in fewer, larger requests
+    chosen = [line.split()[0] for line in table(slow.plans, slow.machines, slow.ssd_bytes,
+                                                choose_unit_size(slow.plans)).splitlines() if "<- chosen" in line]
+    assert chosen == [str(choose_unit_size(slow.plans))]
+
+
+def test_without_compute_setup_scores_the_ssd_bound_step():
+    """Setup's costs carry no compute: the roofline's step is the disk's. One unit re-reads no weights (the
+    window's last step leaves unit 0's in memory, the fused last unit's backward follows its forward), so
+    even a disk fast per request prefers it; its last optimizer step, which nothing overlaps, grows."""
+    fast = at_setup(lambda size: (2e9, 2e9))  # no latency: one bandwidth at every request size
+    assert fast.machines[1] == fast.machines[8]
+    assert astuple(fast.machines[1]) == pytest.approx((2e9, 2e9, 1e9))
+    assert fast.plans[8].step_s < fast.plans[1].step_s * 0.9 and choose_unit_size(fast.plans) == 8
+    weights_read = 2 * 7 * LAYER / 2e9  # one layer per unit: 7 of 8 layers read in each phase
+    tail_growth = 7 * (LAYER // 4) / 1e9  # unit 0's optimizer step: 8 layers' elements instead of 1's
+    assert fast.plans[1].step_s - fast.plans[8].step_s >= weights_read - tail_growth  # (and no deferred range)
 
 
 def test_everything_in_ram_keeps_one_layer_per_unit():
-    s = scores(lambda size: (math.inf, math.inf), on_ssd=frozenset())
-    assert all(v.ssd_bytes == 0 and v.ssd_s == 0 for v in s.values())
-    assert choose_unit_size(s) == 1
+    s = at_setup(lambda size: (math.inf, math.inf), on_ssd=frozenset())
+    assert all(v == 0 for v in s.ssd_bytes.values())
+    assert choose_unit_size(s.plans) == 1
 
 
-def test_a_larger_unit_must_win_by_more_than_the_tolerance():
-    s = scores(disk(latency_s=5e-3))
+def test_a_larger_unit_must_win_by_more_than_the_gain():
+    s = at_setup(disk(latency_s=5e-3)).plans
     best = choose_unit_size(s)
-    assert choose_unit_size(s, tolerance=0.99) == 1  # nothing beats 1 by 99%
+    assert choose_unit_size(s, gain=0.99) == 1  # nothing beats 1 by 99%
     assert choose_unit_size({lpu: s[lpu] for lpu in s if lpu >= best}) == best
+    near = {1: s[1], 2: dataclasses.replace(s[2], step_s=s[1].step_s * 0.91)}
+    assert choose_unit_size(near) == 1 and choose_unit_size(near, gain=0.05) == 2
 
 
 def test_a_candidate_left_out_by_the_budget_is_not_chosen():
-    s = scores(disk(latency_s=5e-3))
+    s = at_setup(disk(latency_s=5e-3)).plans
     best = choose_unit_size(s)
     assert choose_unit_size({lpu: v for lpu, v in s.items() if lpu != best}) != best
+    staging = {lpu: staging_bytes(merge(layers(), lpu), lag=2) for lpu in (2, 4)}
+    small = at_setup(disk(latency_s=5e-3), budget=sum(staging.values()) // 2)  # too small for 4 layers a unit
+    assert sorted(small.plans) == [1, 2] and choose_unit_size(small.plans) == 2
+
+
+def test_the_machine_weights_each_kind_by_the_bytes_it_moves():
+    units = merge(layers(), 2)
+    moved = traffic(units, "vertical", 4)
+    assert astuple(machine_at(units, moved, lambda size: (3e9, 1e9), 5.0)) == pytest.approx((3e9, 1e9, 5.0))
+    per_size = disk(latency_s=1e-3)
+    machine = machine_at(units, moved, per_size, 5.0, state_slots=2)
+    assert per_size(2 * LAYER)[0] == pytest.approx(machine.read_bytes_per_s)  # every request here is 2 layers
+    # a state request twice the others: read faster, weighted by the state's share of the bytes read
+    single = machine_at(units, moved, per_size, 5.0, state_slots=1)
+    assert per_size(2 * LAYER)[0] < single.read_bytes_per_s < per_size(4 * LAYER)[0]
 
 
 def test_requests_are_the_regions_on_ssd_state_per_slot():
@@ -103,30 +140,61 @@ def test_merged_last_unit_recomputes_nothing():
     assert (last.backward_s, last.recompute_s) == (4.0, 0.0)  # fused: its graph is kept, nothing recomputed
 
 
-def test_the_first_step_plan_finds_larger_units_where_they_save_recompute():
+def compute_bound(n: int = 8) -> list[UnitCost]:
+    """Compute-bound units: a recompute is a quarter of each one's time, but the fused last's."""
+    costs = [dataclasses.replace(u, forward_s=0.01, backward_s=0.03, recompute_s=0.01 if i < n - 1 else 0.0,
+                                 activation_bytes=1 << 20) for i, u in enumerate(layers(n))]
+    costs[-1] = dataclasses.replace(costs[-1], backward_s=0.02)
+    return costs
+
+
+def warm_step(settings: GreedySnakeConfig, costs: list[UnitCost], machine: Machine, budget: int = 1 << 30,
+              checkpoint_bytes: int = 4096, **options: Any):
+    """The run's planner's warm-step suggestion (built as setup builds it, K=4, on the CPU, in one process)."""
     from types import SimpleNamespace
 
-    from lightning_greedysnake.config import GreedySnakeConfig
-    from lightning_greedysnake.planner import Machine, plan
-    from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
+    import torch
 
-    # compute-bound units: a recompute is a quarter of each one's time, but the fused last's
-    costs = [dataclasses.replace(u, forward_s=0.01, backward_s=0.03, recompute_s=0.01 if i < 7 else 0.0,
-                                 activation_bytes=1 << 20) for i, u in enumerate(layers())]
-    costs[-1] = dataclasses.replace(costs[-1], backward_s=0.02)
-    machine, k, budget, manager = Machine(2e9, 2e9, 1e9), 4, 1 << 30, SimpleNamespace(checkpoint_bytes=4096)
+    from lightning_greedysnake.strategy.planning import Planner
+    from lightning_greedysnake.strategy.run import SetupContext
 
-    def larger(settings: GreedySnakeConfig, recompute: bool) -> tuple[Any, int] | None:
-        options = {"alphas": (0.25,), "lags": (2,), "recompute": (recompute,), "checkpoint_placements": ("host",)}
-        choice = plan(costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=(1,), **options)
-        return WarmStepPlan(settings, budget).larger_units(costs, machine, k, budget, manager, choice, 1, options)
+    def nothing(*args: Any) -> None:
+        return None
 
-    found = larger(GreedySnakeConfig(), recompute=True)
-    assert found is not None and found[1] == 8  # one unit: no recompute at all
-    assert found[0].step_s < 0.95 * plan(costs, machine, k, budget, 4096, layers_per_unit=(1,), alphas=(0.25,),
-                                         lags=(2,), recompute=(True,), checkpoint_placements=("host",)).step_s
-    assert larger(GreedySnakeConfig(layers_per_unit=1), recompute=True) is None  # the user's setting
-    assert larger(GreedySnakeConfig(), recompute=False) is None  # kept graphs: nothing left to save
+    ctx = SetupContext(dataclasses.replace(settings, auto_host_budget_bytes=budget), torch.device("cpu"), False,
+                       0, 0, 1, 1, 4, Path("."), True, SimpleNamespace(loss_scaler=None), lambda obj: obj, nothing,
+                       nothing, nothing, nothing, nothing)
+    planner = Planner(ctx, torch.nn.Linear(1, 1))
+    return planner.larger_units(costs, machine, budget, checkpoint_bytes, 1, {**OPTIONS, **options})
+
+
+def test_the_first_step_plan_finds_larger_units_where_they_save_recompute():
+    from lightning_greedysnake.planner import plan
+
+    costs, machine = compute_bound(), Machine(2e9, 2e9, 1e9)
+    found = warm_step(GreedySnakeConfig(), costs, machine)
+    assert found is not None and found[0].layers_per_unit == 8  # one unit: no recompute at all
+    current = plan(costs, machine, 4, 1 << 30, 4096, **OPTIONS)
+    assert found[1] == current  # this run's units, as the warm-step plan chose for them
+    assert found[0].step_s < 0.9 * current.step_s
+    assert warm_step(GreedySnakeConfig(layers_per_unit=1), costs, machine) is None  # the user's setting
+    assert warm_step(GreedySnakeConfig(), costs, machine, recompute=(False,)) is None  # kept graphs: nothing to save
+
+
+@pytest.mark.parametrize("case", ["compute-bound", "compute-bound in RAM", "slow disk", "fast disk", "in RAM"])
+def test_setup_and_the_warm_step_choose_the_unit_size_alike_from_the_same_costs_and_machine(case):
+    """One model and one rule: given the same per-layer costs and the same machine, setup's choice (its
+    candidates' units are those layers merged) is the size the warm step suggests (1: none)."""
+    costs = compute_bound() if case.startswith("compute-bound") else layers()
+    bandwidth = (lambda size: (math.inf, math.inf)) if case.endswith("in RAM") else (
+        lambda size: (2e8, 1e8) if case == "slow disk" else (2e9, 2e9))
+    if case.endswith("in RAM"):
+        costs = [dataclasses.replace(u, on_ssd=frozenset()) for u in costs]
+    machine = Machine(*bandwidth(1), 1e9)
+    setup = choose_unit_size(at_setup(bandwidth, costs).plans)
+    found = warm_step(GreedySnakeConfig(), costs, machine, checkpoint_bytes=0)
+    assert setup == (1 if found is None else found[0].layers_per_unit)
+    assert setup == {"compute-bound": 8, "compute-bound in RAM": 8, "slow disk": 8, "fast disk": 8, "in RAM": 1}[case]
 
 
 def test_nothing_to_plan_is_a_clear_plan_error():

@@ -1,15 +1,21 @@
-"""``auto=True`` at setup: the kinds whose placement the user left unset are placed between host memory
-and SSD within the host budget (:mod:`lightning_greedysnake.planner.placement`); every rank applies
-rank 0's plan. Settings the user gave are kept as given."""
+"""``auto=True`` at setup: the host budget, and the kinds whose placement the user left unset placed
+between host memory and SSD within it (:mod:`lightning_greedysnake.planner.placement`). Settings the
+user gave are kept as given."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
-from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, OffloadConfig, Split, TensorKind, Tier
+from lightning_greedysnake.config import (
+    REGION_KINDS,
+    GreedySnakeConfig,
+    OffloadConfig,
+    Split,
+    TensorKind,
+    Tier,
+)
 from lightning_greedysnake.layout import StateLayout, UnitLayout, unit_tiers
 from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.offload.regions import SLOTTED, placement_of
@@ -17,7 +23,7 @@ from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner.measure import unit_costs
 from lightning_greedysnake.planner.placement import PlacementPlan, plan_placement
 from lightning_greedysnake.planner.roofline import UnitCost
-from lightning_greedysnake.strategy.device_plan import DeviceSide, weights_room_bytes
+from lightning_greedysnake.strategy.planning.device import DeviceSide, weights_room_bytes
 
 CHECKPOINT_SHARE = 8
 """The placement leaves 1/8 of the host budget for activation checkpoints in host memory (their size
@@ -42,15 +48,6 @@ def host_budget_bytes(config: GreedySnakeConfig, local_processes: int) -> int:
     if config.auto_host_budget_bytes is not None:
         return config.auto_host_budget_bytes
     return available_memory_bytes() // 2 // max(1, local_processes)
-
-
-def plan_checkpoints(activations: Any, settings: GreedySnakeConfig, budget: int,
-                     report: Callable[[str], None]) -> None:
-    """``auto=True`` with ``offload.checkpoints`` unset: the first save (which knows their size) keeps
-    the activation checkpoints in host memory while a window's fit their share of the host budget
-    (1/:data:`CHECKPOINT_SHARE`), else puts them on SSD (:meth:`ActivationStore.plan_tier`)."""
-    if settings.auto and settings.offload.checkpoints is None:
-        activations.plan_tier(budget // CHECKPOINT_SHARE, report)
 
 
 def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int, device_tier: bool = False) -> int:
@@ -197,24 +194,6 @@ def placed_config(settings: GreedySnakeConfig, state: StateLayout, lag: int, pla
                                     plan.kinds[kind.value].device_units)
                  for kind in settings.offload.unset() & set(REGION_KINDS)}
     return dataclasses.replace(settings.resolved(placement), lag=lag)
-
-
-def plan_at_setup(settings: GreedySnakeConfig, state: StateLayout, k: int, *, speculative: bool,
-                  clip_norm: bool, budget: int, broadcast: Callable[[Any], Any],
-                  report: Callable[[str], None], device: DeviceSide = DeviceSide()
-                  ) -> tuple[GreedySnakeConfig, PlacementPlan | None]:
-    """The settings in effect for this run, with the unset kinds placed (``auto=True``; else at their
-    fixed defaults), and the plan (None when nothing was planned), which goes to ``report`` as a table.
-    ``speculative``: fp16's two slots of the kinds a step rewrites; ``device``: on a GPU, what of the
-    compute weights may stay there; ``budget``: the run's host budget."""
-    if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
-        return settings.resolved(), None
-    device = broadcast(device)  # (rank 0's device budget: the GPUs' free memory may differ)
-    lag, plan = place_kinds(settings, state, k, budget, speculative=speculative, clip_norm=clip_norm, device=device)
-    plan = broadcast(plan)  # every rank runs rank 0's placement (the same one: the same budget and sizes)
-    report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
-           + plan.table())
-    return placed_config(settings, state, lag, plan), plan
 
 
 def empty_path_note(settings: GreedySnakeConfig, config: GreedySnakeConfig, plan: PlacementPlan | None) -> str:

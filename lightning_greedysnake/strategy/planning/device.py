@@ -14,7 +14,7 @@ the device resumes a checkpoint an offloaded run streamed (gathered in memory, a
 gathers it). Every rank applies rank 0's decision.
 
 A model that does not fit is offloaded, but not wholly: setup's placement
-(:mod:`lightning_greedysnake.strategy.placement`) then keeps what fits of its compute weights resident
+(:mod:`lightning_greedysnake.strategy.planning.placement`) then keeps what fits of its compute weights resident
 on the device, a prefix of units, in :func:`weights_room_bytes` (:class:`DeviceSide` carries the budget
 there), beside the host optimizer.
 
@@ -124,11 +124,3 @@ def plan_device(settings: GreedySnakeConfig, module: nn.Module, device: torch.de
            "(set a kind's offload placement, or auto_device_budget_bytes=0, to offload)")
     offload = dataclasses.replace(settings.offload, **{kind.value: Tier.DEVICE for kind in TensorKind})
     return dataclasses.replace(settings, offload=offload)
-
-
-def device_side(settings: GreedySnakeConfig, device: torch.device, device_tier: bool) -> DeviceSide:
-    """What setup's placement may put on ``device`` (``device_tier``: units placed there live in device
-    memory): with ``auto=True`` and the weights unset, the device budget."""
-    if not device_tier or not settings.auto or settings.offload.weights is not None:
-        return DeviceSide(device_tier)
-    return DeviceSide(device_tier, device_budget_bytes(settings, device))

@@ -1,0 +1,264 @@
+"""The run's one planner (:class:`Planner`): at setup the device plan, the host budget, the unit size, the
+placement and the activation checkpoints' tier; after the first warm optimizer step (the second) the
+unset ones of alpha, lag, the staging budget and recompute, from this run's measurements, applied between
+windows. The arithmetic is :mod:`lightning_greedysnake.planner`'s; this module measures, broadcasts rank
+0's decisions and reports them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Tier
+from lightning_greedysnake.models import LayerChain, Unit, make_units
+from lightning_greedysnake.offload.preflight import disk_free_bytes
+from lightning_greedysnake.offload.staging import staging_budget_of
+from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
+from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidth, unit_costs, unit_times
+from lightning_greedysnake.planner.placement import PlacementPlan
+from lightning_greedysnake.planner.plan import merge
+from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size, table
+from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
+from lightning_greedysnake.strategy.planning.placement import (
+    CHECKPOINT_SHARE,
+    host_budget_bytes,
+    place_kinds,
+    placed_config,
+)
+from lightning_greedysnake.strategy.planning.unit_size import candidate_layouts, score_sizes
+from lightning_greedysnake.tensor_manager import TieredTensorStore, state_layout
+
+if TYPE_CHECKING:
+    from lightning_greedysnake.strategy.run import SetupContext
+
+FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_budget_bytes"})
+"""What the warm-step plan chooses when the user left it unset."""
+
+PLAN_STEP = 2
+"""The optimizer step whose compute the plan measures, and after which it runs: the first warm one. The
+first step's compute runs slow (every staging buffer touched for the first time, each kernel's first
+call): its backward took 1.4-1.5x a later step's on the 168M GPT at sequence 32 here, which made the
+plan see compute bind where the disk did and underrate larger units. A run of fewer steps is not
+planned (the settings in effect are kept)."""
+
+
+def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Machine, str]:
+    """The offload disks' O_DIRECT bandwidth (:func:`~lightning_greedysnake.planner.measure.paths_bandwidth`,
+    as setup measures them, here at one request of :func:`probe_bytes`) and the element rate of the user's
+    optimizer at the lane's threads. The probes are small (at most 16 MiB of file and buffer, 1M optimizer
+    elements: 16 MiB) so that they fit the host budget and the disks' free space. Raises ``OSError`` where
+    a disk cannot be measured."""
+    params = sum(lay.trainable_numel for lay in manager.layouts)
+    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=manager.optimizer,
+                          threads=manager.optimizer_threads)  # (at the threads the lane really gets)
+    if not manager.config.uses_ssd:
+        return Machine(math.inf, math.inf, rate), "no SSD tier"
+    dirs = manager.offload_dirs or [default_root]
+    size = min(probe_bytes(d) for d in dirs)
+    read, write = paths_bandwidth(dirs, [size], manager.config, min_probe_bytes=size)[size]
+    paths = ", ".join(map(str, dirs))
+    return Machine(read, write, rate), f"{paths}: read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s"
+
+
+def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
+    """The disk probe's size in ``directory``: ``largest``, or a quarter of the free space where that is
+    less (the probe's scratch file must not fill a disk the run is using), in 64 KiB steps."""
+    step = 64 << 10
+    return max(step, min(largest, disk_free_bytes(directory) // 4 // step * step))
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupPlan:
+    """What setup planned: the settings in effect, the placement plan (None: nothing planned), the units of
+    the planned size, and the activation checkpoints' tier plan for the tensor manager (their share of the
+    host budget and the report; None: ``offload.checkpoints`` given, or ``auto=False``)."""
+
+    config: GreedySnakeConfig
+    placement: PlacementPlan | None
+    units: list[Unit]
+    checkpoints: tuple[int, Callable[[str], None]] | None
+
+
+class Planner:
+    """The run's one planner, built once at setup from what setup reads (:class:`SetupContext`) and the
+    LightningModule: the device plan (:attr:`config`) and the run's host budget (:attr:`host_budget_bytes`,
+    rank 0's) are decided on construction, before Lightning's own setup. Two entry points:
+    :meth:`plan_setup` (the unit size, the placement, the checkpoints' tier), and the warm step
+    (:meth:`step_ended`, then :meth:`plan_warm_step` once, after optimizer step :data:`PLAN_STEP`, when
+    ``auto=True`` left any of :data:`FIRST_STEP_SETTINGS` unset)."""
+
+    def __init__(self, ctx: SetupContext, module: nn.Module) -> None:
+        self.ctx = ctx
+        self.config = plan_device(ctx.settings, module, ctx.device, simulated=ctx.simulated,
+                                  loss_scaling=ctx.precision.loss_scaler is not None, broadcast=ctx.broadcast,
+                                  report=ctx.report).resolved()
+        """The settings in effect before the tensor manager's plan: the device plan's (every kind on the GPU
+        where it all fits)."""
+        self.host_budget_bytes: int = ctx.broadcast(host_budget_bytes(ctx.settings, ctx.local_processes))
+        """The run's host budget, measured once (rank 0's): every plan of the run (the unit size, the
+        placement, the checkpoints' tier, the warm-step plan) is made within this one number, not within
+        the memory available when each runs (which the run itself lowers)."""
+        self.pending = ctx.settings.auto and bool(ctx.settings.unset() & FIRST_STEP_SETTINGS)
+        """The warm-step plan is still to run."""
+        self.steps, self.since = 0, 0.0
+        """Optimizer steps ended in this fit; ``perf_counter()`` at the end of the one before the warm one."""
+        self.choice: Choice | None = None
+        """The warm-step plan's choice, :attr:`machine` what it measured (the disks, the optimizer's rate)
+        and :attr:`unit_seconds` each unit's forward and backward seconds a micro-batch."""
+        self.machine: Machine | None = None
+        self.unit_seconds: tuple[list[float], list[float]] | None = None
+
+    # -- at setup -------------------------------------------------------------------------------------
+    def plan_setup(self, chain: LayerChain, optimizer: Any, dtype: torch.dtype, shard: tuple[int, int] | None, *,
+                   speculative: bool, clip_norm: bool) -> SetupPlan:
+        """``layers_per_unit``, then the placement of the unset kinds for units of that size (every rank
+        applies rank 0's, printed as a table), and the checkpoints' share. ``speculative``: fp16's two slots
+        of the kinds a step rewrites."""
+        ctx, settings, budget = self.ctx, self.ctx.settings, self.host_budget_bytes
+        # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
+        # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
+        planned_weights = ctx.device_tier and settings.auto and settings.offload.weights is None
+        device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
+                                          if planned_weights else None))
+        lpu = self.unit_size(chain, optimizer, dtype, shard, speculative=speculative, clip_norm=clip_norm,
+                             device=device)
+        units = make_units(chain, lpu)
+        settings = dataclasses.replace(settings, layers_per_unit=lpu)
+        checkpoints = ((budget // CHECKPOINT_SHARE, ctx.report)
+                       if settings.auto and settings.offload.checkpoints is None else None)
+        if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
+            return SetupPlan(settings.resolved(), None, units, checkpoints)
+        state = state_layout(units, {}, optimizer, settings.offload.placed(), dtype, shard)
+        lag, placement = place_kinds(settings, state, ctx.accumulate, budget, speculative=speculative,
+                                     clip_norm=clip_norm, device=device)
+        placement = ctx.broadcast(placement)  # every rank runs rank 0's (the same: the same budget and sizes)
+        ctx.report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
+                   + placement.table())
+        return SetupPlan(placed_config(settings, state, lag, placement), placement, units, checkpoints)
+
+    def unit_size(self, chain: LayerChain, optimizer: Any, dtype: torch.dtype, shard: tuple[int, int] | None, *,
+                  speculative: bool, clip_norm: bool, device: DeviceSide) -> int:
+        """``layers_per_unit`` for this run: the user's, 1 with ``auto=False``, else rank 0's choice
+        (:mod:`~lightning_greedysnake.planner.unit_size`) among the candidates whose staging fits the host
+        budget; where none can be measured, 1 (and the report says why)."""
+        ctx, settings = self.ctx, self.ctx.settings
+        if settings.layers_per_unit is not None or not settings.auto:
+            return settings.resolved().layers_per_unit
+        if len(chain.blocks) < CANDIDATES[1]:  # (one candidate: nothing to measure)
+            return 1
+        result: int | str = 1
+        if ctx.is_global_zero:
+            try:
+                scores = score_sizes(settings, candidate_layouts(settings, chain, optimizer, dtype, shard), optimizer,
+                                     ctx.accumulate, self.host_budget_bytes, speculative=speculative,
+                                     clip_norm=clip_norm, default_root=ctx.default_root, device=device,
+                                     optimizer_threads=ctx.optimizer_threads)
+                if scores.plans:
+                    result = choose_unit_size(scores.plans)
+                    ctx.report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up "
+                               "to rounding, not bit for bit, and this choice rests on a measurement): the disks "
+                               "measured at each candidate's request sizes, its placement within the host budget, "
+                               "its step predicted by the roofline without compute (setup sees no batch)\n"
+                               + table(scores.plans, scores.machines, scores.ssd_bytes, result))
+            except OSError as e:
+                result = f"layers_per_unit=1: the offload disk could not be measured ({e})"
+            except ValueError as e:  # a setting refused: setup refuses it next, on every rank (none waits here)
+                result = f"layers_per_unit=1 ({e})"
+        result = ctx.broadcast(result)
+        if isinstance(result, str):
+            ctx.report(f"greedysnake: {result}")
+            return 1
+        return result
+
+    # -- after the warm step --------------------------------------------------------------------------
+    def step_ended(self) -> bool:
+        """An optimizer step ended: whether the warm-step plan is due now (it runs once)."""
+        if not self.pending:
+            return False
+        self.steps += 1
+        if self.steps < PLAN_STEP:
+            self.since = time.perf_counter()
+            return False
+        return True
+
+    def plan_warm_step(self, manager: TieredTensorStore, activation_bytes: dict[int, int],
+                       config: GreedySnakeConfig) -> GreedySnakeConfig:
+        """Measure, plan the unset ones of :data:`FIRST_STEP_SETTINGS` (every rank runs rank 0's choice),
+        reconfigure ``manager``; returns the config in effect from the next window on (its ``recompute`` is
+        the engine's)."""
+        ctx, k = self.ctx, self.ctx.accumulate
+        self.pending = False
+        manager.drain()
+        unset = ctx.settings.unset()
+        try:
+            machine, disks = measured_machine(manager, ctx.default_root)
+        except OSError as e:  # (a full disk, say: every rank still takes rank 0's word below)
+            machine, disks = None, f"the offload disk could not be measured: {e}"
+        self.machine = machine
+        fwd, bwd = self.unit_seconds = unit_times(manager.stats.lanes.spans(self.since, float("inf")),
+                                                  manager.num_units)
+        costs = unit_costs(manager, fwd, bwd, activation_bytes)
+        budget = self.host_budget_bytes - manager.arena.regions.host_bytes()
+        explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
+        lags = (0, 1, 2) if "lag" in unset else (config.lag,)
+        if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
+            device_tier = manager.copies is not None
+            lags = tuple(lag for lag in lags
+                         if staging_budget_of(manager.state, manager.config, lag, device_tier).minimum_bytes
+                         <= explicit_budget)
+        options: dict[str, Any] = {
+            "alphas": tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
+            "lags": lags or (config.lag,),
+            "recompute": (True, False) if "recompute" in unset else (config.recompute,),
+            "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",),
+            "prefetch_units": manager.config.prefetch_units}
+        try:
+            choice: Choice | str = disks if machine is None else plan(
+                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=config.layers_per_unit, **options)
+        except PlanError as e:
+            choice = str(e)
+        choice = ctx.broadcast(choice)  # rank 0's, a choice or why there is none: every rank does the same
+        if isinstance(choice, str):
+            ctx.report(f"greedysnake auto plan: keeping the settings in effect ({choice})")
+            return config
+        self.choice = choice
+        if machine is None:  # (this rank could not measure; rank 0 could: its choice stands)
+            machine = self.machine = Machine(math.inf, math.inf, math.inf)
+        staging = explicit_budget if explicit_budget is not None else choice.buffer_budget_bytes
+        manager.reconfigure(choice.alpha, choice.lag, staging)
+        config = dataclasses.replace(config, alpha=choice.alpha, lag=choice.lag, recompute=choice.recompute)
+        bound = predict(costs, machine, config.schedule.value, k).bound
+        ctx.report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
+                   f"elements/s; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
+                   f"{'binding resource':<22}{bound:>20}")
+        larger = self.larger_units(costs, machine, budget, manager.checkpoint_bytes, config.layers_per_unit, options)
+        if larger is not None:  # (the files are laid out by the unit size: a run keeps its own)
+            (best, current), lpu = larger, larger[0].layers_per_unit
+            ctx.report(f"greedysnake: larger units are faster here: layers_per_unit={lpu} is predicted at "
+                       f"{best.step_s:.3f} s a step against {current.step_s:.3f} s (its last unit recomputes "
+                       f"nothing; staging {best.buffer_budget_bytes:,} bytes). Set layers_per_unit={lpu} for the "
+                       "next run (a run keeps the unit size its files were laid out in).")
+        return config
+
+    def larger_units(self, costs: list[UnitCost], machine: Machine, budget: int, checkpoint_bytes: int, lpu: int,
+                     options: dict[str, Any]) -> tuple[Choice, Choice] | None:
+        """Whether units of several of this run's (``lpu`` blocks each) are faster with the warm step's
+        measured compute, by setup's model and rule (:mod:`~lightning_greedysnake.planner.unit_size`;
+        setup, which sees no batch, chose from the disks alone), over the same ``options``: the plans of
+        the size chosen and of this one. None where this one stays, and when the user set ``layers_per_unit``."""
+        sizes = [n for n in CANDIDATES if n * lpu <= CANDIDATES[-1] and n <= len(costs)]
+        if self.ctx.settings.layers_per_unit is not None or len(sizes) < 2:
+            return None
+        plans = plans_by_size({n * lpu: (merge(costs, n), machine) for n in sizes}, self.ctx.accumulate, budget,
+                              checkpoint_bytes, **options)
+        if lpu not in plans:
+            return None
+        chosen = choose_unit_size(plans)
+        return None if chosen == lpu else (plans[chosen], plans[lpu])
