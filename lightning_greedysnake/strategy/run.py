@@ -42,7 +42,7 @@ from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.auto_plan import WarmStepPlan
 from lightning_greedysnake.strategy.checkpoints import LIGHTNING, CheckpointSeam, StreamedCheckpoints
 from lightning_greedysnake.strategy.device_plan import plan_device
-from lightning_greedysnake.strategy.host_memory import HostMemory
+from lightning_greedysnake.strategy.host_memory import HandBack, HostMemory
 from lightning_greedysnake.strategy.inputs import WindowInputs
 from lightning_greedysnake.strategy.manager_setup import (
     check_device,
@@ -154,7 +154,8 @@ class Run:
                  engine: WindowEngine, guard: NonFiniteGuard, *, checkpoints: CheckpointSeam = LIGHTNING,
                  placement: PlacementPlan | None = None,
                  telemetry: StepRecorder | None = None, warm_plan: WarmStepPlan | None = None,
-                 directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None) -> None:
+                 directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None,
+                 hand_back: HandBack | None = None) -> None:
         self._config = config
         self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
         self.name = cut.name
@@ -172,6 +173,8 @@ class Run:
         self.warm_plan = warm_plan
         """``auto=True``'s plan after the warm step (with the tensor manager)."""
         self.directories = directories
+        self.hand_back = hand_back
+        """What the end of fit gives back (with the tensor manager; planned at setup)."""
         self.timer = timer
         """Times the compute ops into the tensor manager's compute lane (with the tensor manager; the
         engine's and the fused ops'), read once per window."""
@@ -242,10 +245,9 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
                                  loss_scaler=scaler, data_parallel=ctx.data_parallel,
                                  gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads)
     try:
-        if planned.placement is not None:  # (a host budget was planned within: say what it covers)
-            HostMemory.of(planned.placement.budget_bytes, built_bytes,
-                          (p for unit in planned.units for p in unit.parameters()), len(manager.slots),
-                          config.offload.return_weights).tell(ctx.report, ctx.warn)
+        memory = HostMemory.of(planned.host_budget_bytes, built_bytes, manager, bounded=config.auto)
+        if config.auto:  # (a host budget was planned within: say what it covers, and what comes back)
+            memory.tell(ctx.report, ctx.warn)
         plan_checkpoints(manager.activations, ctx.settings, planned.host_budget_bytes, ctx.report)
         directories = OffloadDirectories(config.offload)
         open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
@@ -267,4 +269,5 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
                                       precision=str(ctx.precision.precision))
     return Run(config, cut, planned.units, manager, engine, guard, checkpoints=checkpoints,
                placement=planned.placement, telemetry=telemetry,
-               warm_plan=WarmStepPlan(ctx.settings, planned.host_budget_bytes), directories=directories, timer=timer)
+               warm_plan=WarmStepPlan(ctx.settings, planned.host_budget_bytes), directories=directories, timer=timer,
+               hand_back=memory.hand_back)
