@@ -183,10 +183,11 @@ class RegionMap:
         return sum(self.state.kept_unit_bytes(kind, u) * (self.slots if kind in SLOTTED else 1)
                    for kind in REGION_KINDS for u, t in enumerate(self.unit_tiers[kind]) if t is Tier.HOST)
 
-    def host_unit_bytes(self, u: int) -> int:
-        """RAM unit ``u``'s host-tier regions take (every slot; this rank's chunk of partitioned kinds)."""
+    def host_unit_bytes(self, u: int, kinds: tuple[TensorKind, ...] = REGION_KINDS) -> int:
+        """RAM unit ``u``'s host-tier regions of ``kinds`` take (every slot; this rank's chunk of
+        partitioned kinds)."""
         return sum(self.state.kept_unit_bytes(kind, u) * (self.slots if kind in SLOTTED else 1)
-                   for kind in REGION_KINDS if self.unit_tiers[kind][u] is Tier.HOST)
+                   for kind in kinds if self.unit_tiers[kind][u] is Tier.HOST)
 
     def staged_unit_bytes(self, u: int) -> int:
         """Pool bytes reading all of unit ``u``'s weights, master weights and optimizer state out of
@@ -194,11 +195,11 @@ class RegionMap:
         return sum(align_up(self.state.region_bytes(kind, u)) for kind in SLOTTED
                    if self.unit_tiers[kind][u] is not Tier.HOST and self.state.region_bytes(kind, u))
 
-    def release_host(self, u: int) -> None:
-        """Free unit ``u``'s host-tier regions (every slot): the end of a run, once its state came back
-        (nothing reads them again; the regions of the other units stay)."""
+    def release_host(self, u: int, kinds: tuple[TensorKind, ...] = REGION_KINDS) -> None:
+        """Free unit ``u``'s host-tier regions of ``kinds`` (every slot): the end of a run, once they came
+        back (nothing reads them again; the other regions stay)."""
         for kind, regions in self._host.items():
-            for slot in range(self.slots if kind in SLOTTED else 1):
+            for slot in range(self.slots if kind in SLOTTED else 1) if kind in kinds else ():
                 regions.release(u + slot * self.state.num_units)
 
     def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:

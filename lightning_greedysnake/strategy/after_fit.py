@@ -26,7 +26,7 @@ from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import TensorKind, Tier
 from lightning_greedysnake.io.aligned import ALIGN_BYTES
 from lightning_greedysnake.steps import step_done, step_running
-from lightning_greedysnake.strategy.host_memory import HandBack
+from lightning_greedysnake.strategy.host_memory import WEIGHT_KINDS, HandBack
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 UnitState = Callable[[int], dict[int, dict[str, Any]]]
@@ -153,11 +153,14 @@ def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, pl
         if plan.staging_bytes is not None:  # one unit's staging from here on (and what an interrupted step holds)
             manager.pool.shrink(max(plan.staging_bytes, ALIGN_BYTES) + manager.pool.in_use_bytes)
         per_unit = {}
-        for u in range(manager.num_units):
+        regions = manager.arena.regions
+        for u in range(manager.num_units):  # (what comes back takes the place of what is freed, as planned)
+            regions.release_host(u, (TensorKind.GRADIENTS,))
             manager.weights.restore(u, weights(u))
+            regions.release_host(u, WEIGHT_KINDS)
             if states:
                 per_unit[u] = unit_state(u)
-            manager.arena.regions.release_host(u)  # (what came back takes its place)
+            regions.release_host(u, (TensorKind.OPTIMIZER_STATES,))
         if states:
             return_optimizer_state(manager, optimizer, per_unit)
     except Exception as e:  # noqa: BLE001 - reported on first use, the original error is already raised

@@ -10,8 +10,9 @@ until setup moves them into the tensor manager (none on the meta device).
 
 The end of fit (``offload.return_weights=True``) is planned within the same budget: the trained state
 comes back unit by unit, each unit's RAM regions freed once it is back, the staging held to one unit, so
-the hand-back peaks at ``max over u`` of (the regions of units ``u..`` still held + what units ``..u``
-gave back) plus one unit in flight. The weights come back where that peak fits the budget; the
+the hand-back peaks at ``max over u`` of (the regions still held + what came back), unit ``u``'s
+gradients freed first, its weights' regions once its weights are back, its optimizer state's once that
+is, plus one unit in flight. The weights come back where that peak fits the budget; the
 optimizer's state (``torch.optim``'s fp32 tensors, Adam: twice the parameters) only where it fits with
 them. What does not is said at setup with the fixes: a checkpoint saved during fit streams it from the
 tiers (``ModelCheckpoint``, ``trainer.save_checkpoint`` at the last step), a larger
@@ -24,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from lightning_greedysnake.config import TensorKind
 
 if TYPE_CHECKING:
     from lightning_greedysnake.tensor_manager import TieredTensorStore
@@ -47,14 +50,25 @@ KEEP = ("save a checkpoint during fit, which streams the state unit by unit from
 """How to keep what the hand-back does not return (said at setup, and on first use after fit)."""
 
 
+WEIGHT_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS)
+
+
 @dataclass(frozen=True)
 class UnitBytes:
-    """One unit's host memory at the end of fit: what its RAM regions take (freed as it comes back) and
-    what coming back takes (its parameters in their own dtypes; the optimizer's fp32 state)."""
+    """One unit's host memory at the end of fit: what coming back takes (its parameters in their own
+    dtypes; the optimizer's fp32 state), and what its RAM regions take, freed as it comes back: the
+    gradients' first, the weights' (and master weights') once the weights are back, the optimizer
+    state's once it is."""
 
-    regions: int
     weights: int
     state: int
+    gradient_regions: int = 0
+    weight_regions: int = 0
+    state_regions: int = 0
+
+    @property
+    def regions(self) -> int:
+        return self.gradient_regions + self.weight_regions + self.state_regions
 
 
 @dataclass(frozen=True)
@@ -94,10 +108,11 @@ class HostMemory:
         """From the tensor manager's units and the tiers its regions are placed on (before it opens)."""
         regions = manager.arena.regions
         slots = len(manager.slots) if manager.optimizer is not None else 0
-        units = [UnitBytes(regions.host_unit_bytes(u),
-                           sum(p.numel() * dtype.itemsize for p, dtype in
+        units = [UnitBytes(sum(p.numel() * dtype.itemsize for p, dtype in
                                zip(manager.params[u], manager.weights.dtypes[u], strict=True)),
-                           manager.layouts[u].trainable_numel * FP32_BYTES * slots) for u in range(manager.num_units)]
+                           manager.layouts[u].trainable_numel * FP32_BYTES * slots,
+                           regions.host_unit_bytes(u, (TensorKind.GRADIENTS,)), regions.host_unit_bytes(u, WEIGHT_KINDS),
+                           regions.host_unit_bytes(u, (TensorKind.OPTIMIZER_STATES,))) for u in range(manager.num_units)]
         staging = max((regions.staged_unit_bytes(u) for u in range(manager.num_units)), default=0)
         return cls(budget_bytes, built_bytes, units, staging, manager.config.return_weights, bounded)
 
@@ -115,10 +130,14 @@ class HostMemory:
         """The tensor manager's RAM at most during the hand-back of the weights (and ``state``): the
         regions of the units not back yet, what came back, one unit in flight."""
         held, back, peak = sum(u.regions for u in self.units), 0, 0
-        for unit in self.units:
-            back += unit.weights + (unit.state if state else 0)
+        for unit in self.units:  # (in the order after_fit.hand_back frees them)
+            held -= unit.gradient_regions
+            back += unit.weights
             peak = max(peak, held + back)
-            held -= unit.regions
+            held -= unit.weight_regions
+            back += unit.state if state else 0
+            peak = max(peak, held + back)
+            held -= unit.state_regions
         return peak + self.staging_bytes + max((u.weights for u in self.units), default=0)  # (+ a transient copy)
 
     @property
