@@ -89,7 +89,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if name.startswith("lightning_auto"):
         strategy: Any = "auto"
     elif name.startswith("greedysnake_defaults"):
-        strategy = GreedySnakeStrategy(offload_dir=offload_root / name)
+        budget = int(args.host_budget_gb * 2**30) if args.host_budget_gb else None
+        strategy = GreedySnakeStrategy(offload_dir=offload_root / name, auto_host_budget_bytes=budget)
     elif name == "greedysnake_cpu":
         strategy = GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("host"))
     else:
@@ -141,6 +142,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--host-budget-gb", type=float, default=0.0,
+                        help="auto_host_budget_bytes of the greedysnake_defaults configs, in GiB (0: the default)")
     parser.add_argument("--offload-dir", default=None, help="where the SSD runs put their files (default: a temp dir)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -151,7 +154,7 @@ def main() -> None:
     from _common import MODEL_FLAGS, print_table, run_child, write_result
 
     rows = []
-    flags = [*MODEL_FLAGS, "micro_batch", "k", "steps"]
+    flags = [*MODEL_FLAGS, "micro_batch", "k", "steps", "host_budget_gb"]
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         for name in args.configs:
             rows.append(run_child(__file__, name, args, flags, ["--offload-dir", tmp]))
@@ -163,7 +166,7 @@ def main() -> None:
     cols = ["config", "state_mb", "train_peak_rss_mb", "peak_rss_mb", "growth_mb", "growth_vs_state", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
             "ssd_read_gb_per_step", "ssd_written_gb_per_step", "read_wait_s_per_step"]
     print_table(rows, cols)
-    write_result(args.out, args, [*MODEL_FLAGS, "micro_batch", "k", "steps"], rows)
+    write_result(args.out, args, [*MODEL_FLAGS, "micro_batch", "k", "steps", "host_budget_gb"], rows)
 
 
 if __name__ == "__main__":

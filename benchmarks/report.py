@@ -91,6 +91,8 @@ SECTIONS: tuple[Section, ...] = (
                                         "the peak by the last step, peak_rss_mb includes the end of fit. Rows marked "
                                         "@afcc0d0: the tree before the end of fit was planned (issue 37), which "
                                         "copied the weights and optimizer state back beside the tiers."),
+         Result("memory_defaults_fp32", "The same at 32-true: GreedySnakeStrategy() as it is against Lightning in "
+                                        "memory, GPT 1024 x 12, sequence 128, K=8, 2 steps."),
          Result("scale_1p6b", "A GPT of 2048 x 32 whose model state exceeds this machine's RAM, built on "
                               "the meta device, bf16-mixed, every kind on SSD (measured before the background "
                               "optimizer lane landed)."),
