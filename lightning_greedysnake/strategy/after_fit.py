@@ -150,10 +150,12 @@ def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, pl
     states = optimizer is not None and plan.state
     try:
         manager.drain()  # the pending steps complete: the last complete update
-        if plan.staging_bytes is not None:  # one unit's staging from here on (and what an interrupted step holds)
-            manager.pool.shrink(max(plan.staging_bytes, ALIGN_BYTES) + manager.pool.in_use_bytes)
-        per_unit = {}
         regions = manager.arena.regions
+        if plan.staging_bytes is not None:  # one unit's staging from here on (and what an interrupted step holds)
+            # (the plan is rank 0's: a rank whose chunk of a unit is larger keeps room for its own)
+            own = max((regions.staged_unit_bytes(u) for u in range(manager.num_units)), default=0)
+            manager.pool.shrink(max(plan.staging_bytes, own, ALIGN_BYTES) + manager.pool.in_use_bytes)
+        per_unit = {}
         for u in range(manager.num_units):  # (what comes back takes the place of what is freed, as planned)
             regions.release_host(u, (TensorKind.GRADIENTS,))
             manager.weights.restore(u, weights(u))

@@ -270,4 +270,4 @@ def open_run(ctx: SetupContext, module: nn.Module, cut: ModelCut, optimizer: tor
     return Run(config, cut, planned.units, manager, engine, guard, checkpoints=checkpoints,
                placement=planned.placement, telemetry=telemetry,
                warm_plan=WarmStepPlan(ctx.settings, planned.host_budget_bytes), directories=directories, timer=timer,
-               hand_back=memory.hand_back)
+               hand_back=ctx.broadcast(memory.hand_back))  # (rank 0's: gathering it back is collective)
