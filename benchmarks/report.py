@@ -93,6 +93,9 @@ SECTIONS: tuple[Section, ...] = (
                                         "copied the weights and optimizer state back beside the tiers."),
          Result("memory_defaults_fp32", "The same at 32-true: GreedySnakeStrategy() as it is against Lightning in "
                                         "memory, GPT 1024 x 12, sequence 128, K=8, 2 steps."),
+         Result("memory_budget_bf16", "The end of fit within a 2 GiB host budget (auto_host_budget_bytes), GPT "
+                                      "1024 x 12, bf16-mixed, sequence 128, K=8, 2 steps: the weights come back, the "
+                                      "optimizer's state (said at setup) does not; @afcc0d0 copied everything back."),
          Result("scale_1p6b", "A GPT of 2048 x 32 whose model state exceeds this machine's RAM, built on "
                               "the meta device, bf16-mixed, every kind on SSD (measured before the background "
                               "optimizer lane landed)."),
