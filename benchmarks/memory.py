@@ -7,12 +7,16 @@ Each configuration runs in a fresh process (so peak RSS is its own), on the same
 - ``greedysnake_ssd``: weights, master weights, optimizer state on SSD (O_DIRECT), model built eagerly
   (``return_weights=False`` for every SSD run: the point is not to hold the model in RAM);
 - ``greedysnake_ssd_meta``: the same, model built on the meta device and materialized unit by unit;
-- ``greedysnake_ssd_meta_bf16``: the same under bf16-mixed (16-bit compute weights on SSD).
+- ``greedysnake_ssd_meta_bf16``: the same under bf16-mixed (16-bit compute weights on SSD);
+- ``greedysnake_defaults``: ``GreedySnakeStrategy()`` as is (the planner places within half of the
+  available memory; ``return_weights=True``: the end of fit is planned within that budget too);
+- ``lightning_auto_bf16``, ``greedysnake_defaults_bf16``: those two under bf16-mixed.
 
     python benchmarks/memory.py                      # GPT 1024x20 (270M), vocab 8192, seq 128, K=4, 3 steps
     python benchmarks/memory.py --n-layer 4 --steps 2 --configs lightning_auto greedysnake_ssd_meta
 
-Reports peak RSS, its growth over the same process idle (torch, Lightning and this package imported),
+Reports peak RSS (``train_peak_rss_mb``: by the end of the last step, before the end of fit hands the state
+back; ``peak_rss_mb``: the whole run), its growth over the same process idle (torch, Lightning and this package imported),
 and that growth as a fraction of the model state (16 bytes per parameter: fp32 weights, gradients, two
 Adam moments). Prints a table and writes JSON (default ``benchmarks/results/memory.json``).
 """
@@ -35,6 +39,9 @@ CONFIGS = [
     "greedysnake_ssd",
     "greedysnake_ssd_meta",
     "greedysnake_ssd_meta_bf16",
+    "greedysnake_defaults",
+    "lightning_auto_bf16",
+    "greedysnake_defaults_bf16",
 ]
 
 
@@ -58,6 +65,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     class Timer(L.Callback):
         def __init__(self) -> None:
+            self.train_peak_mb = 0.0
             self.times: list[float] = []
             self.io: list[dict[str, float]] = []
             self._t = time.perf_counter()
@@ -72,11 +80,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                     manager.flush()
                     self.io.append(manager.stats.flat())
 
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            self.train_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     name = args.child
     loader = token_loader(args.vocab, args.seq, args.k * args.steps * args.micro_batch, args.micro_batch)
     offload_root = Path(args.offload_dir)
-    if name == "lightning_auto":
+    if name.startswith("lightning_auto"):
         strategy: Any = "auto"
+    elif name.startswith("greedysnake_defaults"):
+        budget = int(args.host_budget_gb * 2**30) if args.host_budget_gb else None
+        strategy = GreedySnakeStrategy(offload_dir=offload_root / name, auto_host_budget_bytes=budget)
     elif name == "greedysnake_cpu":
         strategy = GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("host"))
     else:
@@ -101,6 +115,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "params": config.num_params,
         "state_mb": round(config.num_params * 16 / 2**20, 1),  # fp32 weights + gradients + two Adam moments
         "idle_rss_mb": round(idle_mb, 1),
+        "train_peak_rss_mb": round(timer.train_peak_mb, 1),
         "peak_rss_mb": round(peak_mb, 1),
         "growth_mb": round(peak_mb - idle_mb, 1),
         "growth_vs_state": round((peak_mb - idle_mb) / (config.num_params * 16 / 2**20), 3),
@@ -127,6 +142,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--host-budget-gb", type=float, default=0.0,
+                        help="auto_host_budget_bytes of the greedysnake_defaults configs, in GiB (0: the default)")
     parser.add_argument("--offload-dir", default=None, help="where the SSD runs put their files (default: a temp dir)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -137,19 +154,19 @@ def main() -> None:
     from _common import MODEL_FLAGS, print_table, run_child, write_result
 
     rows = []
-    flags = [*MODEL_FLAGS, "micro_batch", "k", "steps"]
+    flags = [*MODEL_FLAGS, "micro_batch", "k", "steps", "host_budget_gb"]
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
         for name in args.configs:
             rows.append(run_child(__file__, name, args, flags, ["--offload-dir", tmp]))
             print(f"  done {name}", file=sys.stderr)
-    base = next((r for r in rows if r["config"] == "lightning_auto"), rows[0])
+    base = next((r for r in rows if r["config"].startswith("lightning_auto")), rows[0])
     for r in rows:
         r["rss_vs_lightning"] = round(r["peak_rss_mb"] / base["peak_rss_mb"], 3)
         r["time_vs_lightning"] = round(r["step_s"] / base["step_s"], 3)
-    cols = ["config", "state_mb", "peak_rss_mb", "growth_mb", "growth_vs_state", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
+    cols = ["config", "state_mb", "train_peak_rss_mb", "peak_rss_mb", "growth_mb", "growth_vs_state", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
             "ssd_read_gb_per_step", "ssd_written_gb_per_step", "read_wait_s_per_step"]
     print_table(rows, cols)
-    write_result(args.out, args, [*MODEL_FLAGS, "micro_batch", "k", "steps"], rows)
+    write_result(args.out, args, [*MODEL_FLAGS, "micro_batch", "k", "steps", "host_budget_gb"], rows)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,17 @@ SECTIONS: tuple[Section, ...] = (
         "Peak resident memory against the model state (16 bytes per parameter), each placement in a fresh "
         "process; growth is peak RSS over the same process idle.",
         (Result("memory", "GPT 1024 x 20 (270M parameters), sequence 128, K=4."),
+         Result("memory_defaults_bf16", "GreedySnakeStrategy() as it is (the planner kept every kind in RAM, "
+                                        "return_weights=True) against Lightning in memory, GPT 1024 x 12 (168M "
+                                        "parameters), bf16-mixed, sequence 128, K=8, 2 steps; train_peak_rss_mb is "
+                                        "the peak by the last step, peak_rss_mb includes the end of fit. Rows marked "
+                                        "@afcc0d0: the tree before the end of fit was planned (issue 37), which "
+                                        "copied the weights and optimizer state back beside the tiers."),
+         Result("memory_defaults_fp32", "The same at 32-true: GreedySnakeStrategy() as it is against Lightning in "
+                                        "memory, GPT 1024 x 12, sequence 128, K=8, 2 steps."),
+         Result("memory_budget_bf16", "The end of fit within a 2 GiB host budget (auto_host_budget_bytes), GPT "
+                                      "1024 x 12, bf16-mixed, sequence 128, K=8, 2 steps: the weights come back, the "
+                                      "optimizer's state (said at setup) does not; @afcc0d0 copied everything back."),
          Result("scale_1p6b", "A GPT of 2048 x 32 whose model state exceeds this machine's RAM, built on "
                               "the meta device, bf16-mixed, every kind on SSD (measured before the background "
                               "optimizer lane landed)."),

@@ -339,6 +339,16 @@ class BufferPool:
                 self._free_bytes -= size
                 excess -= size
 
+    def shrink(self, budget_bytes: int) -> None:
+        """A smaller budget, and the memory beyond what is in use given back to the system: the cached
+        buffers, and with nothing in use the registered segments (a request registers a new one, of at
+        most the new budget). The end of a run: the hand-back needs one unit's staging, not the run's."""
+        with self._cond:
+            self._budget_bytes = budget_bytes
+            self._evict(self._free_bytes)
+            if self._arena is not None and not self._in_use:
+                self._arena.close()
+
     def close(self) -> None:
         """Frees cached buffers; buffers still in use are freed as they come back."""
         with self._cond:

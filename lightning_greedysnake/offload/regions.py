@@ -183,6 +183,25 @@ class RegionMap:
         return sum(self.state.kept_unit_bytes(kind, u) * (self.slots if kind in SLOTTED else 1)
                    for kind in REGION_KINDS for u, t in enumerate(self.unit_tiers[kind]) if t is Tier.HOST)
 
+    def host_unit_bytes(self, u: int, kinds: tuple[TensorKind, ...] = REGION_KINDS) -> int:
+        """RAM unit ``u``'s host-tier regions of ``kinds`` take (every slot; this rank's chunk of
+        partitioned kinds)."""
+        return sum(self.state.kept_unit_bytes(kind, u) * (self.slots if kind in SLOTTED else 1)
+                   for kind in kinds if self.unit_tiers[kind][u] is Tier.HOST)
+
+    def staged_unit_bytes(self, u: int) -> int:
+        """Pool bytes reading all of unit ``u``'s weights, master weights and optimizer state out of
+        their tiers takes at most (those off the host tier staged; as placed, before :meth:`open` too)."""
+        return sum(align_up(self.state.region_bytes(kind, u)) for kind in SLOTTED
+                   if self.unit_tiers[kind][u] is not Tier.HOST and self.state.region_bytes(kind, u))
+
+    def release_host(self, u: int, kinds: tuple[TensorKind, ...] = REGION_KINDS) -> None:
+        """Free unit ``u``'s host-tier regions of ``kinds`` (every slot): the end of a run, once they came
+        back (nothing reads them again; the other regions stay)."""
+        for kind, regions in self._host.items():
+            for slot in range(self.slots if kind in SLOTTED else 1) if kind in kinds else ():
+                regions.release(u + slot * self.state.num_units)
+
     def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:
         """Pool bytes reading unit ``u``'s region of ``kind`` ahead takes (0 where it is not on SSD)."""
         return align_up(self.state.region_bytes(kind, u)) if self.on_ssd(kind, u) else 0

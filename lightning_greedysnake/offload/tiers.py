@@ -52,6 +52,12 @@ class HostRegions:
         assert buf is not None, f"{self.kind}: unit {unit} has no region here (or the regions are closed)"
         return buf
 
+    def release(self, unit: int) -> None:
+        """Free unit ``unit``'s region (its memory goes back to the system; nothing may use it again)."""
+        buf, self._buffers[unit] = self._buffers[unit], None
+        if buf is not None:
+            buf.close()
+
     def close(self) -> None:
         for buf in self._buffers:
             if buf is not None:

@@ -34,14 +34,17 @@ def read_unit(arena: StagingArena, u: int, compute_dtype: torch.dtype) -> list[T
     """Unit ``u``'s full-precision weights as new tensors in layout order."""
     state = arena.state
     lay = state.units[u]
+    has_master = bool(state.region_bytes(TensorKind.MASTER_WEIGHTS, u))
     weights = arena.stage(TensorKind.WEIGHTS, u, read=True)
     try:
         flat = weights.view(compute_dtype, lay.numel)
         dtype = torch.float32 if state.separate_master else compute_dtype
-        out = [slot_view(flat, slot).to(dtype, copy=True) for slot in lay.params]
+        # (a trained parameter's value comes from the master weights below: no copy of it made here)
+        out = [torch.empty(0) if has_master and slot.group is not None else slot_view(flat, slot).to(dtype, copy=True)
+               for slot in lay.params]
     finally:
         weights.release()
-    if state.region_bytes(TensorKind.MASTER_WEIGHTS, u):
+    if has_master:
         master = arena.stage(TensorKind.MASTER_WEIGHTS, u, read=True)
         try:
             mflat = master.view(torch.float32, lay.numel)

@@ -232,31 +232,50 @@ class UnitOptimizer:
             shadow_group.update(groups[gi])  # the LR in force at this step, as the LR scheduler left it
         for k, (sp, (j, slot, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
             sp.data = master[lo:hi]
-            sp.grad = grad[lo:hi] if has_grad[j] else None
             if p.initialized[k]:
                 kept = p.scalar_state[k]  # (and a slot the optimizer keeps in plain fp32 for this piece)
                 pieces = {name: state.piece(name, lo, hi, slot.group) for name in state.names if name not in kept}
                 shadow.state[sp] = {**kept, **{name: v for name, v in pieces.items() if v is not None}}
+        # a piece's first step creates its state as new tensors, copied into our buffers after it: stepped
+        # one piece at a time, so no more than one parameter's new state exists beside the buffers at once
+        # (an element-wise optimizer computes each piece alike either way)
+        stepped = [k for k, (j, *_) in enumerate(p.pieces) if has_grad[j]]
+        fresh = [k for k in stepped if not p.initialized[k]]
+        batches = [[k for k in stepped if p.initialized[k]], *([k] for k in fresh)]
         try:
-            shadow.step()
-            for k, (sp, (_, slot, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
-                st = shadow.state.get(sp)
-                if not st:
+            for batch in batches:
+                if not batch:
                     continue
-                scalars = {}
-                for name, value in st.items():
-                    # created on the first step, or replaced: keep it in our buffer where it fits there
-                    if not (name in state.names and state.keep(name, lo, hi, value, slot.group)):
-                        scalars[name] = value
-                p.scalar_state[k] = scalars
-                p.initialized[k] = True
-            p.steps += 1
+                members = set(batch)
+                for k, (sp, (_, _, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
+                    sp.grad = grad[lo:hi] if k in members else None
+                shadow.step()
+                for k in batch:
+                    self._keep(p, k, state)
         finally:
             # drop every reference into the caller's buffers: they go back to the pool after this
             shadow.state.clear()
             for sp in p.shadow_params:
                 sp.grad = None
                 sp.data = torch.zeros(1)
+        p.steps += 1
+
+    @staticmethod
+    def _keep(p: _Part, k: int, state: PieceState) -> None:
+        """Piece ``k``'s state after its step into our buffers (what does not fit there: kept as scalars),
+        and out of the shadow optimizer (a first step's new tensors are freed once copied)."""
+        sp, (_, slot, lo, hi) = p.shadow_params[k], p.pieces[k]
+        assert p.shadow is not None
+        st = p.shadow.state.pop(sp, None)
+        if not st:
+            return
+        scalars = {}
+        for name, value in st.items():
+            # created on the first step, or replaced: keep it in our buffer where it fits there
+            if not (name in state.names and state.keep(name, lo, hi, value, slot.group)):
+                scalars[name] = value
+        p.scalar_state[k] = scalars
+        p.initialized[k] = True
 
 
 class PieceState(Protocol):

@@ -2,7 +2,10 @@
 
 - Training ended normally (``offload.return_weights=True``): the trained weights go back into the
   parameters and the optimizer's state into the user's optimizer, so ``trainer.save_checkpoint`` after
-  ``fit`` writes what ``strategy="auto"`` writes (weights and Adam moments).
+  ``fit`` writes what ``strategy="auto"`` writes (weights and Adam moments); with ``auto=True`` as far as
+  the host budget allows (:class:`~lightning_greedysnake.strategy.host_memory.HandBack`, planned and said
+  at setup): unit by unit, each unit's RAM regions freed once it is back. What does not come back
+  refuses to be used (the module, or only the optimizer's ``state_dict`` and ``step``), naming the fixes.
 - ``fit`` failed: the weights of the last complete update go back where they can be read (every pending
   step is completed first), with a warning that says which optimizer step each unit holds.
 - Where the state cannot come back (``return_weights=False``, a failed optimizer lane or disk, data
@@ -21,7 +24,9 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import TensorKind, Tier
+from lightning_greedysnake.io.aligned import ALIGN_BYTES
 from lightning_greedysnake.steps import step_done, step_running
+from lightning_greedysnake.strategy.host_memory import WEIGHT_KINDS, HandBack
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 UnitState = Callable[[int], dict[int, dict[str, Any]]]
@@ -34,11 +39,14 @@ class StateNotReturned(RuntimeError):
 
 
 class UnusableUntilLoaded:
-    """Hooks on a module whose parameters are placeholders: its forward and ``state_dict`` raise
-    :class:`StateNotReturned` with ``message``; ``load_state_dict`` first gives the parameters real
-    memory (in their own dtypes, ``params``) and then lifts the hooks."""
+    """Hooks on a module whose parameters are placeholders, and on an optimizer whose state did not come
+    back: the module's forward and ``state_dict``, the optimizer's ``state_dict`` and ``step`` raise
+    :class:`StateNotReturned` with ``message``. The module's ``load_state_dict`` first gives the
+    parameters real memory (in their own dtypes, ``params``) and then lifts its hooks; the optimizer's
+    ``load_state_dict`` lifts its own. ``module`` None: the weights came back, only the optimizer refuses."""
 
-    def __init__(self, module: nn.Module, message: str, params: list[tuple[nn.Parameter, torch.dtype]]) -> None:
+    def __init__(self, module: nn.Module | None, message: str, params: list[tuple[nn.Parameter, torch.dtype]],
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.message = message
 
         def refuse(*args: Any, **kwargs: Any) -> None:
@@ -48,26 +56,35 @@ class UnusableUntilLoaded:
             for p, dtype in params:
                 p.data = torch.empty(p.shape, dtype=dtype)
 
-        def loaded(*args: Any) -> None:
-            self.remove()
+        def lift(handles: list[Any]) -> Callable[..., None]:
+            def lifted(*args: Any) -> None:
+                for handle in handles:
+                    handle.remove()
+                handles.clear()
+            return lifted
 
-        self._handles = [
-            module.register_forward_pre_hook(refuse),
-            module.register_state_dict_pre_hook(refuse),
-            module.register_load_state_dict_pre_hook(materialize),
-            module.register_load_state_dict_post_hook(loaded),
-        ]
+        self._module: list[Any] = []
+        self._optimizer: list[Any] = []
+        if module is not None:
+            self._module += [module.register_forward_pre_hook(refuse), module.register_state_dict_pre_hook(refuse),
+                             module.register_load_state_dict_pre_hook(materialize)]
+            self._module.append(module.register_load_state_dict_post_hook(lift(self._module)))
+        if optimizer is not None:
+            self._optimizer += [optimizer.register_state_dict_pre_hook(refuse),
+                                optimizer.register_step_pre_hook(refuse)]
+            self._optimizer.append(optimizer.register_load_state_dict_post_hook(lift(self._optimizer)))
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for handles in (self._module, self._optimizer):
+            for handle in handles:
+                handle.remove()
+            handles.clear()
 
 
-def return_optimizer_state(manager: TieredTensorStore, optimizer: Any, unit_state: UnitState) -> None:
-    """The per-parameter state of every unit (``unit_state(u)``: the manager's own, or gathered over
-    the ranks) into the user's optimizer, as ``torch.optim`` keeps it."""
-    state = opt_state.optimizer_state(optimizer, manager.grads.where, manager.num_units, unit_state)
+def return_optimizer_state(manager: TieredTensorStore, optimizer: Any, per_unit: dict[int, dict[int, dict[str, Any]]]) -> None:
+    """Every unit's per-parameter state (``per_unit[u]``: ``unit_state(u)``, the manager's own or gathered
+    over the ranks) into the user's optimizer, as ``torch.optim`` keeps it (its tensors taken as they are)."""
+    state = opt_state.optimizer_state(optimizer, manager.grads.where, manager.num_units, per_unit.__getitem__)
     for entry in state.values():  # quantized state comes back dequantized, as plain tensors (not its codes)
         for key in [k for k in entry if k.partition(".")[0] in manager.slots and "." in k]:
             del entry[key]
@@ -97,13 +114,15 @@ def where_state_is(manager: TieredTensorStore) -> str:
     return " and ".join(names[t] for t in (Tier.HOST, Tier.DEVICE, Tier.SSD) if t in tiers) or "host memory"
 
 
-def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, *, name: str, failed: bool,
-              distributed: bool, weights: Callable[[int], list[Tensor]], unit_state: UnitState, global_step: int,
-              warn: Callable[[str], None]) -> UnusableUntilLoaded | None:
-    """Give the module (and the user's optimizer) the state in ``manager``'s tiers, before they close:
-    ``weights(u)`` and ``unit_state(u)`` read unit ``u``'s (gathered over the ranks with partitioned
-    state). ``name``: the user's model, as messages name it. Returns the hooks that make the module fail
-    on first use where the state cannot come back."""
+def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, plan: HandBack, *, name: str,
+              failed: bool, distributed: bool, weights: Callable[[int], list[Tensor]], unit_state: UnitState,
+              global_step: int, warn: Callable[[str], None]) -> UnusableUntilLoaded | None:
+    """Give the module (and the user's optimizer) the state in ``manager``'s tiers that ``plan`` returns,
+    before they close, unit by unit: each unit's RAM regions are freed once it is back, and the staging
+    is held to ``plan.staging_bytes``, so the hand-back stays within what setup planned. ``weights(u)`` and
+    ``unit_state(u)`` read unit ``u``'s (gathered over the ranks with partitioned state). ``name``: the
+    user's model, as messages name it. Returns the hooks that make the module (or the optimizer) fail on
+    first use where its state did not come back."""
     where = where_state_is(manager)
     on_ssd = "offload files" in where
     kept = f"in {where}" + ("; the offload files are kept (offload.keep_files=True)" if manager.config.keep_files
@@ -115,25 +134,45 @@ def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, *,
     if not manager.config.return_weights:
         return UnusableUntilLoaded(layered, (
             f"greedysnake left {name}'s trained weights {kept} (offload.return_weights=False): its "
-            f"parameters are placeholders. {load}, or set offload.return_weights=True."), params)
+            f"parameters are placeholders. {load}, or set offload.return_weights=True."), params, optimizer)
     if failed and distributed:
         return UnusableUntilLoaded(layered, (
             f"fit failed with several processes, so greedysnake did not gather {name}'s weights (the "
-            f"other ranks may be gone); they were {kept}. {load}."), params)
+            f"other ranks may be gone); they were {kept}. {load}."), params, optimizer)
+    if not plan.weights:
+        return UnusableUntilLoaded(layered, (
+            f"greedysnake did not give {name}'s trained weights back ({plan.why}); they were {kept}. {load}."),
+            params, optimizer)
     if failed:
         # a buffer an interrupted thread never gave back must not hold teardown for minutes: a step that
         # cannot get memory fails soon, and the module is then marked unusable instead
         manager.pool.wait_timeout_s = min(manager.pool.wait_timeout_s, FAILED_WAIT_S)
+    states = optimizer is not None and plan.state
     try:
         manager.drain()  # the pending steps complete: the last complete update
-        manager.restore_parameters(weights)
-        if optimizer is not None:
-            return_optimizer_state(manager, optimizer, unit_state)
+        regions = manager.arena.regions
+        if plan.staging_bytes is not None:  # one unit's staging from here on (and what an interrupted step holds)
+            # (the plan is rank 0's: a rank whose chunk of a unit is larger keeps room for its own)
+            own = max((regions.staged_unit_bytes(u) for u in range(manager.num_units)), default=0)
+            manager.pool.shrink(max(plan.staging_bytes, own, ALIGN_BYTES) + manager.pool.in_use_bytes)
+        per_unit = {}
+        for u in range(manager.num_units):  # (what comes back takes the place of what is freed, as planned)
+            regions.release_host(u, (TensorKind.GRADIENTS,))
+            manager.weights.restore(u, weights(u))
+            regions.release_host(u, WEIGHT_KINDS)
+            if states:
+                per_unit[u] = unit_state(u)
+            regions.release_host(u, (TensorKind.OPTIMIZER_STATES,))
+        if states:
+            return_optimizer_state(manager, optimizer, per_unit)
     except Exception as e:  # noqa: BLE001 - reported on first use, the original error is already raised
         return UnusableUntilLoaded(layered, (
-            f"greedysnake could not read {name}'s weights back after fit failed ({type(e).__name__}: "
-            f"{e}); they were {kept}. {load}."), params)
+            f"greedysnake could not read {name}'s weights back after fit{' failed' if failed else ''} "
+            f"({type(e).__name__}: {e}); they were {kept}. {load}."), params, optimizer)
     if failed:
+        with_state = ", with the optimizer's state" if states else ""
         warn(f"greedysnake: fit failed; {name} holds {steps_held(manager, global_step)}, read back from "
-             f"{where}, with the optimizer's state.")
+             f"{where}{with_state}.")
+    if optimizer is not None and not plan.state:
+        return UnusableUntilLoaded(None, f"greedysnake: {plan.why}.", [], optimizer)
     return None

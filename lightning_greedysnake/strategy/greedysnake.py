@@ -272,8 +272,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def _hand_back(self, run: Run, manager: TieredTensorStore, failed: bool) -> None:
         """The LightningModule should be usable after fit, as with any other strategy."""
         view = ShardedStateView(manager, self.global_rank, self.world_size) if manager.shard else manager
+        assert run.hand_back is not None  # (planned with the tensor manager)
         self._unusable = after_fit.hand_back(
-            manager, run.layered, manager.optimizer, name=run.name, failed=failed, distributed=self.is_distributed,
+            manager, run.layered, manager.optimizer, run.hand_back, name=run.name, failed=failed, distributed=self.is_distributed,
             weights=view.unit_master_weights, unit_state=view.unit_optimizer_state,
             global_step=self.lightning_module.trainer.global_step, warn=rank_zero_warn)
 

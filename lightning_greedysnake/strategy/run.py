@@ -41,7 +41,7 @@ from lightning_greedysnake.planner.threads import optimizer_threads
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.checkpoints import LIGHTNING, CheckpointSeam, StreamedCheckpoints
-from lightning_greedysnake.strategy.host_memory import HostMemory
+from lightning_greedysnake.strategy.host_memory import HandBack, HostMemory
 from lightning_greedysnake.strategy.inputs import WindowInputs
 from lightning_greedysnake.strategy.manager_setup import (
     check_device,
@@ -151,7 +151,8 @@ class Run:
                  engine: WindowEngine, guard: NonFiniteGuard, *, checkpoints: CheckpointSeam = LIGHTNING,
                  placement: PlacementPlan | None = None,
                  telemetry: StepRecorder | None = None, planner: Planner | None = None,
-                 directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None) -> None:
+                 directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None,
+                 hand_back: HandBack | None = None) -> None:
         self._config = config
         self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
         self.name = cut.name
@@ -169,6 +170,8 @@ class Run:
         self.planner = planner
         """The run's planner, whose warm-step plan runs after the warm step (with the tensor manager)."""
         self.directories = directories
+        self.hand_back = hand_back
+        """What the end of fit gives back (with the tensor manager; planned at setup)."""
         self.timer = timer
         """Times the compute ops into the tensor manager's compute lane (with the tensor manager; the
         engine's and the fused ops'), read once per window."""
@@ -241,10 +244,9 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
                                  gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads,
                                  checkpoint_plan=planned.checkpoints)
     try:
-        if planned.placement is not None:  # (a host budget was planned within: say what it covers)
-            HostMemory.of(planned.placement.budget_bytes, built_bytes,
-                          (p for unit in planned.units for p in unit.parameters()), len(manager.slots),
-                          config.offload.return_weights).tell(ctx.report, ctx.warn)
+        memory = HostMemory.of(planner.host_budget_bytes, built_bytes, manager, bounded=config.auto)
+        if config.auto:  # (a host budget was planned within: say what it covers, and what comes back)
+            memory.tell(ctx.report, ctx.warn)
         directories = OffloadDirectories(config.offload)
         open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
                             planned.units, ctx.broadcast_parameters, cut.layered if cut.on_meta else None, ctx.report,
@@ -265,4 +267,5 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
                                       precision=str(ctx.precision.precision))
     return Run(config, cut, planned.units, manager, engine, guard, checkpoints=checkpoints,
                placement=planned.placement, telemetry=telemetry,
-               planner=planner, directories=directories, timer=timer)
+               planner=planner, directories=directories, timer=timer,
+               hand_back=ctx.broadcast(memory.hand_back))  # (rank 0's: gathering it back is collective)

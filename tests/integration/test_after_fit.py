@@ -11,10 +11,11 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy
+from lightning_greedysnake.checkpoint.plain import plain_checkpoint
 from lightning_greedysnake.optim import OptimizerLaneError
 from lightning_greedysnake.strategy.after_fit import StateNotReturned
-from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
+from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, max_abs_diff, token_loader
 
 K = 3
 
@@ -157,3 +158,103 @@ def test_a_failed_optimizer_lane_leaves_a_model_that_fails_on_use_naming_the_fix
     with pytest.raises(StateNotReturned, match=r"could not read TinyGPTModule.model's weights back.*Fix: load a checkpoint"):
         module.model(x)
     assert not (tmp_path / "greedysnake_offload").exists()
+
+
+class Recorder(UnitGradients):
+    """Each window's gradients (``param.grad`` under Lightning, the stepper's under greedysnake) and, at
+    the last step, a checkpoint saved while the run is open (greedysnake streams it from the tiers)."""
+
+    def __init__(self, save_to: Path) -> None:
+        super().__init__()
+        self.save_to = save_to
+        self.resident: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        self.resident.append({n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None})
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        trainer.save_checkpoint(self.save_to)
+
+    @property
+    def grads(self) -> list[dict[str, torch.Tensor]]:
+        return self.windows() if self.per_name else self.resident
+
+
+class Twelve(TinyGPTModule):
+    """12 blocks: the optimizer's state (317 KiB) is larger than what a small host budget holds."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=3e-3)
+        self.model = GPT(GPTConfig(n_layer=12, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+
+
+def _fit_twelve(strategy: Any, root: Path) -> tuple[L.LightningModule, L.Trainer, Recorder]:
+    L.seed_everything(0, verbose=False)
+    module, recorder = Twelve(), Recorder(root / "last.ckpt")
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(strategy, K, max_epochs=1, default_root_dir=root, callbacks=[recorder])
+    trainer.fit(module, token_loader(2 * K))
+    return module, trainer, recorder
+
+
+def _moments(state: dict[int, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {f"{i}.{key}": torch.as_tensor(entry[key]).float() for i, entry in state.items()
+            for key in ("exp_avg", "exp_avg_sq", "step")}
+
+
+def _same_training(got: Recorder, ref: Recorder) -> None:
+    assert len(got.grads) == len(ref.grads) == 2
+    for window, ref_window in zip(got.grads, ref.grads, strict=True):
+        assert window.keys() == ref_window.keys() and max_abs_diff(window, ref_window) <= 1e-5
+
+
+STAGING = 256 << 10
+SMALL_BUDGET = STAGING * 8 // 7 + 8  # room for the staging and the checkpoints' share: every kind on SSD
+"""The weights (158 KiB) come back within it, with the optimizer's state (317 KiB more) they would not."""
+
+
+def test_what_does_not_fit_the_host_budget_is_said_at_setup_and_refused_after_fit(tmp_path, caplog):
+    """The end of fit is planned within the host budget: the weights come back (as Lightning's), the
+    optimizer's state does not, the report and a warning say so at setup with the fixes, and the
+    optimizer refuses ``state_dict`` and ``step`` after fit, naming them. The fix it names, a checkpoint
+    at the last step, holds the moments Lightning's optimizer holds."""
+    strategy = GreedySnakeStrategy(auto_host_budget_bytes=SMALL_BUDGET, layers_per_unit=1,
+                                   offload={"buffer_budget_bytes": STAGING})
+    with caplog.at_level("INFO"), pytest.warns(UserWarning) as caught:
+        module, trainer, got = _fit_twelve(strategy, tmp_path / "gs")
+    ref_module, ref_trainer, ref = _fit_twelve("auto", tmp_path / "auto")
+    report = next(line for line in caplog.text.splitlines() if "greedysnake host memory:" in line)
+    assert "The optimizer's state (316.8 KiB) does not come back at the end of fit" in report, report
+    assert "the weights do (158.4 KiB)" in report and "ModelCheckpoint" in report, report
+    said = [str(w.message) for w in caught if "does not come back" in str(w.message)]
+    assert len(said) == 1 and "raise auto_host_budget_bytes" in said[0], said
+    assert max_abs_diff(_params(module), _params(ref_module)) <= 1e-5
+    _same_training(got, ref)
+    optimizer = trainer.optimizers[0]
+    assert not optimizer.state  # (nothing came back)
+    for use in (optimizer.state_dict, optimizer.step, lambda: trainer.save_checkpoint(tmp_path / "after.ckpt")):
+        with pytest.raises(StateNotReturned, match=r"optimizer's state .* does not come back.*ModelCheckpoint"):
+            use()
+    trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)  # the weights, as the message says
+    saved = torch.load(tmp_path / "weights.ckpt", weights_only=False)["state_dict"]
+    assert max_abs_diff(dict(saved), _params(ref_module)) <= 1e-5
+    last = plain_checkpoint(tmp_path / "gs" / "last.ckpt")  # the fix: streamed from the tiers during fit
+    ref_state = ref_trainer.optimizers[0].state_dict()["state"]
+    assert max_abs_diff(_moments(last["optimizer_states"][0]["state"]), _moments(ref_state)) <= 1e-5
+    optimizer.load_state_dict(last["optimizer_states"][0])  # a state loaded: usable again
+    assert optimizer.state_dict()["state"].keys() == ref_state.keys()
+
+
+def test_where_everything_fits_the_host_budget_the_weights_and_moments_come_back_as_under_auto(tmp_path, caplog):
+    strategy = GreedySnakeStrategy(auto_host_budget_bytes=4 * SMALL_BUDGET, layers_per_unit=1,
+                                   offload={"buffer_budget_bytes": STAGING})
+    with caplog.at_level("INFO"):
+        module, trainer, got = _fit_twelve(strategy, tmp_path / "gs")
+    ref_module, ref_trainer, ref = _fit_twelve("auto", tmp_path / "auto")
+    report = next(line for line in caplog.text.splitlines() if "greedysnake host memory:" in line)
+    assert "the trained weights and the optimizer's state come back" in report and "within the budget" in report
+    assert max_abs_diff(_params(module), _params(ref_module)) <= 1e-5
+    _same_training(got, ref)
+    got_state, ref_state = trainer.optimizers[0].state_dict()["state"], ref_trainer.optimizers[0].state_dict()["state"]
+    assert got_state.keys() == ref_state.keys() and len(ref_state) > 0
+    assert max_abs_diff(_moments(got_state), _moments(ref_state)) <= 1e-5

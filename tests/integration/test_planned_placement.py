@@ -20,6 +20,7 @@ from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, Split, Tier
 from lightning_greedysnake.offload.device import simulate_device_enabled
 from lightning_greedysnake.config import REGION_KINDS
+from lightning_greedysnake.strategy.after_fit import StateNotReturned
 from lightning_greedysnake.strategy.planning.placement import CHECKPOINT_SHARE
 from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
 
@@ -263,9 +264,10 @@ class EightMillion(TinyGPTModule):
 
 @pytest.mark.parametrize("meta", [False, True], ids=["eager-return-weights", "meta-no-return"])
 def test_the_report_says_what_the_host_budget_covers_and_the_fixes_when_the_model_exceeds_it(tmp_path, caplog, meta):
-    """The budget bounds the tensor manager's RAM, not the process: the model as built and what
-    ``return_weights`` copies back at the end come on top, and the report says so with the expected peak;
-    where they exceed the budget, a warning names meta init and ``return_weights=False``."""
+    """The budget bounds the tensor manager's RAM, not the process: the model as built comes on top, and
+    the report says so with the expected peak; where it exceeds the budget, a warning names meta init.
+    The end of fit is planned within the budget: weights larger than it do not come back, said at setup
+    (with the fixes) and on first use after fit."""
     budget = 36 << 20
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=budget, layers_per_unit=1, lag=0,
                                    offload={"prefetch_units": 0, "return_weights": not meta})
@@ -280,11 +282,15 @@ def test_the_report_says_what_the_host_budget_covers_and_the_fixes_when_the_mode
     said = [str(w.message) for w in caught if "exceed the host budget" in str(w.message)]
     if meta:
         assert "the model as built takes none (the meta device)" in report, report
-        assert "nothing is copied back at the end (offload.return_weights=False)" in report, report
+        assert "Nothing is copied back at the end (offload.return_weights=False)" in report, report
         assert "peak near 36.0 MiB" in report and not said, (report, said)
     else:
         assert "the model as you built it, 48.3 MiB of parameters" in report, report
-        assert "copied back into the module and your optimizer (offload.return_weights=True), 48.3 MiB + 96.6 MiB" \
-            in report, report
-        assert "peak near 229.1 MiB" in report, report
-        assert len(said) == 1 and "init_module(empty_init=True)" in said[0] and "return_weights=False" in said[0], said
+        assert "Neither the trained weights (48.3 MiB) nor the optimizer's state come back at the end of fit" \
+            in report and "ModelCheckpoint" in report, report
+        assert "peak near 84.3 MiB" in report, report  # (the budget and the model as built)
+        assert len(said) == 1 and "init_module(empty_init=True)" in said[0], said
+        not_back = [str(w.message) for w in caught if "come back at the end of fit" in str(w.message)]
+        assert len(not_back) == 1 and "raise auto_host_budget_bytes" in not_back[0], not_back
+        with pytest.raises(StateNotReturned, match=r"did not give EightMillion.model's trained weights back"):
+            module.model(next(iter(token_loader(1)))[0])
