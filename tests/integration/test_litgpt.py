@@ -155,14 +155,20 @@ def test_the_reference_really_trains():
     assert max_abs_diff(initial, _reference("gemma3")[0]) > 100 * 1e-5
 
 
+_BF16_POLICIES: dict[str, tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]] = {}
+
+
 def _bf16_policy(family: str) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """The plain-PyTorch bf16-mixed policy (``tests.helpers.bf16_policy_run``): bf16 copies of the fp32
     master weights under autocast, gradients accumulated in fp32, the module's AdamW on the masters. Only
-    the parameters are bf16: the rope cache stays fp32, as under Lightning's bf16-mixed."""
-    L.seed_everything(0, verbose=False)
-    module = LitModule(family)
-    grads = bf16_policy_run(module, list(token_loader(NUM_BATCHES, vocab=VOCAB)), K, epochs=2)
-    return {n: p.detach().clone() for n, p in module.named_parameters()}, grads
+    the parameters are bf16: the rope cache stays fp32, as under Lightning's bf16-mixed. (Once per family:
+    both schedules compare against the same run, as :func:`_reference`.)"""
+    if family not in _BF16_POLICIES:
+        L.seed_everything(0, verbose=False)
+        module = LitModule(family)
+        grads = bf16_policy_run(module, list(token_loader(NUM_BATCHES, vocab=VOCAB)), K, epochs=2)
+        _BF16_POLICIES[family] = {n: p.detach().clone() for n, p in module.named_parameters()}, grads
+    return _BF16_POLICIES[family]
 
 
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
