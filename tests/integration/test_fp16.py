@@ -158,11 +158,15 @@ def test_an_overflow_mid_window_is_skipped_as_gradscaler_skips_it(plain, setting
 
 @pytest.mark.parametrize("clip", [("norm", 0.05), ("value", 0.01)], ids=["norm", "value"])
 def test_clipping_sees_the_unscaled_gradients(clip):
-    ref_params, ref_scales, ref_skipped, _ = reference(clip)
+    ref_params, ref_scales, ref_skipped, ref_grads = reference(clip)
     got, seen, trainer = greedysnake(GreedySnakeStrategy(auto=False), gradient_clip_val=clip[1],
                                      gradient_clip_algorithm=clip[0])
     assert seen.speculative == (clip[0] == "value")  # (norm clipping waits for the whole backward)
     assert trainer.precision_plugin.loss_scaler.skipped_steps == ref_skipped and seen.scales == ref_scales
+    windows = [w for w in seen.windows() if all(bool(torch.isfinite(g).all()) for g in w.values())]
+    assert len(windows) == len(ref_grads)
+    for step, (g, r) in enumerate(zip(windows, ref_grads, strict=True)):  # (the unscaled, clipped gradients)
+        assert max_abs_diff(g, r) <= 1e-6 * max(1.0, max(float(v.abs().max()) for v in r.values())), step
     assert max_abs_diff(got, ref_params) <= 1e-5
 
 
