@@ -118,13 +118,11 @@ class IOStats:
 
     def bytes_read(self, kind: str, tier: str = "ssd") -> int:
         with self._lock:
-            c = self._counters.get((kind, tier))
-            return c.bytes_read if c else 0
+            return self._counters[(kind, tier)].bytes_read if (kind, tier) in self._counters else 0
 
     def bytes_written(self, kind: str, tier: str = "ssd") -> int:
         with self._lock:
-            c = self._counters.get((kind, tier))
-            return c.bytes_written if c else 0
+            return self._counters[(kind, tier)].bytes_written if (kind, tier) in self._counters else 0
 
     def flat(self) -> dict[str, float]:
         """``{"ssd/weights/bytes_read": ..., ...}``: for loggers."""
