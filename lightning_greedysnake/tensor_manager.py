@@ -210,29 +210,9 @@ class TieredTensorStore:
         return self.weights.weight_loads
 
     @property
-    def weight_prefetches_refused(self) -> int:
-        """Weights prefetches the staging budget had no room for, since construction."""
-        return self.weights.prefetches_refused
-
-    @property
     def checkpoint_bytes(self) -> int:
         """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
         return self.activations.checkpoint_bytes
-
-    @property
-    def checkpoint_prefetches(self) -> int:
-        """SSD activation-checkpoint reads started ahead of need, since construction."""
-        return self.activations.prefetches
-
-    @property
-    def steps_read_ahead(self) -> int:
-        """Steps that found their master weights and state read ahead (:meth:`prefetch_step`)."""
-        return self.stepper.parts.steps_read_ahead
-
-    @property
-    def read_ahead_by_unit(self) -> dict[int, int]:
-        """Per unit, its steps that found their master weights and state read ahead."""
-        return dict(self.stepper.parts.read_ahead_by_unit)
 
     @property
     def optimizer_wait_seconds(self) -> float:
@@ -372,10 +352,6 @@ class TieredTensorStore:
     def flush(self) -> None:
         """Wait for every write in flight (raises the first I/O error)."""
         self.arena.flush()
-
-    def flush_checkpoints(self) -> None:
-        """Wait for every activation-checkpoint transfer in flight."""
-        self.activations.flush()
 
     def reconfigure(self, alpha: float, lag: int, buffer_budget_bytes: int) -> None:
         """Change alpha, lag and the staging budget between steps (the planner's choice): drains every
