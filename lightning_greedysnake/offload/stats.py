@@ -48,16 +48,11 @@ class LaneClock:
         with self._lock:
             spans = sorted((max(a, since), min(b, until)) for a, b, _ in self._intervals.get(lane, []) if b > since
                            and a < until)
-        total, cur_a, cur_b = 0.0, None, None
+        total, covered = 0.0, since  # (spans by start: each adds what it covers past those before it)
         for a, b in spans:
-            if cur_b is None or a > cur_b:
-                if cur_b is not None:
-                    total += cur_b - cur_a
-                cur_a, cur_b = a, b
-            else:
-                cur_b = max(cur_b, b)
-        if cur_b is not None:
-            total += cur_b - cur_a
+            if b > covered:
+                total += b - max(a, covered)
+                covered = b
         return total
 
 

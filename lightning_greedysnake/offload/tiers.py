@@ -163,10 +163,8 @@ class SSDRegions:
                 return
             t0 = time.perf_counter()
             try:
-                if write:
-                    f = self._engine.submit_write(self.file, offset, buf, lo, nbytes)
-                else:
-                    f = self._engine.submit_read(self.file, offset, buf, lo, nbytes)
+                submit = self._engine.submit_write if write else self._engine.submit_read
+                f = submit(self.file, offset, buf, lo, nbytes)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on this operation
                 done.set_exception(e)
                 return
@@ -244,10 +242,7 @@ class SSDScratch:
     def submit(self, op: str, offset: int, buf: AlignedBuffer, nbytes: int) -> Future[None]:
         nbytes = align_up(nbytes)
         t0 = time.perf_counter()
-        if op == "read":
-            f = self._engine.submit_read(self.file, offset, buf, 0, nbytes)
-        else:
-            f = self._engine.submit_write(self.file, offset, buf, 0, nbytes)
+        f = (self._engine.submit_read if op == "read" else self._engine.submit_write)(self.file, offset, buf, 0, nbytes)
         with self._lock:
             self._inflight.add(f)
 
