@@ -10,6 +10,7 @@ optimizer's vector kernels).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -31,10 +32,7 @@ class ParamSlot:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -79,13 +77,9 @@ class FileLayout:
 
 
 def build_file_layout(region_bytes: list[int]) -> FileLayout:
-    offsets = []
-    offset = 0
-    for size in region_bytes:
-        assert size % 4096 == 0, size
-        offsets.append(offset)
-        offset += size
-    return FileLayout(tuple(offsets), tuple(region_bytes))
+    assert all(size % 4096 == 0 for size in region_bytes), region_bytes
+    return FileLayout(tuple(itertools.accumulate(region_bytes[:-1], initial=0)) if region_bytes else (),
+                      tuple(region_bytes))
 
 
 SPLIT_ALIGN_NUMEL = 2048
@@ -186,9 +180,7 @@ class StateLayout:
                     at += size
             return out
         isz = self.compute_itemsize if kind is TensorKind.WEIGHTS else 4
-        region, copies = lay.nbytes(isz), 1
-        end = region if hi >= lay.numel else hi * isz
-        return [(k * region + lo * isz, k * region + end) for k in range(copies)]
+        return [(lo * isz, lay.nbytes(isz) if hi >= lay.numel else hi * isz)]
 
     def trained_weight_ranges(self, u: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """Byte ranges of unit ``u``'s compute weights that a step of elements ``[lo, hi)`` changes: each

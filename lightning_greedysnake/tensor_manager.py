@@ -14,8 +14,9 @@ routes the :class:`~lightning_greedysnake.offload.TensorStore` protocol to them)
 - :class:`~lightning_greedysnake.offload.activations.ActivationStore`: activation checkpoints;
 - :class:`~lightning_greedysnake.optim.UnitStepper`: each unit's optimizer step on the lane, through
   the staging Protocols;
-- :class:`~lightning_greedysnake.between_windows.StateBetweenWindows`: weights and optimizer state in
-  and out of the tiers between windows (initialization, checkpoints, the end of a run).
+- :mod:`~lightning_greedysnake.offload.unit_values` and :mod:`~lightning_greedysnake.checkpoint.optimizer_state`:
+  weights and optimizer state in and out of the tiers between windows (initialization, checkpoints, the
+  end of a run), which this store routes there itself.
 
 Threads: the training thread calls everything here; the optimizer lane runs the stepper's jobs; I/O
 threads complete transfers and give buffers back. Each component's docstring says what it shares.
@@ -32,12 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_greedysnake.between_windows import StateBetweenWindows
+from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import OffloadConfig, TensorKind
 from lightning_greedysnake.io import IOConfig, IOEngine, OffloadFile, default_engine
 from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.layout import PARAM_ALIGN_NUMEL, StateLayout, UnitLayout, build_unit_layout
 from lightning_greedysnake.models import Unit
+from lightning_greedysnake.offload import unit_values
 from lightning_greedysnake.offload.activations import ActivationStore
 from lightning_greedysnake.offload.device import DeviceCopies, named_sync
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
@@ -52,10 +54,6 @@ from lightning_greedysnake.optim.protocols import StepCollectives
 from lightning_greedysnake.optim.state_format import StateFormat, state_format_for
 
 __all__ = ["ClipPolicy", "TieredTensorStore"]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
@@ -78,7 +76,7 @@ def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torc
         ], align)
         for unit in units
     ]
-    return StateLayout(tuple(layouts), _itemsize(compute_dtype), len(slots),
+    return StateLayout(tuple(layouts), compute_dtype.itemsize, len(slots),
                        separate_master=compute_dtype != torch.float32, shard=shard,
                        state_itemsize=state_format.itemsize, state_codec=codec.layout if codec else ())
 
@@ -128,6 +126,7 @@ class TieredTensorStore:
         self.clip = clip or ClipPolicy()
         self.stats = IOStats()
         self.offload_dir: Path | None = None
+        """The first offload directory (None: none), set by :meth:`open`."""
         self._engines: list[IOEngine] = []
         self.offload_dirs: list[Path] = []
         self._closed = False
@@ -157,8 +156,6 @@ class TieredTensorStore:
         self.grads = GradientAccumulator(self.arena, self.state, self.params, copies,
                                          data_parallel.device_reducer if data_parallel is not None else None)
         self.activations = ActivationStore(self.arena, config, self.stats, copies, checkpoint_plan)
-        self.between_windows = StateBetweenWindows(optimizer, self.arena, self.weights, self.stepper, self.grads.where,
-                                                   self.slots, self.state_format, compute_dtype, self.drain)
 
     # -- views of the components (read-only) ------------------------------------------------------------
     @property
@@ -172,10 +169,6 @@ class TieredTensorStore:
     @property
     def shard(self) -> tuple[int, int] | None:
         return self.state.shard
-
-    @property
-    def separate_master(self) -> bool:
-        return self.state.separate_master
 
     @property
     def pool(self) -> BufferPool:
@@ -217,29 +210,9 @@ class TieredTensorStore:
         return self.weights.weight_loads
 
     @property
-    def weight_prefetches_refused(self) -> int:
-        """Weights prefetches the staging budget had no room for, since construction."""
-        return self.weights.prefetches_refused
-
-    @property
     def checkpoint_bytes(self) -> int:
         """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
         return self.activations.checkpoint_bytes
-
-    @property
-    def checkpoint_prefetches(self) -> int:
-        """SSD activation-checkpoint reads started ahead of need, since construction."""
-        return self.activations.prefetches
-
-    @property
-    def steps_read_ahead(self) -> int:
-        """Steps that found their master weights and state read ahead (:meth:`prefetch_step`)."""
-        return self.stepper.parts.steps_read_ahead
-
-    @property
-    def read_ahead_by_unit(self) -> dict[int, int]:
-        """Per unit, its steps that found their master weights and state read ahead."""
-        return dict(self.stepper.parts.read_ahead_by_unit)
 
     @property
     def optimizer_wait_seconds(self) -> float:
@@ -273,27 +246,55 @@ class TieredTensorStore:
         """The offload files open now (each kind's regions, the checkpoint scratch)."""
         return [*self.arena.regions.open_files(), *self.activations.open_files()]
 
-    # -- state between windows (training thread; see :class:`StateBetweenWindows`) -----------------------------
+    # -- state between windows ------------------------------------------------------------------------------
+    # A unit's whole values in and out of its tiers (initialization, checkpoints, the end of a run): by the
+    # training thread between windows, pending steps drained first where they would race.
     def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
-        self.between_windows.load_unit_weights(u, values)
+        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
+        self.stepper.parts.drop_read_ahead(u)  # read before these new values
+        unit_values.write_unit(self.arena, u, values, self.compute_dtype)
 
     def unit_master_weights(self, u: int) -> list[Tensor]:
-        return self.between_windows.unit_master_weights(u)
+        """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
+        self.drain()
+        return unit_values.read_unit(self.arena, u, self.compute_dtype)
 
     def restore_parameters(self, master: Callable[[int], list[Tensor]] | None = None) -> None:
-        self.between_windows.restore_parameters(master)
+        """Give the parameters real memory again, holding the trained weights (end of a run).
+        ``master``: where unit u's full-precision weights come from (partitioned state: gathered)."""
+        for u in range(self.num_units):
+            self.weights.restore(u, (master or self.unit_master_weights)(u))
 
     def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
-        return self.between_windows.unit_optimizer_state(u)
+        """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout
+        (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
+        assert self.optimizer is not None
+        self.drain()
+        self.stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
+        return opt_state.unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u,
+                                              self.state_format.codec)
 
     def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
-        self.between_windows.load_unit_optimizer_state(u, entries)
+        """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
+        assert self.optimizer is not None
+        self.drain()
+        self.stepper.parts.drop_read_ahead(u)  # read before this new state
+        opt_state.load_unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u, entries,
+                                            self.state_format.codec)
 
     def optimizer_state(self) -> dict[int, dict[str, Any]]:
-        return self.between_windows.optimizer_state()
+        """The optimizer's per-parameter state in ``torch.optim`` form (the ``state`` entry of
+        ``optimizer.state_dict()``). Holds it all in memory: checkpoints stream it unit by unit."""
+        assert self.optimizer is not None
+        return opt_state.optimizer_state(self.optimizer, self.grads.where, self.num_units, self.unit_optimizer_state)
 
     def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
-        self.between_windows.load_optimizer_state(state)
+        """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
+        assert self.optimizer is not None
+        self.drain()
+        for u, entries in opt_state.split_optimizer_state(self.optimizer, self.grads.where, state).items():
+            self.load_unit_optimizer_state(u, entries)
+        self.flush()
 
     # -- lifetime -------------------------------------------------------------------------------------------
     def open(self, offload_dirs: Path | list[Path] | None, io_engine: IOEngine | None = None) -> None:
@@ -352,10 +353,6 @@ class TieredTensorStore:
         """Wait for every write in flight (raises the first I/O error)."""
         self.arena.flush()
 
-    def flush_checkpoints(self) -> None:
-        """Wait for every activation-checkpoint transfer in flight."""
-        self.activations.flush()
-
     def reconfigure(self, alpha: float, lag: int, buffer_budget_bytes: int) -> None:
         """Change alpha, lag and the staging budget between steps (the planner's choice): drains every
         pending step, re-splits each unit's optimizer keeping its state, resizes the lane and the pool."""
@@ -379,11 +376,8 @@ class TieredTensorStore:
             self.stepper.close()  # runs what is queued (a failed lane runs nothing more)
             self.weights.close()
             self.grads.discard()  # a window cut short by an error leaves its accumulators
-            if self.stepper.lane.failed:
-                # the error already reached the training thread; finish cleaning up regardless
-                with contextlib.suppress(OSError):
-                    self.flush()
-            else:
+            # a failed lane's error already reached the training thread: finish cleaning up regardless
+            with contextlib.suppress(OSError) if self.stepper.lane.failed else contextlib.nullcontext():
                 self.flush()
         finally:
             self._close_files()

@@ -131,11 +131,6 @@ class ActivationStore:
                 self._scratches.append(SSDScratch(TensorKind.CHECKPOINTS.value, engine, path, self._stats))
             self._window_counts = [0] * len(self._scratches)
 
-    @property
-    def _scratch(self) -> SSDScratch | None:
-        """The first scratch file (None: checkpoints are not on SSD)."""
-        return self._scratches[0] if self._scratches else None
-
     def open_files(self) -> list[OffloadFile]:
         return [scratch.file for scratch in self._scratches]
 
@@ -159,7 +154,7 @@ class ActivationStore:
         if self._plan is not None:
             self._decide(nbytes)
         assert key not in self._host and key not in self._ssd and key not in self._copied, f"checkpoint {key} twice"
-        if self._scratch is None:
+        if not self._scratches:  # (not on SSD)
             if self._copies is not None and self.tier is Tier.HOST:
                 host = self._copies.empty_host(hidden.numel(), hidden.dtype)
                 # the device tensor stays for the next unit's forward (no wait for the copy there);
@@ -195,7 +190,7 @@ class ActivationStore:
     def load(self, unit: int, microbatch: int) -> Tensor:
         """The checkpoint, in memory until :meth:`release` or :meth:`drop`."""
         key = (unit, microbatch)
-        if self._scratch is None:
+        if not self._scratches:
             copied = self._copied.get(key)
             if copied is None:
                 return self._host[key]
@@ -242,8 +237,6 @@ class ActivationStore:
         ck = self._ssd.get((unit, microbatch))
         if ck is None or ck.loaded is not None or ck.on_device is not None or not ck.write.done():
             return
-        if self._scratch is None:
-            return
         held = self._arena.acquire_optional(ck.nbytes, f"checkpoint of unit {unit} read-ahead")
         if held is None:
             return
@@ -286,25 +279,25 @@ class ActivationStore:
         self._loaded -= 1
         held.release()
 
-    def end_window(self) -> None:
-        """Forget the window's checkpoints; the scratch space is reused by the next window."""
+    def _drop_all(self, closing: bool) -> None:
+        """Drop every checkpoint, each once its write completed (raising a failed one unless ``closing``)."""
         for key in list(self._ssd):
             ck = self._ssd[key]
             self.drop(*key)
-            ck.write.result()
+            # (closing: a write chained after a device copy may not be submitted yet)
+            (ck.write.exception if closing else ck.write.result)()
         self._host.clear()
         self._copied.clear()
+
+    def end_window(self) -> None:
+        """Forget the window's checkpoints; the scratch space is reused by the next window."""
+        self._drop_all(closing=False)
         for scratch in self._scratches:
             scratch.reset()
 
     def close(self) -> None:
         """Give back every loaded checkpoint and close the scratch file once nothing is in flight on it."""
-        for key in list(self._ssd):
-            ck = self._ssd[key]
-            self.drop(*key)
-            ck.write.exception()  # a write chained after a device copy may not be submitted yet
-        self._host.clear()
-        self._copied.clear()
+        self._drop_all(closing=True)
         scratches, self._scratches = self._scratches, []
         for scratch in scratches:
             scratch.close()

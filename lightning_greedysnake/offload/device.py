@@ -88,47 +88,27 @@ class Copy(Future):  # type: ignore[type-arg]
 
 class CopyCounts:
     """Copies and bytes each way, and page-lock registrations of host memory, since construction. Written
-    by every thread that issues copies (the training thread; the optimizer lane, a step's new resident
-    weights) or registers memory under ``_lock``; read by anyone."""
+    under ``_lock`` by every thread that issues copies (the training thread; the optimizer lane, a step's
+    new resident weights) or registers memory; read by anyone without it (each count is one int)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._to_device = 0
-        self._to_host = 0
-        self._copies = 0
-        self._registrations = 0
+        self.bytes_to_device = 0
+        self.bytes_to_host = 0
+        self.copies = 0
+        self.registrations = 0
+        """Host memory registrations (``cudaHostRegister``; :meth:`DeviceCopies.pin`): slow, and they
+        serialize with the driver; none in the steady state."""
 
     def add_registration(self) -> None:
         with self._lock:
-            self._registrations += 1
-
-    @property
-    def registrations(self) -> int:
-        """Host memory registrations (``cudaHostRegister``; :meth:`DeviceCopies.pin`): slow, and they
-        serialize with the driver; none in the steady state."""
-        with self._lock:
-            return self._registrations
+            self.registrations += 1
 
     def add(self, *, to_device: int = 0, to_host: int = 0) -> None:
         with self._lock:
-            self._to_device += to_device
-            self._to_host += to_host
-            self._copies += 1
-
-    @property
-    def bytes_to_device(self) -> int:
-        with self._lock:
-            return self._to_device
-
-    @property
-    def bytes_to_host(self) -> int:
-        with self._lock:
-            return self._to_host
-
-    @property
-    def copies(self) -> int:
-        with self._lock:
-            return self._copies
+            self.bytes_to_device += to_device
+            self.bytes_to_host += to_host
+            self.copies += 1
 
 
 class DeviceCopies(Protocol):
@@ -195,6 +175,7 @@ class _Completer:
                 copy.set_result(None)
 
     def close(self) -> None:
+        """Idempotent."""
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
@@ -214,7 +195,6 @@ class CudaCopies:
         self._d2h_done = _Completer("greedysnake-d2h-events")
         self._pinned: set[int] = set()
         self.counts = CopyCounts()
-        self._closed = False
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         # allocated on the compute stream: freed by it, reused by it; copies on side streams record it.
@@ -245,7 +225,6 @@ class CudaCopies:
         device_side.record_stream(stream)
         copy = Copy()
         copy.event = event
-        # src and dst stay referenced by the job until the event completed (host memory must outlive it)
 
         def complete(_keep: tuple[Tensor, Tensor] = (src, dst)) -> None:
             # on the completion thread: src and dst (host memory) stay referenced until the copy is done
@@ -277,9 +256,6 @@ class CudaCopies:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
         self._h2d_done.close()
         self._d2h_done.close()
 
@@ -302,7 +278,6 @@ class SimulatedCopies:
         self._registered: dict[int, int] = {}
         """Host memory a copy may use: start address -> end, from :meth:`pin` (until :meth:`unpin`) and
         :meth:`empty_host` (until the tensor is freed). Written by any thread under ``_lock``."""
-        self._closed = False
 
     def _delay(self) -> float:
         with self._lock:
@@ -347,10 +322,7 @@ class SimulatedCopies:
     def _copy(self, lane: _Completer, src: Tensor, dst: Tensor, after: Future | None = None) -> Copy:  # type: ignore[type-arg]
         assert src.numel() == dst.numel(), (src.shape, dst.shape)
         delay = self._delay()
-        if dst.is_floating_point():
-            dst.fill_(float("nan"))  # undefined until the copy lands
-        elif dst.dtype == torch.uint8:
-            dst.fill_(0xFF)  # raw bytes (a device-resident region's): all-ones is NaN in every float dtype
+        _poison(dst)  # undefined until the copy lands
 
         def job() -> None:
             if after is not None:
@@ -400,9 +372,6 @@ class SimulatedCopies:
             self._registered.pop(ptr, None)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
         self._side.close()
         self._h2d.close()
         self._d2h.close()
@@ -430,13 +399,17 @@ def then(first: Future, submit: Callable[[], Future]) -> Future:  # type: ignore
     return result
 
 
+def _poison(t: Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.uint8:
+        t.fill_(0xFF)  # raw bytes (a device-resident region's): all-ones is NaN in every float dtype
+
+
 def _poisoned(numel: int, dtype: torch.dtype) -> Tensor:
     with torch.inference_mode(False):  # (the copy thread writes it, outside any inference_mode)
         t = torch.empty(numel, dtype=dtype)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif dtype == torch.uint8:
-            t.fill_(0xFF)  # (raw bytes: NaN in every float dtype they are viewed as)
+        _poison(t)
     return t
 
 

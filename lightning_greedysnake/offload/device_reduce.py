@@ -65,11 +65,8 @@ class DeviceGradientReducer:
         """``flat`` (one unit's device gradient) averaged over the ranks: ``(values, first element)``, the
         whole unit, or with partitioned state this rank's chunk ``bounds[rank]`` only."""
         if not self.partitioned:
-            with self._on_stream(flat):
-                dist.all_reduce(flat, group=self.group)
-                flat.div_(self.world)
+            self._all_reduce(flat)
             self._land_late(flat)
-            self.collective_bytes += flat.numel() * flat.element_size()
             return flat, 0
         chunk = max(b - a for a, b in bounds)
         padded = self.copies.empty(self.world * chunk, flat.dtype)
@@ -87,11 +84,14 @@ class DeviceGradientReducer:
 
     def average(self, flat: Tensor) -> None:
         """``flat`` averaged over the ranks in place, for the compute stream's next use (its norm)."""
+        self._all_reduce(flat)
+        if self.stream is not None:
+            torch.cuda.current_stream(self.copies.device).wait_stream(self.stream)
+
+    def _all_reduce(self, flat: Tensor) -> None:
         with self._on_stream(flat):
             dist.all_reduce(flat, group=self.group)
             flat.div_(self.world)
-        if self.stream is not None:
-            torch.cuda.current_stream(self.copies.device).wait_stream(self.stream)
         self.collective_bytes += flat.numel() * flat.element_size()
 
     def _land_late(self, result: Tensor) -> None:

@@ -60,15 +60,11 @@ class DeviceRegions:
     def region_bytes(self, unit: int) -> int:
         return self.layout.sizes[unit]
 
-    def host_buffer(self, unit: int) -> None:
-        return None
-
     def tensor(self, unit: int, dtype: torch.dtype, numel: int) -> Tensor:
         """Region ``unit``'s first ``numel`` elements as ``dtype``: what the parameters are bound to."""
         memory = self._memory[unit]
         assert memory is not None, f"{self.kind}: region {unit} is not on the device (or the regions are closed)"
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return memory[: numel * itemsize].view(dtype)
+        return memory[: numel * dtype.itemsize].view(dtype)
 
     def last_write(self, unit: int) -> Copy | None:
         """The latest copy into region ``unit`` (None: none since the regions were made)."""
@@ -118,18 +114,15 @@ class DeviceRegions:
         for copy in copies:
             copy.exception()  # (a failed read was raised to whoever waited for it)
 
-    def wait(self, unit: int) -> None:
-        """Block until every copy into and out of region ``unit`` completed; raises a failed write."""
-        self._wait(self._take_reads(unit))
-        last = self.last_write(unit)
-        if last is not None:
-            last.result()
-
     def wait_all(self) -> None:
+        """Block until every copy into and out of the regions completed; raises a failed write."""
         with self._lock:
             units = set(self._reads) | set(self._last_write)
         for unit in units:
-            self.wait(unit)
+            self._wait(self._take_reads(unit))
+            last = self.last_write(unit)
+            if last is not None:
+                last.result()
 
     def close(self) -> None:
         """Wait for every copy in flight, then give the device memory back (to the compute stream's

@@ -153,17 +153,14 @@ class GradientAccumulator:
 
     def spill(self, u: int) -> None:
         """Send unit ``u``'s accumulator to its tier (the buffer comes back once written)."""
-        held = self._take(u, reduce=False)  # (a partial sum: reduced only once complete)
+        held = self.take(u, reduce=False)  # (a partial sum: reduced only once complete)
         self._arena.put_back(TensorKind.GRADIENTS, u, held)  # (waits for a D2H copy still filling it)
         self._spilled.add(u)
 
-    def take(self, u: int) -> Staged:
-        return self._take(u, reduce=True)
-
-    def _take(self, u: int, reduce: bool) -> Staged:
+    def take(self, u: int, reduce: bool = True) -> Staged:
         """Unit ``u``'s complete accumulator, in host memory (on a device tier: being copied there, which
         the handle tracks); the caller owns the handle from now on. With a device ``reducer`` (data
-        parallel on the device tier) it is averaged over the ranks first, and with partitioned state
+        parallel on the device tier) and ``reduce`` it is averaged over the ranks first, and with partitioned state
         only this rank's chunk comes over (the rest of the host buffer is zero)."""
         self.flat(u)
         if self._copies is None:
@@ -190,7 +187,7 @@ class GradientAccumulator:
         """Like :meth:`take`, but a spilled accumulator stays on its tier (None: the step reads it back)."""
         self._spilled.discard(u)
         if u in self._on_device:
-            return self._take(u, reduce=False)  # (averaged already, for its norm)
+            return self.take(u, reduce=False)  # (averaged already, for its norm)
         return self._grads.pop(u, None)
 
     def pop_has_grad(self, u: int) -> list[bool]:

@@ -169,10 +169,9 @@ class BufferPool:
         self._closed = False
         self._returning = 0
         """Buffers whose owners released them but that wait for I/O to finish before coming back."""
-        self.pinner = pinner
-        """``(pin, unpin)`` of the device tier: the pool's memory is page-locked for asynchronous copies."""
         self._arena = PinnedArena(pinner, self.debug) if pinner is not None else None
-        """With a pinner: the registered segments every buffer is carved from (see the module's docstring)."""
+        """With a ``pinner`` (``(pin, unpin)`` of the device tier): the registered segments every buffer is
+        carved from (see the module's docstring); without one, buffers are cached by size in ``_free``."""
         self.others_active = others_active
         """Whether another thread (the optimizer lane) holds buffers it will give back: then waiting for
         memory makes sense even when no I/O is in flight."""
@@ -223,25 +222,21 @@ class BufferPool:
                         self._cond.wait(FRAGMENTED_WAIT_S)
                         fragmented_s += time.monotonic() - t0
                         continue
-                    cached = None
                 else:
                     cached = self._free.get(nbytes)
-                if cached:
-                    buf = cached.pop()
-                    self._free_bytes -= nbytes
-                    if self.debug:
-                        self._check_poison(buf, what)
-                    break
-                if self._arena is None and self.in_use_bytes + nbytes <= self.budget_bytes:
-                    self._evict(self.in_use_bytes + self._free_bytes + nbytes - self.budget_bytes)
-                    buf = AlignedBuffer(nbytes)
-                    if self.pinner is not None:
-                        buf.pin(*self.pinner)
-                    if self.debug:
-                        self._poison(buf)  # fresh memory is zero: as plausible as stale numbers
-                    break
-                if not block:
-                    return None
+                    if cached:
+                        buf = cached.pop()
+                        self._free_bytes -= nbytes
+                        if self.debug:
+                            self._check_poison(buf, what)
+                        break
+                    if self.in_use_bytes + nbytes <= self._budget_bytes:
+                        self._evict(self.in_use_bytes + self._free_bytes + nbytes - self._budget_bytes)
+                        buf = AlignedBuffer(nbytes)  # (unpinned: a pinner makes the arena)
+                        if self.debug:
+                            self._poison(buf)  # fresh memory is zero: as plausible as stale numbers
+                        break
+                # (here the request does not fit the budget: a non-blocking one returned None above)
                 if self._returning == 0 and not (self.others_active is not None and self.others_active()):
                     # nothing in flight will ever give memory back: waiting would hang
                     raise BufferBudgetError(

@@ -90,10 +90,6 @@ class OffloadDirLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
 
 def probe_o_direct(directory: Path) -> bool:
     """Whether an aligned O_DIRECT write and read work in ``directory`` (False: the caller falls back)."""
@@ -102,23 +98,18 @@ def probe_o_direct(directory: Path) -> bool:
     fd_probe, name = tempfile.mkstemp(prefix=".greedysnake-probe-", dir=directory)
     os.close(fd_probe)
     try:
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_DIRECT)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                return False
-            raise
+        fd = os.open(name, os.O_RDWR | os.O_DIRECT)
         try:
             with AlignedBuffer(ALIGN_BYTES) as buf:
                 os.pwritev(fd, [buf.memoryview()], 0)
                 os.preadv(fd, [buf.memoryview()], 0)
             return True
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                return False
-            raise
         finally:
             os.close(fd)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
     finally:
         os.unlink(name)
 

@@ -108,10 +108,10 @@ class RegionMap:
         n = self.state.num_units
         try:
             for kind in REGION_KINDS:
-                copies = self.slots if kind in SLOTTED else 1  # (slot s of unit u: region u + s * n)
+                copies = self._slots(kind)  # (slot s of unit u: region u + s * n)
                 sizes, tiers = self.state.all_region_bytes(kind), self.unit_tiers[kind]
-                in_ram = [size if t is Tier.HOST else 0 for size, t in zip(sizes, tiers, strict=True)] * copies
-                on_device = [size if t is Tier.DEVICE else 0 for size, t in zip(sizes, tiers, strict=True)] * copies
+                in_ram, on_device = ([size if t is tier else 0 for size, t in zip(sizes, tiers, strict=True)] * copies
+                                     for tier in (Tier.HOST, Tier.DEVICE))
                 for d, directory in enumerate(offload_dirs):
                     here = [size if self._directory[kind][u % n] == d else 0
                             for u, size in enumerate(sizes * copies)]
@@ -175,18 +175,17 @@ class RegionMap:
         for preflight."""
         kept = {kind.value: sum(self.state.kept_unit_bytes(kind, u) for u, d in enumerate(self._directory[kind])
                                 if d is not None and (directory is None or d == directory))
-                * (self.slots if kind in SLOTTED else 1) for kind in REGION_KINDS}
+                * self._slots(kind) for kind in REGION_KINDS}
         return {kind: n for kind, n in kept.items() if n}
 
     def host_bytes(self) -> int:
         """RAM the host-tier regions take (every slot; this rank's chunk of partitioned kinds)."""
-        return sum(self.state.kept_unit_bytes(kind, u) * (self.slots if kind in SLOTTED else 1)
-                   for kind in REGION_KINDS for u, t in enumerate(self.unit_tiers[kind]) if t is Tier.HOST)
+        return sum(self.host_unit_bytes(u) for u in range(self.state.num_units))
 
     def host_unit_bytes(self, u: int, kinds: tuple[TensorKind, ...] = REGION_KINDS) -> int:
         """RAM unit ``u``'s host-tier regions of ``kinds`` take (every slot; this rank's chunk of
         partitioned kinds)."""
-        return sum(self.state.kept_unit_bytes(kind, u) * (self.slots if kind in SLOTTED else 1)
+        return sum(self.state.kept_unit_bytes(kind, u) * self._slots(kind)
                    for kind in kinds if self.unit_tiers[kind][u] is Tier.HOST)
 
     def staged_unit_bytes(self, u: int) -> int:
@@ -199,7 +198,7 @@ class RegionMap:
         """Free unit ``u``'s host-tier regions of ``kinds`` (every slot): the end of a run, once they came
         back (nothing reads them again; the other regions stay)."""
         for kind, regions in self._host.items():
-            for slot in range(self.slots if kind in SLOTTED else 1) if kind in kinds else ():
+            for slot in range(self._slots(kind)) if kind in kinds else ():
                 regions.release(u + slot * self.state.num_units)
 
     def ssd_region_bytes(self, kind: TensorKind, u: int) -> int:
@@ -210,6 +209,10 @@ class RegionMap:
         """Pool bytes staging unit ``u``'s region of ``kind`` takes: on SSD, and on the device (a step's
         copy of it on the host); 0 on the host tier, which is used in place."""
         return align_up(self.state.region_bytes(kind, u)) if self.on_ssd(kind, u) or self.on_device(kind, u) else 0
+
+    def _slots(self, kind: TensorKind) -> int:
+        """Regions per unit of ``kind``."""
+        return self.slots if kind in SLOTTED else 1
 
     def open_files(self) -> list[OffloadFile]:
         return [r.file for r in self._all_ssd()]

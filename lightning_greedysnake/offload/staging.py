@@ -32,7 +32,7 @@ from lightning_greedysnake.offload.device_regions import DeviceRegions
 from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
 from lightning_greedysnake.offload.regions import SLOTTED, RegionMap, SlotMap, placement_of
 from lightning_greedysnake.offload.stats import IOStats
-from lightning_greedysnake.offload.tiers import HostRegions
+from lightning_greedysnake.offload.tiers import HostRegions, when_all
 from lightning_greedysnake.planner.staging import StagingBudget, staging_budget, unit_staging
 
 
@@ -130,19 +130,8 @@ class Staged:
         if not pending:
             pool.release(self.buf)
             return
-        remaining = [len(pending)]
-        gate = threading.Lock()
         pool.will_return()
-
-        def one_done(_: Future[None]) -> None:  # on an I/O thread
-            with gate:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                pool.release(self.buf, returning=True)
-
-        for f in pending:
-            f.add_done_callback(one_done)
+        when_all(pending, lambda: pool.release(self.buf, returning=True))  # (on an I/O thread)
 
 
 def staging_budget_of(state: StateLayout, config: OffloadConfig, lag: int, device_tier: bool = False) -> StagingBudget:
@@ -343,9 +332,7 @@ class StagingArena:
         what = f"unit {u} {kind.value}"
         if isinstance(regions, HostRegions):
             return Staged(regions.host_buffer(self.slots.index(kind, u)), None, what)
-        buf = self.budget.pool.acquire(regions.region_bytes(u), what=what)
-        assert buf is not None
-        held = Staged(buf, self.budget.pool, what)
+        held = self.acquire(regions.region_bytes(u), what)
         if read:
             try:
                 self.read_into(kind, u, held, ranges, label)

@@ -48,16 +48,11 @@ class LaneClock:
         with self._lock:
             spans = sorted((max(a, since), min(b, until)) for a, b, _ in self._intervals.get(lane, []) if b > since
                            and a < until)
-        total, cur_a, cur_b = 0.0, None, None
+        total, covered = 0.0, since  # (spans by start: each adds what it covers past those before it)
         for a, b in spans:
-            if cur_b is None or a > cur_b:
-                if cur_b is not None:
-                    total += cur_b - cur_a
-                cur_a, cur_b = a, b
-            else:
-                cur_b = max(cur_b, b)
-        if cur_b is not None:
-            total += cur_b - cur_a
+            if b > covered:
+                total += b - max(a, covered)
+                covered = b
         return total
 
 
@@ -118,13 +113,11 @@ class IOStats:
 
     def bytes_read(self, kind: str, tier: str = "ssd") -> int:
         with self._lock:
-            c = self._counters.get((kind, tier))
-            return c.bytes_read if c else 0
+            return self._counters[(kind, tier)].bytes_read if (kind, tier) in self._counters else 0
 
     def bytes_written(self, kind: str, tier: str = "ssd") -> int:
         with self._lock:
-            c = self._counters.get((kind, tier))
-            return c.bytes_written if c else 0
+            return self._counters[(kind, tier)].bytes_written if (kind, tier) in self._counters else 0
 
     def flat(self) -> dict[str, float]:
         """``{"ssd/weights/bytes_read": ..., ...}``: for loggers."""

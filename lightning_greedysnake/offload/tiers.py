@@ -24,6 +24,26 @@ from lightning_greedysnake.layout import FileLayout, build_file_layout
 from lightning_greedysnake.offload.stats import IOStats
 
 
+def when_all(futures: list[Future[None]], callback: Callable[[], None]) -> None:
+    """Call ``callback`` once every one of ``futures`` completed: now if none is given, else on the thread
+    that completes the last one (a countdown under its own lock)."""
+    if not futures:
+        callback()
+        return
+    remaining = [len(futures)]
+    gate = threading.Lock()
+
+    def one_done(_: Future[None]) -> None:
+        with gate:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    for f in futures:
+        f.add_done_callback(one_done)
+
+
 class HostRegions:
     tier = "host"
 
@@ -59,10 +79,8 @@ class HostRegions:
             buf.close()
 
     def close(self) -> None:
-        for buf in self._buffers:
-            if buf is not None:
-                buf.close()
-        self._buffers = [None] * len(self._buffers)
+        for unit in range(len(self._buffers)):
+            self.release(unit)
 
 
 @dataclass
@@ -93,9 +111,6 @@ class SSDRegions:
     def region_bytes(self, unit: int) -> int:
         return self.layout.sizes[unit]
 
-    def host_buffer(self, unit: int) -> None:
-        return None
-
     def submit_read(
         self, unit: int, buf: AlignedBuffer, label: str | None = None, byte_range: tuple[int, int] | None = None
     ) -> Future[None]:
@@ -109,20 +124,11 @@ class SSDRegions:
     ) -> Future[None]:
         return self._submit("write", unit, buf, label, byte_range)
 
-    def wait(self, unit: int) -> None:
-        """Block until every operation submitted on ``unit``'s region has completed; raises the first
-        failed write (a failed read was raised to whoever waited for it, and changed nothing)."""
-        with self._lock:
-            ops = list(self._inflight.get(unit, ()))
-        self._wait(ops)
-
     def wait_all(self) -> None:
+        """Block until every operation submitted so far has completed; raises the first failed write (a
+        failed read was raised to whoever waited for it, and changed nothing)."""
         with self._lock:
             ops = [op for unit_ops in self._inflight.values() for op in unit_ops]
-        self._wait(ops)
-
-    @staticmethod
-    def _wait(ops: list[_InFlight]) -> None:
         for op in ops:
             if op.write:
                 op.done.result()
@@ -157,10 +163,8 @@ class SSDRegions:
                 return
             t0 = time.perf_counter()
             try:
-                if write:
-                    f = self._engine.submit_write(self.file, offset, buf, lo, nbytes)
-                else:
-                    f = self._engine.submit_read(self.file, offset, buf, lo, nbytes)
+                submit = self._engine.submit_write if write else self._engine.submit_read
+                f = submit(self.file, offset, buf, lo, nbytes)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on this operation
                 done.set_exception(e)
                 return
@@ -176,21 +180,7 @@ class SSDRegions:
 
             f.add_done_callback(finished)
 
-        if not deps:
-            start()
-        else:
-            remaining = [len(deps)]
-            gate = threading.Lock()
-
-            def one_done(_: Future[None]) -> None:
-                with gate:
-                    remaining[0] -= 1
-                    last = remaining[0] == 0
-                if last:
-                    start()
-
-            for d in deps:
-                d.add_done_callback(one_done)
+        when_all(deps, start)
         return done
 
     def close(self) -> None:
@@ -252,10 +242,7 @@ class SSDScratch:
     def submit(self, op: str, offset: int, buf: AlignedBuffer, nbytes: int) -> Future[None]:
         nbytes = align_up(nbytes)
         t0 = time.perf_counter()
-        if op == "read":
-            f = self._engine.submit_read(self.file, offset, buf, 0, nbytes)
-        else:
-            f = self._engine.submit_write(self.file, offset, buf, 0, nbytes)
+        f = (self._engine.submit_read if op == "read" else self._engine.submit_write)(self.file, offset, buf, 0, nbytes)
         with self._lock:
             self._inflight.add(f)
 

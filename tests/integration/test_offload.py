@@ -450,7 +450,7 @@ def test_ssd_checkpoints_are_read_ahead_and_stay_exact():
 
     class Count(L.Callback):
         def on_train_end(self, trainer: Any, module: Any) -> None:
-            prefetches["n"] = trainer.strategy.tensor_manager.checkpoint_prefetches
+            prefetches["n"] = trainer.strategy.tensor_manager.activations.prefetches
 
     _, got = _fit(GreedySnakeStrategy(auto=False, offload={"checkpoints": "ssd"}), 4, callbacks=[Count()])
     _, ref = _fit(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("device")), 4)
@@ -484,7 +484,7 @@ def test_spare_budget_reads_the_windows_last_step_ahead_and_keeps_its_weights_ex
     # the first step has no state to read yet (and under 32-true no separate master): nothing ahead;
     # after it every unit's step finds its reads done (the next step's reads overlap the backward before it)
     per_unit = steps if precision == "bf16-mixed" else steps - 1
-    assert roomy_snap.manager.steps_read_ahead == per_unit * roomy_snap.manager.num_units
+    assert roomy_snap.manager.stepper.parts.steps_read_ahead == per_unit * roomy_snap.manager.num_units
     w0 = roomy_snap.region_bytes["weights"][0]
     assert tight_snap.stats.bytes_read("weights") - roomy_snap.stats.bytes_read("weights") == (steps - 1) * w0
     for (n, a), (_, b), (_, c) in zip(tight.named_parameters(), roomy.named_parameters(), plain.named_parameters(), strict=True):

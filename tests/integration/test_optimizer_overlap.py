@@ -223,7 +223,7 @@ def test_the_automatic_budget_reads_the_last_step_ahead_from_what_the_minimum_re
     class Count(L.Callback):
         def on_train_end(self, trainer: Any, module: Any) -> None:
             manager = trainer.strategy.tensor_manager
-            seen.update(ahead=manager.read_ahead_by_unit.get(0, 0), steps=trainer.global_step,
+            seen.update(ahead=manager.stepper.parts.read_ahead_by_unit.get(0, 0), steps=trainer.global_step,
                         slack=manager.pool.budget_bytes - manager.min_budget_bytes,
                         state=manager.region_bytes(TensorKind.OPTIMIZER_STATES, 0))
 

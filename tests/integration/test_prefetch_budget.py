@@ -29,7 +29,7 @@ class Refusals(L.Callback):
         manager = trainer.strategy.tensor_manager
         assert isinstance(manager, TieredTensorStore)
         manager.drain()
-        self.refused = manager.weight_prefetches_refused
+        self.refused = manager.weights.prefetches_refused
         self.weights_on_ssd = sum(manager.on_ssd(TensorKind.WEIGHTS, u) for u in range(manager.num_units))
         self.budget = manager.pool.budget_bytes
         self.prefetch_units = manager.config.prefetch_units

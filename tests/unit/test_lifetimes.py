@@ -140,7 +140,7 @@ def test_closing_waits_for_a_checkpoint_read_ahead_before_closing_its_file(tmp_p
     closer = None
     try:
         store.save_activation(1, 0, torch.randn(4, 64))
-        store.flush_checkpoints()
+        store.activations.flush()
         store.prefetch_activation(1, 0)
         assert [name for name, _ in engine.reads] == ["checkpoints.bin"]  # in flight, at the gate
         closer = threading.Thread(target=store.close)
