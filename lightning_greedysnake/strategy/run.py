@@ -153,7 +153,9 @@ class Run:
                  telemetry: StepRecorder | None = None, planner: Planner | None = None,
                  directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None,
                  hand_back: HandBack | None = None) -> None:
-        self._config = config
+        self.config = config
+        """The settings in effect: resolved once, at setup (a new one after the warm-step plan); the
+        engine and the tensor manager were built from this object."""
         self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
         self.name = cut.name
         """The layered model as messages name it (:attr:`ModelCut.name`)."""
@@ -178,18 +180,12 @@ class Run:
         self.closed = False
 
     @property
-    def config(self) -> GreedySnakeConfig:
-        """The settings in effect: resolved once, at setup (a new one after the warm-step plan); the
-        engine and the tensor manager were built from this object."""
-        return self._config
-
-    @property
     def tensor_manager(self) -> TieredTensorStore | None:
         return self.store if isinstance(self.store, TieredTensorStore) else None
 
     def replan(self, config: GreedySnakeConfig) -> None:
         """The warm-step plan's settings, from the next window on (between windows)."""
-        self._config = config
+        self.config = config
         self.engine.replan(config)
 
     def close(self, before_store: Callable[[TieredTensorStore], None] | None = None) -> None:
@@ -239,17 +235,13 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
                                  clip_norm=clip.defer)
     config = planned.config
     built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
-    manager = new_tensor_manager(planned.units, module, optimizer, config, dtype, ctx.device, clip=clip, shard=shard,
-                                 loss_scaler=scaler, data_parallel=ctx.data_parallel,
-                                 gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads,
-                                 checkpoint_plan=planned.checkpoints)
+    manager = new_tensor_manager(ctx, planned, module, optimizer, clip, shard)
     try:
         memory = HostMemory.of(planner.host_budget_bytes, built_bytes, manager, bounded=config.auto)
         if config.auto:  # (a host budget was planned within: say what it covers, and what comes back)
             memory.tell(ctx.report, ctx.warn)
         directories = OffloadDirectories(config.offload)
-        open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
-                            planned.units, ctx.broadcast_parameters, cut.layered if cut.on_meta else None, ctx.report,
+        open_tensor_manager(ctx, manager, directories, planned.units, cut.layered if cut.on_meta else None,
                             empty_path_note(ctx.settings, config, planned.placement))
     except BaseException:
         manager.close()
