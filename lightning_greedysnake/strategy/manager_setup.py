@@ -92,8 +92,9 @@ def check_device(config: GreedySnakeConfig, device: torch.device, distributed: b
             "real GPUs. Compare a short run against strategy='ddp' before relying on it.", stacklevel=2)
 
 
-def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                       clip: ClipPolicy, shard: tuple[int, int] | None) -> TieredTensorStore:
+def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
+                       optimizer: torch.optim.Optimizer | None, clip: ClipPolicy,
+                       shard: tuple[int, int] | None) -> TieredTensorStore:
     """The tensor manager for ``planned``'s units and settings, with the device tier ``ctx.device`` needs
     (CUDA copy streams, the simulated device, or none: the CPU computes in host memory), which it owns from
     then on; the precision's loss scaler, the ranks' collectives for ``shard``, the strategy's gradient
@@ -105,9 +106,9 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
         return TieredTensorStore(
             planned.units, {id(p): n for n, p in module.named_parameters()}, optimizer, config.offload,
             compute_dtype=ctx.precision.compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
-            copies=copies, loss_scaler=ctx.precision.loss_scaler, data_parallel=ctx.data_parallel(copies, shard is not None),
-            gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads,
-            checkpoint_plan=planned.checkpoints)
+            copies=copies, loss_scaler=ctx.precision.loss_scaler,
+            data_parallel=ctx.data_parallel(copies, shard is not None), gradient_observer=ctx.gradient_observer,
+            optimizer_threads=ctx.optimizer_threads, checkpoint_plan=planned.checkpoints)
     except BaseException:
         if copies is not None:
             copies.close()
