@@ -55,6 +55,17 @@ SPLIT_KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
 ``weights`` may have a device share (the optimizer's kinds live with the host optimizer)."""
 
 
+def _integer(value: Any, low: int) -> bool:
+    """``value`` is an integer (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_flags(config: Any, prefix: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{prefix}{name}={getattr(config, name)!r} must be true or false.")
+
+
 def _directory(value: Any, whole: Any) -> str:
     if isinstance(value, str) and value:
         return value
@@ -255,41 +266,28 @@ class OffloadConfig:
                     f"offload.{name}='device' is only supported with every kind on 'device'. Fix: use 'host' "
                     "or 'ssd'."
                 )
-        if self.buffer_budget_bytes is not None and (
-            isinstance(self.buffer_budget_bytes, bool)
-            or not isinstance(self.buffer_budget_bytes, int)
-            or self.buffer_budget_bytes <= 0
-        ):
+        if self.buffer_budget_bytes is not None and not _integer(self.buffer_budget_bytes, 1):
             raise ValueError(
                 f"offload.buffer_budget_bytes={self.buffer_budget_bytes!r} must be a positive number of bytes "
                 "or None (automatic). Fix: e.g. buffer_budget_bytes=2147483648 (2 GiB)."
             )
-        if isinstance(self.prefetch_units, bool) or not isinstance(self.prefetch_units, int) or self.prefetch_units < 0:
+        if not _integer(self.prefetch_units, 0):
             raise ValueError(
                 f"offload.prefetch_units={self.prefetch_units!r} must be a non-negative integer (units whose "
                 "weights are brought in ahead of use; 0: none). Fix: e.g. prefetch_units=1."
             )
-        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
+        if not _integer(self.io_threads, 1):
             raise ValueError(f"offload.io_threads={self.io_threads!r} must be >= 1. Fix: e.g. io_threads=4.")
-        if self.optimizer_threads is not None and (
-                isinstance(self.optimizer_threads, bool) or not isinstance(self.optimizer_threads, int)
-                or self.optimizer_threads < 1):
+        if self.optimizer_threads is not None and not _integer(self.optimizer_threads, 1):
             raise ValueError(
                 f"offload.optimizer_threads={self.optimizer_threads!r} must be a positive integer (intra-op threads "
                 "of the host optimizer step) or None (planned from the machine). Fix: e.g. optimizer_threads=4.")
-        if (
-            isinstance(self.io_chunk_bytes, bool)
-            or not isinstance(self.io_chunk_bytes, int)
-            or self.io_chunk_bytes < 4096
-            or self.io_chunk_bytes % 4096
-        ):
+        if not _integer(self.io_chunk_bytes, 4096) or self.io_chunk_bytes % 4096:
             raise ValueError(
                 f"offload.io_chunk_bytes={self.io_chunk_bytes!r} must be a positive multiple of 4096. Fix: e.g. "
                 "io_chunk_bytes=16777216 (16 MiB)."
             )
-        for name in ("direct_io", "keep_files", "return_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"offload.{name}={getattr(self, name)!r} must be true or false.")
+        _check_flags(self, "offload.", ("direct_io", "keep_files", "return_weights"))
 
     @property
     def paths(self) -> list[str] | None:
@@ -455,24 +453,16 @@ class GreedySnakeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", OffloadConfig.from_value(self.offload))
-        if isinstance(self.trace_steps, bool) or not isinstance(self.trace_steps, int) or self.trace_steps < 0:
+        if not _integer(self.trace_steps, 0):
             raise ValueError(
                 f"trace_steps={self.trace_steps!r} must be a non-negative integer (optimizer steps to trace). "
                 "Fix: e.g. trace_steps=3, or 0 for no trace."
             )
         object.__setattr__(self, "schedule", _enum_value(ScheduleKind, "schedule", self.schedule))
-        if self.layers_per_unit is None:
-            pass
-        elif isinstance(self.layers_per_unit, bool) or not isinstance(self.layers_per_unit, int):
-            raise ValueError(
-                f"layers_per_unit={self.layers_per_unit!r} must be a positive integer (blocks per unit). "
-                "Fix: e.g. layers_per_unit=1."
-            )
-        elif self.layers_per_unit < 1:
-            raise ValueError(
-                f"layers_per_unit={self.layers_per_unit} must be >= 1 (blocks per unit). Fix: e.g. "
-                "layers_per_unit=1."
-            )
+        if self.layers_per_unit is not None and not _integer(self.layers_per_unit, 1):
+            integer = isinstance(self.layers_per_unit, int) and not isinstance(self.layers_per_unit, bool)
+            raise ValueError(f"layers_per_unit={self.layers_per_unit!r} must be "
+                             f"{'>= 1' if integer else 'a positive integer'} (blocks per unit). Fix: e.g. layers_per_unit=1.")
         if self.alpha is not None and (
                 isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 <= self.alpha <= 1.0):
             raise ValueError(
@@ -480,7 +470,7 @@ class GreedySnakeConfig:
                 "into the next forward). Fix: e.g. alpha=0.25, or alpha=0 to step everything during backward."
             )
         object.__setattr__(self, "alpha", None if self.alpha is None else float(self.alpha))
-        if self.lag is not None and (isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0):
+        if self.lag is not None and not _integer(self.lag, 0):
             raise ValueError(
                 f"lag={self.lag!r} must be a non-negative integer (units the background optimizer may trail "
                 "backward by). Fix: e.g. lag=2, or lag=0 for synchronous steps."
@@ -489,28 +479,19 @@ class GreedySnakeConfig:
             raise ValueError(
                 f"on_nonfinite={self.on_nonfinite!r} is not valid. Fix: use one of 'warn', 'raise', 'skip'."
             )
-        if not isinstance(self.auto, bool):
-            raise ValueError(f"auto={self.auto!r} must be true or false.")
-        if self.auto_host_budget_bytes is not None and (
-            isinstance(self.auto_host_budget_bytes, bool) or not isinstance(self.auto_host_budget_bytes, int)
-            or self.auto_host_budget_bytes <= 0
-        ):
+        _check_flags(self, "", ("auto", "shard_state"))
+        if self.auto_host_budget_bytes is not None and not _integer(self.auto_host_budget_bytes, 1):
             raise ValueError(
                 f"auto_host_budget_bytes={self.auto_host_budget_bytes!r} must be a positive number of bytes or "
                 "None (half of the available memory). Fix: e.g. auto_host_budget_bytes=8589934592 (8 GiB)."
             )
-        if self.auto_device_budget_bytes is not None and (
-            isinstance(self.auto_device_budget_bytes, bool) or not isinstance(self.auto_device_budget_bytes, int)
-            or self.auto_device_budget_bytes < 0
-        ):
+        if self.auto_device_budget_bytes is not None and not _integer(self.auto_device_budget_bytes, 0):
             raise ValueError(
                 f"auto_device_budget_bytes={self.auto_device_budget_bytes!r} must be a number of bytes (0: always "
                 "offload) or None (the GPU's free memory). Fix: e.g. auto_device_budget_bytes=68719476736 (64 GiB)."
             )
         if self.recompute is not None and not isinstance(self.recompute, bool):
             raise ValueError(f"recompute={self.recompute!r} must be true or false.")
-        if not isinstance(self.shard_state, bool):
-            raise ValueError(f"shard_state={self.shard_state!r} must be true or false.")
         if self.layered_module is not None and not isinstance(self.layered_module, str):
             raise ValueError(
                 f"layered_module={self.layered_module!r} must be a dotted submodule name such as 'model', "

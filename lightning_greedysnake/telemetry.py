@@ -47,18 +47,9 @@ class StepTelemetry:
         return moved / 1e9 / self.wall_s if self.wall_s > 0 else 0.0
 
     def as_metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {
-            "tokens_per_s": self.tokens_per_s,
-            "ssd_gb_per_s": self.ssd_gb_per_s,
-            "wall_s": self.wall_s,
-            "compute_s": self.compute_s,
-            "ssd_read_busy_s": self.ssd_read_busy_s,
-            "ssd_write_busy_s": self.ssd_write_busy_s,
-            "optimizer_busy_s": self.optimizer_busy_s,
-            "io_wait_s": self.io_wait_s,
-            "optimizer_unhidden_s": self.optimizer_unhidden_s,
-            "host_registrations": float(self.host_registrations),
-        }
+        names = ("tokens_per_s", "ssd_gb_per_s", "wall_s", "compute_s", "ssd_read_busy_s", "ssd_write_busy_s",
+                 "optimizer_busy_s", "io_wait_s", "optimizer_unhidden_s", "host_registrations")
+        out: dict[str, float] = {name: float(getattr(self, name)) for name in names}
         out.update({f"read_bytes/{k}": float(v) for k, v in self.bytes_read.items()})
         out.update({f"written_bytes/{k}": float(v) for k, v in self.bytes_written.items()})
         return out

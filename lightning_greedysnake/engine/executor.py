@@ -107,7 +107,7 @@ class _Window:
     def last_step(self) -> tuple[int, int] | None:
         """(index of the next-to-last optimizer op, unit of the last): the window's last step is the one
         the next forward waits for; once the cursor is past the one before it, its reads may start."""
-        steps = [i for i, op in enumerate(self.plan.ops) if op.kind is OpKind.OPTIMIZER]
+        steps = self._steps
         if not steps:
             return None
         return (steps[-2] if len(steps) > 1 else -1), self.plan.ops[steps[-1]].unit
@@ -206,16 +206,14 @@ class WindowEngine:
         ``forward_context``: entered around every forward the engine runs itself (the precision plugin's
         autocast), as Lightning enters it around ``training_step``. ``timer``: times every forward and
         backward op the engine runs, where the compute runs (the plan's compute times, telemetry)."""
-        if not config.is_resolved:
-            raise ValueError(f"the engine needs resolved settings (GreedySnakeConfig.resolved()), not {config}")
         self.forward_context = forward_context
         self.timer = timer
         self.chain = chain
         self.units = units
-        self.config = config
+        self._window: _Window | None = None
+        self.replan(config)
         self.store = store
         self.device = device
-        self._window: _Window | None = None
         self._held_unit: int | None = None
         self.activation_bytes: dict[int, int] = {}
         """Per unit, the bytes its autograd graph holds for one micro-batch (measured at the first
@@ -274,11 +272,6 @@ class WindowEngine:
         self._window = None
         self.store.end_window(completed)
 
-    @property
-    def window_complete(self) -> bool:
-        w = self._window
-        return w is not None and w.cursor == len(w.plan.ops)
-
     # -- inputs ---------------------------------------------------------------------------------------
     def has_inputs(self, microbatch: int) -> bool:
         return self._require_window().microbatches[microbatch] is not None
@@ -293,9 +286,7 @@ class WindowEngine:
         w = self._require_window()
         needed: list[int] = []
         for op in w.plan.ops[w.cursor :]:
-            reads_inputs = op.kind is OpKind.FORWARD and op.unit == 0
-            reads_inputs |= op.kind is OpKind.FUSED and op.unit == 0
-            if reads_inputs and op.microbatch not in needed:
+            if op.kind in (OpKind.FORWARD, OpKind.FUSED) and op.unit == 0 and op.microbatch not in needed:
                 needed.append(op.microbatch)
             if op.kind is OpKind.FUSED and op.microbatch == microbatch:
                 break
@@ -394,24 +385,20 @@ class WindowEngine:
     def _run(self, op: Op) -> None:
         self._hint_next_activation()
         self._hint_next_unit()
-        if self.timer is not None and op.kind is not OpKind.OPTIMIZER:
-            if op.kind is OpKind.FORWARD or self._inputs(op.microbatch).act_grad is not None:
-                self._ensure_unit(op.unit)  # waiting for the weights is I/O, not this op's compute
-            mark = self.timer.start()
-            self._run_op(op)
-            self.timer.stop(mark, str(op))
-        else:
-            self._run_op(op)
-
-    def _run_op(self, op: Op) -> None:
+        if op.kind is OpKind.OPTIMIZER:
+            self.store.gradient_ready(op.unit)
+            return
+        if self.timer is not None and (op.kind is OpKind.FORWARD or self._inputs(op.microbatch).act_grad is not None):
+            self._ensure_unit(op.unit)  # waiting for the weights is I/O, not this op's compute
+        mark = self.timer.start() if self.timer is not None else None
         if op.kind is OpKind.FORWARD:
             self._forward(op.unit, op.microbatch)
         elif op.kind is OpKind.BACKWARD:
             self._backward(op.unit, op.microbatch)
-        elif op.kind is OpKind.OPTIMIZER:
-            self.store.gradient_ready(op.unit)
         else:  # pragma: no cover - fused ops are run by the caller
             raise AssertionError(f"engine cannot run {op} itself")
+        if self.timer is not None:
+            self.timer.stop(mark, str(op))
 
     def _forward(self, u: int, m: int) -> None:
         w = self._require_window()

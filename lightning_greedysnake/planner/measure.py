@@ -150,6 +150,12 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def probe_numel(params: int) -> int:
+    """The optimizer-rate probe's elements for a model of ``params`` trainable ones: at least 64K, at most
+    1M (16 MiB of fp32 Adam state: small enough for any host budget)."""
+    return min(1 << 20, max(1 << 16, params))
+
+
 def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None, threads: int | None = None) -> float:
     """Elements per second of one step of ``optimizer``'s class (with its first param group's settings)
     on the host, as the optimizer lane runs it: on a thread of its own with ``threads`` intra-op threads

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import TensorKind, Tier
@@ -29,7 +29,6 @@ from lightning_greedysnake.steps import step_done, step_running
 from lightning_greedysnake.strategy.host_memory import WEIGHT_KINDS, HandBack
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
-UnitState = Callable[[int], dict[int, dict[str, Any]]]
 FAILED_WAIT_S = 10.0
 """After a failure, the longest a pending step waits for staging memory before giving up."""
 
@@ -114,15 +113,16 @@ def where_state_is(manager: TieredTensorStore) -> str:
     return " and ".join(names[t] for t in (Tier.HOST, Tier.DEVICE, Tier.SSD) if t in tiers) or "host memory"
 
 
-def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, plan: HandBack, *, name: str,
-              failed: bool, distributed: bool, weights: Callable[[int], list[Tensor]], unit_state: UnitState,
-              global_step: int, warn: Callable[[str], None]) -> UnusableUntilLoaded | None:
-    """Give the module (and the user's optimizer) the state in ``manager``'s tiers that ``plan`` returns,
-    before they close, unit by unit: each unit's RAM regions are freed once it is back, and the staging
-    is held to ``plan.staging_bytes``, so the hand-back stays within what setup planned. ``weights(u)`` and
-    ``unit_state(u)`` read unit ``u``'s (gathered over the ranks with partitioned state). ``name``: the
-    user's model, as messages name it. Returns the hooks that make the module (or the optimizer) fail on
-    first use where its state did not come back."""
+def hand_back(manager: TieredTensorStore, view: Any, layered: nn.Module, plan: HandBack, *, name: str, failed: bool,
+              distributed: bool, global_step: int, warn: Callable[[str], None]) -> UnusableUntilLoaded | None:
+    """Give the module (and the user's optimizer, ``manager.optimizer``) the state in ``manager``'s tiers
+    that ``plan`` returns, before they close, unit by unit: each unit's RAM regions are freed once it is
+    back, and the staging is held to ``plan.staging_bytes``, so the hand-back stays within what setup
+    planned. ``view``'s ``unit_master_weights(u)`` and ``unit_optimizer_state(u)`` read unit ``u``'s
+    (``manager`` itself, or gathered over the ranks with partitioned state). ``name``: the user's model, as
+    messages name it. Returns the hooks that make the module (or the optimizer) fail on first use where its
+    state did not come back."""
+    optimizer = manager.optimizer
     where = where_state_is(manager)
     on_ssd = "offload files" in where
     kept = f"in {where}" + ("; the offload files are kept (offload.keep_files=True)" if manager.config.keep_files
@@ -131,18 +131,19 @@ def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, pl
               for p, dtype in zip(ps, ds, strict=True)]
     load = ("Fix: load a checkpoint saved during fit (ModelCheckpoint; trainer.fit(..., ckpt_path=...), "
             "LightningModule.load_from_checkpoint or load_state_dict)")
+
+    def unusable(message: str) -> UnusableUntilLoaded:
+        return UnusableUntilLoaded(layered, message, params, optimizer)
+
     if not manager.config.return_weights:
-        return UnusableUntilLoaded(layered, (
-            f"greedysnake left {name}'s trained weights {kept} (offload.return_weights=False): its "
-            f"parameters are placeholders. {load}, or set offload.return_weights=True."), params, optimizer)
+        return unusable(f"greedysnake left {name}'s trained weights {kept} (offload.return_weights=False): its "
+                        f"parameters are placeholders. {load}, or set offload.return_weights=True.")
     if failed and distributed:
-        return UnusableUntilLoaded(layered, (
-            f"fit failed with several processes, so greedysnake did not gather {name}'s weights (the "
-            f"other ranks may be gone); they were {kept}. {load}."), params, optimizer)
+        return unusable(f"fit failed with several processes, so greedysnake did not gather {name}'s weights (the "
+                        f"other ranks may be gone); they were {kept}. {load}.")
     if not plan.weights:
-        return UnusableUntilLoaded(layered, (
-            f"greedysnake did not give {name}'s trained weights back ({plan.why}); they were {kept}. {load}."),
-            params, optimizer)
+        return unusable(f"greedysnake did not give {name}'s trained weights back ({plan.why}); they were {kept}. "
+                        f"{load}.")
     if failed:
         # a buffer an interrupted thread never gave back must not hold teardown for minutes: a step that
         # cannot get memory fails soon, and the module is then marked unusable instead
@@ -158,17 +159,16 @@ def hand_back(manager: TieredTensorStore, layered: nn.Module, optimizer: Any, pl
         per_unit = {}
         for u in range(manager.num_units):  # (what comes back takes the place of what is freed, as planned)
             regions.release_host(u, (TensorKind.GRADIENTS,))
-            manager.weights.restore(u, weights(u))
+            manager.weights.restore(u, view.unit_master_weights(u))
             regions.release_host(u, WEIGHT_KINDS)
             if states:
-                per_unit[u] = unit_state(u)
+                per_unit[u] = view.unit_optimizer_state(u)
             regions.release_host(u, (TensorKind.OPTIMIZER_STATES,))
         if states:
             return_optimizer_state(manager, optimizer, per_unit)
     except Exception as e:  # noqa: BLE001 - reported on first use, the original error is already raised
-        return UnusableUntilLoaded(layered, (
-            f"greedysnake could not read {name}'s weights back after fit{' failed' if failed else ''} "
-            f"({type(e).__name__}: {e}); they were {kept}. {load}."), params, optimizer)
+        return unusable(f"greedysnake could not read {name}'s weights back after fit{' failed' if failed else ''} "
+                        f"({type(e).__name__}: {e}); they were {kept}. {load}.")
     if failed:
         with_state = ", with the optimizer's state" if states else ""
         warn(f"greedysnake: fit failed; {name} holds {steps_held(manager, global_step)}, read back from "

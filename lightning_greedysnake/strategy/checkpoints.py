@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from torch import Tensor
 
@@ -36,45 +36,18 @@ from lightning_greedysnake.distributed import ShardedStateView, join_save
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 
-class CheckpointSeam(Protocol):
-    """What Lightning's checkpoint hooks ask of a run; ``lightning`` is Lightning's own answer."""
+class CheckpointSeam:
+    """What Lightning's checkpoint hooks ask of a run; ``lightning`` is Lightning's own answer. This base is
+    the seam without a tensor manager (:data:`LIGHTNING`): Lightning's path, except that a checkpoint
+    directory loads gathered in memory."""
 
     def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Lightning's module state dict (``state``) as a checkpoint saves it."""
+        return state
 
     def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` with every parameter's current full-precision value (collective with partitioned
         state: every rank calls it)."""
-
-    def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]: ...
-
-    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,
-             lightning: Callable[[dict[str, Any], Any, Any], None]) -> None: ...
-
-    def load(self, path: Any, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]: ...
-
-    def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
-                   lightning: Callable[[Mapping[str, Any], bool], None]) -> None: ...
-
-    def load_optimizer(self, optimizer: Any, checkpoint: Mapping[str, Any],
-                       lightning: Callable[[Mapping[str, Any]], None]) -> None: ...
-
-
-def remove(filepath: Any, lightning: Callable[[Any], None]) -> None:
-    """Remove a checkpoint directory, or leave a file to Lightning (rank 0 only; either kind of run)."""
-    if is_checkpoint_dir(filepath) and not Path(filepath).is_symlink():
-        shutil.rmtree(filepath)
-    else:
-        lightning(filepath)
-
-
-class _Lightning:
-    """No tensor manager: Lightning's path; a checkpoint directory loads gathered in memory."""
-
-    def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state
-
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
         return state
 
     def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
@@ -96,11 +69,19 @@ class _Lightning:
         lightning(checkpoint)
 
 
-LIGHTNING: CheckpointSeam = _Lightning()
+def remove(filepath: Any, lightning: Callable[[Any], None]) -> None:
+    """Remove a checkpoint directory, or leave a file to Lightning (rank 0 only; either kind of run)."""
+    if is_checkpoint_dir(filepath) and not Path(filepath).is_symlink():
+        shutil.rmtree(filepath)
+    else:
+        lightning(filepath)
+
+
+LIGHTNING = CheckpointSeam()
 """The seam of a run without a tensor manager, and before setup."""
 
 
-class StreamedCheckpoints:
+class StreamedCheckpoints(CheckpointSeam):
     """The seam of a run with the tensor manager: checkpoints stream to and from its tiers, never
     gathered (rank 0 writes the directory; with partitioned state every rank contributes its chunks)."""
 

@@ -142,8 +142,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
     @property
     def plan_choice(self) -> Choice | None:
         """The warm-step plan's choice when ``auto=True`` (after the second optimizer step)."""
-        run = self._run
-        return run.planner.choice if run is not None and run.planner is not None else None
+        return self._run.planner.choice if self._run is not None else None
 
     @property
     def engine(self) -> WindowEngine:
@@ -274,8 +273,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         view = ShardedStateView(manager, self.global_rank, self.world_size) if manager.shard else manager
         assert run.hand_back is not None  # (planned with the tensor manager)
         self._unusable = after_fit.hand_back(
-            manager, run.layered, manager.optimizer, run.hand_back, name=run.name, failed=failed, distributed=self.is_distributed,
-            weights=view.unit_master_weights, unit_state=view.unit_optimizer_state,
+            manager, view, run.layered, run.hand_back, name=run.name, failed=failed, distributed=self.is_distributed,
             global_step=self.lightning_module.trainer.global_step, warn=rank_zero_warn)
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -311,10 +309,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         def fused(*a: Any, **kw: Any) -> Any:
             if telemetry is not None:
                 telemetry.tokens += tokens_in(a, kw)
-            mark = self._timer_start()
-            out = engine.fused_forward(microbatch, a, kw)
-            self._observe(f"L{engine.units[-1].index}.{microbatch} forward", mark)
-            return out
+            with self._timed(f"L{engine.units[-1].index}.{microbatch} forward"):
+                return engine.fused_forward(microbatch, a, kw)
 
         with forward_replaced(inputs.layered, fused):
             output = super().training_step(*args, **kwargs)
@@ -335,9 +331,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        mark = self._timer_start()
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self._observe(f"L{engine.units[-1].index}.{microbatch} backward", mark)
+        with self._timed(f"L{engine.units[-1].index}.{microbatch} backward"):
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._open_run().guard.after_backward(engine, module, closure_loss, microbatch)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -349,12 +344,12 @@ class GreedySnakeStrategy(DataParallelStrategy):
         if self.is_distributed and self.tensor_manager is None:
             self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
 
-    def _timer_start(self) -> Any:
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        """Times the body as compute op ``name`` (with the tensor manager's timer; not when it raises)."""
         timer = self._open_run().timer
-        return timer.start() if timer is not None else None
-
-    def _observe(self, name: str, mark: Any) -> None:
-        timer = self._open_run().timer
+        mark = timer.start() if timer is not None else None
+        yield
         if timer is not None:
             timer.stop(mark, name)
 
@@ -362,7 +357,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """The step's telemetry to the loggers; the auto plan after the warm step (tensor manager only)."""
         run = self._open_run()
         manager, planner = run.tensor_manager, run.planner
-        assert manager is not None and run.telemetry is not None and planner is not None
+        assert manager is not None and run.telemetry is not None
         plan_due = planner.step_ended()
         if run.timer is not None:  # once per window: the compute spans the device finished (all, for the plan)
             run.timer.collect(wait=plan_due)

@@ -78,9 +78,8 @@ def logging_muted(module: LightningModule) -> Iterator[None]:
 
 
 class WindowInputs:
-    def __init__(self, layered: nn.Module, layered_path: str, name: str) -> None:
+    def __init__(self, layered: nn.Module, name: str) -> None:
         self.layered = layered
-        self.layered_path = layered_path
         self.name = name
         """The layered model as messages name it (the user's class and the path: ``MyModule.net``)."""
         self.loader: LookaheadLoader | None = None

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
-from lightning_greedysnake.offload.device import DeviceCopies, device_copies_for
+from lightning_greedysnake.offload.device import device_copies_for
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.tensor_manager import DataParallelHooks, TieredTensorStore
+from lightning_greedysnake.tensor_manager import TieredTensorStore
+
+if TYPE_CHECKING:
+    from lightning_greedysnake.strategy.planning import SetupPlan
+    from lightning_greedysnake.strategy.run import SetupContext
 
 Broadcast = Callable[[list[nn.Parameter]], None]
 """Every rank's copy of these parameters becomes rank 0's (a no-op in one process)."""
@@ -59,22 +62,18 @@ def stand_in_for_meta_parameters(module: nn.Module, units: list[Unit], uses_tens
     return True
 
 
-def materialize(manager: TieredTensorStore, layered: nn.Module, units: list[Unit],
-                broadcast: Callable[[list[nn.Parameter]], None]) -> None:
+def materialize(manager: TieredTensorStore, layered: nn.Module, units: list[Unit], broadcast: Broadcast) -> None:
     """Initialize the layered model unit by unit into ``manager`` (each unit's values ``broadcast`` from
     rank 0 with several processes), with the model's own initializer or ``reset_parameters()``."""
     initializer = unit_initializer_of(layered)
-    if initializer is not None:
-        generator = initializer.weight_init_generator()
+    generator = initializer.weight_init_generator() if initializer is not None else None
 
-        def init(u: int) -> None:
+    def init(u: int) -> None:
+        if initializer is not None:
             initializer.init_modules(units[u].modules, generator)
-            broadcast(units[u].parameters())
-    else:
-
-        def init(u: int) -> None:
+        else:
             reset_modules(units[u].modules)
-            broadcast(units[u].parameters())
+        broadcast(units[u].parameters())
 
     manager.initialize_unit_by_unit(init)
 
@@ -93,28 +92,23 @@ def check_device(config: GreedySnakeConfig, device: torch.device, distributed: b
             "real GPUs. Compare a short run against strategy='ddp' before relying on it.", stacklevel=2)
 
 
-def new_tensor_manager(units: list[Unit], module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                       config: GreedySnakeConfig, compute_dtype: torch.dtype, device: torch.device,
-                       clip: ClipPolicy, shard: tuple[int, int] | None, loss_scaler: Any = None,
-                       data_parallel: Callable[[DeviceCopies | None, bool], DataParallelHooks | None] | None = None,
-                       gradient_observer: Callable[[int, Tensor], None] | None = None,
-                       optimizer_threads: int = 1,
-                       checkpoint_plan: tuple[int, Callable[[str], None]] | None = None) -> TieredTensorStore:
-    """The tensor manager for ``units``, with the device tier ``device`` needs (CUDA copy streams, the
-    simulated device, or none: the CPU computes in host memory), which it owns from then on.
-    ``loss_scaler``: fp16's (see :class:`~lightning_greedysnake.loss_scale.LossScaler`), or None;
-    ``data_parallel``: the ranks' collectives for that device tier and ``shard`` (None: one process);
-    ``gradient_observer``: the strategy's gradient hooks (see :meth:`GreedySnakeStrategy.register_gradient_hook`);
-    ``optimizer_threads``: the optimizer lane's intra-op threads; ``checkpoint_plan``: the activation
-    checkpoints' tier plan (see :class:`~lightning_greedysnake.offload.activations.ActivationStore`)."""
-    copies = device_copies_for(device)
+def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
+                       optimizer: torch.optim.Optimizer | None, clip: ClipPolicy,
+                       shard: tuple[int, int] | None) -> TieredTensorStore:
+    """The tensor manager for ``planned``'s units and settings, with the device tier ``ctx.device`` needs
+    (CUDA copy streams, the simulated device, or none: the CPU computes in host memory), which it owns from
+    then on; the precision's loss scaler, the ranks' collectives for ``shard``, the strategy's gradient
+    hooks, the optimizer lane's threads and the activation checkpoints' tier plan all from ``ctx`` and
+    ``planned``."""
+    copies = device_copies_for(ctx.device)
+    config = planned.config
     try:
         return TieredTensorStore(
-            units, {id(p): n for n, p in module.named_parameters()}, optimizer, config.offload,
-            compute_dtype=compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
-            copies=copies, loss_scaler=loss_scaler,
-            data_parallel=data_parallel(copies, shard is not None) if data_parallel is not None else None,
-            gradient_observer=gradient_observer, optimizer_threads=optimizer_threads, checkpoint_plan=checkpoint_plan)
+            planned.units, {id(p): n for n, p in module.named_parameters()}, optimizer, config.offload,
+            compute_dtype=ctx.precision.compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
+            copies=copies, loss_scaler=ctx.precision.loss_scaler,
+            data_parallel=ctx.data_parallel(copies, shard is not None), gradient_observer=ctx.gradient_observer,
+            optimizer_threads=ctx.optimizer_threads, checkpoint_plan=planned.checkpoints)
     except BaseException:
         if copies is not None:
             copies.close()
@@ -129,27 +123,25 @@ def move_all_but_units(module: nn.Module, units: list[Unit], device: torch.devic
     record_module_device(module, device)
 
 
-def open_tensor_manager(manager: TieredTensorStore, directory: OffloadDirectories, default_root: Path,
-                        ranks: tuple[int, int, bool], units: list[Unit], broadcast: Broadcast,
-                        meta_model: nn.Module | None, report: Callable[[str], None], empty_note: str) -> None:
+def open_tensor_manager(ctx: SetupContext, manager: TieredTensorStore, directory: OffloadDirectories,
+                        units: list[Unit], meta_model: nn.Module | None, empty_note: str) -> None:
     """Prepare and lock ``directory`` (where something goes to SSD, or the user named it), open
     ``manager``'s files there and store the model's initial weights in its tiers (materialized unit by
-    unit from ``meta_model`` if given). ``ranks``: (global rank, local rank, whether there are several
-    processes); ``empty_note``: what the report says under a directory that gets nothing. On a failure
-    everything taken is given back."""
+    unit from ``meta_model`` if given; rank 0's). ``empty_note``: what the report says under a directory
+    that gets nothing. On a failure everything taken is given back."""
     try:
         if manager.config.uses_ssd or directory.given:
             manager.arena.regions.stripe(len(directory.dirs))  # (what each directory keeps, for its preflight)
-            reports = directory.prepare(default_root, [manager.ssd_bytes(d) for d in range(len(directory.dirs))],
-                                        *ranks)
-            report(directory.text(reports, empty_note))
+            reports = directory.prepare(ctx.default_root, [manager.ssd_bytes(d) for d in range(len(directory.dirs))],
+                                        ctx.global_rank, ctx.local_rank, ctx.is_distributed)
+            ctx.report(directory.text(reports, empty_note))
             manager.open(directory.paths)
         else:
             manager.open(None)
         if meta_model is not None:
-            materialize(manager, meta_model, units, broadcast)
+            materialize(manager, meta_model, units, ctx.broadcast_parameters)
         else:
-            broadcast([p for unit in units for p in unit.parameters()])
+            ctx.broadcast_parameters([p for unit in units for p in unit.parameters()])
             manager.initialize_from_parameters()
     except BaseException:
         manager.close()

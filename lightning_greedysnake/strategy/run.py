@@ -33,7 +33,7 @@ from lightning_greedysnake.models import (
     make_units,
     model_name,
 )
-from lightning_greedysnake.offload import InMemoryTensorStore, TensorStore
+from lightning_greedysnake.offload import InMemoryTensorStore
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.planner.measure import available_cores
@@ -147,20 +147,19 @@ class Run:
     """One fit's (or evaluation's) parts, built complete by :func:`open_run`, closed together by
     :meth:`close`. Owned by the training thread."""
 
-    def __init__(self, config: GreedySnakeConfig, cut: ModelCut, units: list[Unit], store: TensorStore,
-                 engine: WindowEngine, guard: NonFiniteGuard, *, checkpoints: CheckpointSeam = LIGHTNING,
-                 placement: PlacementPlan | None = None,
-                 telemetry: StepRecorder | None = None, planner: Planner | None = None,
-                 directories: OffloadDirectories | None = None, timer: ComputeTimer | None = None,
-                 hand_back: HandBack | None = None) -> None:
-        self._config = config
-        self.layered, self.layered_path, self.chain = cut.layered, cut.path, cut.chain
+    def __init__(self, cut: ModelCut, engine: WindowEngine, guard: NonFiniteGuard, planner: Planner,
+                 directories: OffloadDirectories, *, checkpoints: CheckpointSeam = LIGHTNING,
+                 placement: PlacementPlan | None = None, telemetry: StepRecorder | None = None,
+                 timer: ComputeTimer | None = None, hand_back: HandBack | None = None) -> None:
+        self.config = engine.config
+        """The settings in effect: resolved once, at setup (a new one after the warm-step plan); the
+        engine and the tensor manager were built from this object."""
+        self.layered = cut.layered
         self.name = cut.name
         """The layered model as messages name it (:attr:`ModelCut.name`)."""
-        self.units = units
-        self.store = store
+        self.store = engine.store
         self.engine = engine
-        self.inputs = WindowInputs(cut.layered, cut.path, cut.name)
+        self.inputs = WindowInputs(cut.layered, cut.name)
         self.guard = guard
         self.checkpoints = checkpoints
         """How Lightning's checkpoint hooks save and load this run's state."""
@@ -178,18 +177,12 @@ class Run:
         self.closed = False
 
     @property
-    def config(self) -> GreedySnakeConfig:
-        """The settings in effect: resolved once, at setup (a new one after the warm-step plan); the
-        engine and the tensor manager were built from this object."""
-        return self._config
-
-    @property
     def tensor_manager(self) -> TieredTensorStore | None:
         return self.store if isinstance(self.store, TieredTensorStore) else None
 
     def replan(self, config: GreedySnakeConfig) -> None:
         """The warm-step plan's settings, from the next window on (between windows)."""
-        self._config = config
+        self.config = config
         self.engine.replan(config)
 
     def close(self, before_store: Callable[[TieredTensorStore], None] | None = None) -> None:
@@ -207,8 +200,7 @@ class Run:
             try:
                 self.store.close()
             finally:
-                if self.directories is not None:
-                    self.directories.cleanup(manager.files if manager is not None else [])
+                self.directories.cleanup(manager.files if manager is not None else [])
 
 
 def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelCut,
@@ -232,24 +224,20 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
         except BaseException:
             directories.cleanup([])
             raise
-        return Run(cut.config, cut, cut.units, engine.store, engine, guard, directories=directories, planner=planner)
+        return Run(cut, engine, guard, planner, directories)
     shard = (ctx.global_rank, ctx.world_size) if ctx.is_distributed and cut.config.shard_state else None
     dtype, scaler = ctx.precision.compute_dtype, ctx.precision.loss_scaler
     planned = planner.plan_setup(cut.chain, optimizer, dtype, shard, speculative=scaler is not None and not clip.defer,
                                  clip_norm=clip.defer)
     config = planned.config
     built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
-    manager = new_tensor_manager(planned.units, module, optimizer, config, dtype, ctx.device, clip=clip, shard=shard,
-                                 loss_scaler=scaler, data_parallel=ctx.data_parallel,
-                                 gradient_observer=ctx.gradient_observer, optimizer_threads=ctx.optimizer_threads,
-                                 checkpoint_plan=planned.checkpoints)
+    manager = new_tensor_manager(ctx, planned, module, optimizer, clip, shard)
     try:
         memory = HostMemory.of(planner.host_budget_bytes, built_bytes, manager, bounded=config.auto)
         if config.auto:  # (a host budget was planned within: say what it covers, and what comes back)
             memory.tell(ctx.report, ctx.warn)
         directories = OffloadDirectories(config.offload)
-        open_tensor_manager(manager, directories, ctx.default_root, (ctx.global_rank, ctx.local_rank, ctx.is_distributed),
-                            planned.units, ctx.broadcast_parameters, cut.layered if cut.on_meta else None, ctx.report,
+        open_tensor_manager(ctx, manager, directories, planned.units, cut.layered if cut.on_meta else None,
                             empty_path_note(ctx.settings, config, planned.placement))
     except BaseException:
         manager.close()
@@ -265,7 +253,6 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
     checkpoints = StreamedCheckpoints(manager, rank=ctx.global_rank, world=ctx.world_size,
                                       layered_prefix=f"{cut.path}." if cut.path else "",
                                       precision=str(ctx.precision.precision))
-    return Run(config, cut, planned.units, manager, engine, guard, checkpoints=checkpoints,
-               placement=planned.placement, telemetry=telemetry,
-               planner=planner, directories=directories, timer=timer,
+    return Run(cut, engine, guard, planner, directories, checkpoints=checkpoints, placement=planned.placement,
+               telemetry=telemetry, timer=timer,
                hand_back=ctx.broadcast(memory.hand_back))  # (rank 0's: gathering it back is collective)

@@ -49,7 +49,6 @@ def test_window_gradients_equal_plain_autograd(schedule, layers_per_unit, k):
         engine.run_until_fused(m)
         _loss(engine.fused_forward(m, (x,), {}), y, k).backward()
         engine.fused_backward_done(m)
-    assert engine.window_complete
     engine.finish_window()
     assert store.num_checkpoints == 0  # every checkpoint was dropped after its last use
     assert sorted(store.gradient_ready_order) == list(range(engine.num_units))

@@ -154,7 +154,7 @@ def as_placement(sizes: list[int], host_units: int, device_units: int = 0) -> Ti
 
 
 def place_kinds(settings: GreedySnakeConfig, state: StateLayout, k: int, budget: int, *, speculative: bool,
-                clip_norm: bool, device: DeviceSide = DeviceSide()) -> tuple[int, PlacementPlan]:
+                clip_norm: bool, device: DeviceSide) -> tuple[int, PlacementPlan]:
     """The first window's lag and the placement plan of the kinds ``settings`` leave unset (``auto=True``
     with at least one), within ``budget``: pure, every rank computes the same from the same inputs.
     Raises ``ValueError`` when the staging alone exceeds the budget."""

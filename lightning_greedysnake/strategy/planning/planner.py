@@ -21,7 +21,7 @@ from lightning_greedysnake.models import LayerChain, Unit, make_units
 from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
-from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidth, unit_costs, unit_times
+from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidth, probe_numel, unit_costs, unit_times
 from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.plan import merge
 from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size, table
@@ -56,7 +56,7 @@ def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Ma
     elements: 16 MiB) so that they fit the host budget and the disks' free space. Raises ``OSError`` where
     a disk cannot be measured."""
     params = sum(lay.trainable_numel for lay in manager.layouts)
-    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=manager.optimizer,
+    rate = optimizer_rate(numel=probe_numel(params), optimizer=manager.optimizer,
                           threads=manager.optimizer_threads)  # (at the threads the lane really gets)
     if not manager.config.uses_ssd:
         return Machine(math.inf, math.inf, rate), "no SSD tier"

@@ -13,7 +13,7 @@ import torch
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig
 from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.models import LayerChain, make_units
-from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, paths_bandwidth, probe_sizes
+from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, paths_bandwidth, probe_numel, probe_sizes
 from lightning_greedysnake.planner.plan import Choice
 from lightning_greedysnake.planner.roofline import Machine, traffic
 from lightning_greedysnake.planner.unit_size import CANDIDATES, Bandwidth, machine_at, plans_by_size, requests
@@ -79,7 +79,7 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
     moved = any(t.read_bytes + t.write_bytes for _, t, *_ in placed.values())  # (else nothing to measure)
     bandwidth = interpolate(paths_bandwidth(dirs, sizes, settings.offload) if moved else {1: (math.inf, math.inf)})
     params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
-    rate = optimizer_rate(numel=min(1 << 20, max(1 << 16, params)), optimizer=optimizer, threads=optimizer_threads)
+    rate = optimizer_rate(numel=probe_numel(params), optimizer=optimizer, threads=optimizer_threads)
     return score_candidates(placed, bandwidth, rate, k)
 
 
