@@ -165,7 +165,7 @@ def test_clipping_sees_the_unscaled_gradients(clip):
     assert trainer.precision_plugin.loss_scaler.skipped_steps == ref_skipped and seen.scales == ref_scales
     windows = [w for w in seen.windows() if all(bool(torch.isfinite(g).all()) for g in w.values())]
     assert len(windows) == len(ref_grads)
-    for step, (g, r) in enumerate(zip(windows, ref_grads, strict=True)):  # (the unscaled, clipped gradients)
+    for step, (g, r) in enumerate(zip(windows, ref_grads, strict=True)):  # (unscaled, before clipping)
         assert max_abs_diff(g, r) <= 1e-6 * max(1.0, max(float(v.abs().max()) for v in r.values())), step
     assert max_abs_diff(got, ref_params) <= 1e-5
 
