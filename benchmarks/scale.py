@@ -10,8 +10,9 @@ headline. Kept out of CI: a ``--smoke`` size runs there (``tests/integration/tes
 Systems (``--systems``):
 
 - ``gs_default``: ``GreedySnakeStrategy()`` with its defaults (``auto=True``: the planner places each
-  kind in RAM or on SSD under its host budget, half the available memory), ``offload_dir`` on the disk
-  under test;
+  kind in RAM or on SSD under its host budget, half the available memory, or ``--host-budget-gb``: the
+  peak RSS a user who needs the machine for other work can ask for), ``offload_dir`` on the disk under
+  test;
 - ``gs_bf16_state``: the same with the optimizer state kept in bf16 (``offload.optimizer_state_dtype``);
 - ``gs_ssd``: the defaults with every kind on SSD (``offload.<kind>=ssd``): ZeRO-Infinity's placement, the
   like-for-like peer of ``deepspeed``;
@@ -23,10 +24,11 @@ Systems (``--systems``):
   (``DS_ACCELERATOR=cpu`` on a CPU machine, see ``benchmarks/compare.py``); skipped when not importable.
 
 Both train under ``--precision`` (default bf16-mixed) with AdamW on the package GPT, the same data.
-greedysnake runs with ``offload.return_weights=False`` unless ``--return-weights``: the end-of-fit
-hand-back copies the whole trained model into RAM, which is not what this ladder measures (the rows say
-which). SSD bytes per step are the kernel's block I/O counters of the process (``/proc/<pid>/io``,
-alike for both systems) over steps 2 and 3; greedysnake's own counters are given too.
+greedysnake runs as a user gets it, with the end-of-fit hand-back (``offload.return_weights=True``,
+planned within the host budget: what does not fit stays on SSD, said at the start of the run), unless
+``--no-return-weights`` (the result's settings say which). SSD bytes per step are the kernel's block
+I/O counters of the process (``/proc/<pid>/io``, alike for both systems) over steps 2 and 3;
+greedysnake's own counters are given too.
 
     python benchmarks/scale.py --offload-dir /mnt/nvme/scale                  # the full ladder, every system
     python benchmarks/scale.py --sizes 0.35b 0.7b --systems gs_default deepspeed
@@ -88,12 +90,13 @@ SYSTEMS = ["gs_default", "gs_bf16_state", "gs_ssd", "deepspeed"]
 GS_SYSTEMS = [s for s in SYSTEMS if s.startswith("gs_")]
 KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
 
-RETURN_WEIGHTS_WHY = (
-    "offload.return_weights=False: the end-of-fit hand-back (True, the default) copies the trained fp32 weights "
-    "and Adam's state into the module, about 12 bytes a parameter of RAM (measured at 0.1b, every kind on SSD, "
-    "on the 2-core machine: peak RSS 0.98 GB without, 2.09 GB with), which past ~1.5B parameters is the whole "
-    "of a 23 GiB machine and would decide the ladder; --return-weights measures it")
-"""Why the ladder runs greedysnake without the hand-back (recorded in the result's settings)."""
+RETURN_WEIGHTS_WHY = {
+    True: "the default: the end-of-fit hand-back, planned within the host budget (what does not fit stays on "
+          "SSD, said at the start); before it was planned it copied ~12 bytes a parameter into RAM at the end "
+          "of fit and was left out of the ladder",
+    False: "--no-return-weights: without the end-of-fit hand-back",
+}
+"""What the ladder's hand-back setting means (recorded in the result's settings)."""
 
 DEEPSPEED_BYTES_PER_PARAM = {"bf16-mixed": 19, "32-true": 21}
 """DeepSpeed ZeRO-Infinity's NVMe footprint per parameter, for the disk guard: the 16-bit parameters (2),
@@ -204,7 +207,8 @@ def run_greedysnake(args: argparse.Namespace, system: str, clock: Clock) -> dict
         offload["optimizer_state_dtype"] = "bfloat16"
     if system == "gs_ssd":
         offload.update({kind: "ssd" for kind in KINDS})
-    strategy = GreedySnakeStrategy(offload_dir=Path(args.offload_dir) / "offload", offload=offload)
+    budget = {} if args.host_budget_gb is None else {"auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}
+    strategy = GreedySnakeStrategy(offload_dir=Path(args.offload_dir) / "offload", offload=offload, **budget)
     extra: dict[str, Any] = {}
     clock.t = time.perf_counter()  # (model creation from here: the imports are not counted)
 
@@ -437,12 +441,15 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--precision", default="bf16-mixed")
-    parser.add_argument("--return-weights", action="store_true",
-                        help="greedysnake hands the trained weights back at the end of fit (its default)")
+    parser.add_argument("--no-return-weights", dest="return_weights", action="store_false",
+                        help="greedysnake without its end-of-fit hand-back (offload.return_weights=False)")
     parser.add_argument("--offload-dir", default=None, help="the disk under test (default: the temp dir)")
     parser.add_argument("--timeout-min", type=float, default=90.0, help="each run's wall-clock limit")
     parser.add_argument("--memory-limit-gb", type=float, default=None,
                         help="kill a run whose processes hold more (default: all of RAM less 1 GiB)")
+    parser.add_argument("--host-budget-gb", type=float, default=None,
+                        help="greedysnake's host budget (auto_host_budget_bytes); default: its own (half the "
+                             "available memory)")
     parser.add_argument("--keep-going", action="store_true", help="run a system's larger sizes after it failed")
     parser.add_argument("--no-disk-guard", action="store_true",
                         help="start DeepSpeed even where its estimated footprint exceeds the free disk")
@@ -503,7 +510,8 @@ def main() -> None:
                     args.size = size
                     cmd = [sys.executable, __file__, *child_argv(system, args, flags, ["--size", size,
                                                                                       "--offload-dir", str(directory)]),
-                           *(["--return-weights"] if args.return_weights else [])]
+                           *([] if args.return_weights else ["--no-return-weights"]),
+                           *(["--host-budget-gb", str(args.host_budget_gb)] if args.host_budget_gb is not None else [])]
                     print(f"  {system} {size} ({params / 1e9:.2f}B) ...", file=sys.stderr, flush=True)
                     row = {**base, **watch(cmd, directory, scratch / f"{system}_{size}.log", args.timeout_min * 60,
                                            memory_limit)}
@@ -540,11 +548,11 @@ def main() -> None:
     args.sizes = sizes
     args.systems = systems
     args.greedysnake_offload = {"return_weights": args.return_weights,
-                                "why": RETURN_WEIGHTS_WHY if not args.return_weights else "the default hand-back included"}
+                                "why": RETURN_WEIGHTS_WHY[args.return_weights]}
     args.comparison = ("gs_ssd and deepspeed: every kind on the disk under test (like with like); gs_default and "
                        "gs_bf16_state: greedysnake's planner chooses RAM or SSD per kind under its host budget")
     args.ssd_bytes = "the kernel's block I/O counters of the run's process (/proc/<pid>/io), steps 2..3, per step"
-    write_result(args.out, args, ["sizes", "systems", "seq", "k", "steps", "precision", "timeout_min",
+    write_result(args.out, args, ["sizes", "systems", "seq", "k", "steps", "precision", "host_budget_gb", "timeout_min",
                                   "memory_limit_gb", "ds_sub_group_size", "ds_max_in_cpu", "greedysnake_offload",
                                   "comparison", "ssd_bytes", "keep_going", "no_disk_guard"],
                  rows, machine_extra)

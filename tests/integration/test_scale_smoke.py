@@ -55,7 +55,7 @@ def test_smoke_rows_of_the_greedysnake_systems(tmp_path: Path) -> None:
     machine, settings = result["machine"], result["settings"]
     assert machine["disk_free_gb"] > 0 and machine["read_GBps"] > 0 and machine["write_GBps"] > 0
     assert settings["seq"] == 32 and settings["k"] == 2 and settings["steps"] == 3
-    assert settings["greedysnake_offload"]["return_weights"] is False and "--smoke" in result["command"]
+    assert settings["greedysnake_offload"]["return_weights"] is True and "--smoke" in result["command"]
 
 
 def test_a_size_past_the_free_disk_is_refused_before_any_work(tmp_path: Path) -> None:
