@@ -2,7 +2,7 @@
 
     python benchmarks/report.py                 # prints the Markdown the docs site shows
     python benchmarks/report.py --check         # also fails if a results file is neither current nor archived
-    python benchmarks/report.py --readme        # rewrites README.md's headline table (between its gen markers)
+    python benchmarks/report.py --readme        # rewrites README.md's generated blocks (between their gen markers)
 
 The docs build (``docs/hooks/generate.py``) calls :func:`render` for the ``<!-- gen:benchmarks -->`` marker
 of ``docs/benchmarks.md``, so the page always shows what the JSON holds. Which files are current, and what
@@ -43,17 +43,32 @@ class Section:
 
 SECTIONS: tuple[Section, ...] = (
     Section(
-        "The defaults against DeepSpeed ZeRO-Infinity",
-        "`GreedySnakeStrategy()` as it is (`gs_default`: `auto=True`, the planner places each kind within half "
-        "the available memory) against DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer state on "
-        "NVMe, `DS_ACCELERATOR=cpu`), GPT 1024 x 12 (168M parameters, vocabulary 8192), micro-batch 1, K=8, "
-        "three rounds alternating the two systems in fresh processes. On this machine the default budget "
-        "holds the whole model's state, so the plan keeps every kind in RAM: this is the default using the "
-        "machine, not SSD against SSD (that is the next section). `vs_deepspeed` is the tokens/s ratio.",
-        (Result("compare_defaults_seq128_bf16", "Sequence 128, bf16-mixed."),
-         Result("compare_defaults_seq128_fp32", "Sequence 128, 32-true."),
-         Result("compare_defaults_seq32_bf16", "Sequence 32, bf16-mixed."),
-         Result("compare_defaults_seq32_fp32", "Sequence 32, 32-true.")),
+        "How large a model trains",
+        "A ladder of GPT sizes, each size and system in a fresh process built on the meta device (DeepSpeed: "
+        "under its `zero.Init` on NVMe), three optimizer steps at sequence 32, K=2, bf16-mixed, AdamW, on "
+        "this machine's one disk; a system that fails at one size is not run at the larger ones. `gs_default` "
+        "is `GreedySnakeStrategy()` as a user gets it (host budget: half the available memory; the end-of-fit "
+        "hand-back planned within it); `gs_bf16_state` keeps Adam's state in bf16; `deepspeed` is ZeRO-Infinity "
+        "with parameters and optimizer on NVMe, its buffers sized as its docs say. `status` says why a size "
+        "did not train; `time_to_first_step_s` is model creation, setup (writing the initial state) and the "
+        "first step; SSD bytes are the kernel's counters of the process.",
+        (Result("scale", "The ladder, bf16-mixed, sequence 32, K=2."),
+         Result("scale_lean", "The largest size `gs_bf16_state` trained, again with a small host budget "
+                              "(`--host-budget-gb`, in the settings): how little RAM it needs.")),
+    ),
+    Section(
+        "The defaults and every kind on SSD against both DeepSpeed offloads",
+        "GPT 1024 x 12 (168M parameters, vocabulary 8192), micro-batch 1, K=8, three rounds alternating the "
+        "systems in fresh processes. Each greedysnake run is set against the peer that keeps its state where "
+        "it does: `gs_default` (`GreedySnakeStrategy()`; on this machine the plan keeps every kind in RAM) "
+        "against DeepSpeed ZeRO-3 with parameters and optimizer offloaded to CPU memory (`deepspeed_cpu`, "
+        "ZeRO-Offload) and against Lightning in memory (`lightning_auto`); `gs_vertical` (every kind on SSD, "
+        "`auto=False`) against DeepSpeed ZeRO-Infinity with parameters and optimizer on NVMe (`deepspeed`). "
+        "`vs_deepspeed_cpu` and `vs_deepspeed` are tokens/s ratios.",
+        (Result("compare_issue37_seq128_bf16", "Sequence 128, bf16-mixed."),
+         Result("compare_issue37_seq32_bf16", "Sequence 32, bf16-mixed."),
+         Result("compare_issue37_seq128_fp32", "Sequence 128, 32-true."),
+         Result("compare_issue37_seq32_fp32", "Sequence 32, 32-true.")),
     ),
     Section(
         "SSD against SSD",
@@ -96,9 +111,6 @@ SECTIONS: tuple[Section, ...] = (
          Result("memory_budget_bf16", "The end of fit within a 2 GiB host budget (auto_host_budget_bytes), GPT "
                                       "1024 x 12, bf16-mixed, sequence 128, K=8, 2 steps: the weights come back, the "
                                       "optimizer's state (said at setup) does not; @afcc0d0 copied everything back."),
-         Result("scale_1p6b", "A GPT of 2048 x 32 whose model state exceeds this machine's RAM, built on "
-                              "the meta device, bf16-mixed, every kind on SSD (measured before the background "
-                              "optimizer lane landed)."),
          Result("litgpt_1b", "LitGPT's 1B Llama config (its untied head counted in params) built on the meta device, "
                              "every kind on SSD (auto=False), return_weights=False, 32-true, sequence 256, K=4: "
                              "each optimizer step's seconds and its own SSD bytes.")),
@@ -281,7 +293,9 @@ HEADLINE_SYSTEMS = {
     "gs_vertical": "greedysnake, every kind on SSD, `auto=False`",
     "deepspeed": "DeepSpeed ZeRO-Infinity, parameters and optimizer on NVMe",
 }
-README_MARKERS = ("<!-- gen:headline (benchmarks/report.py --readme) -->", "<!-- /gen:headline -->")
+SCALE = (Result("scale", "The ladder: bf16-mixed, sequence 32, K=2, three optimizer steps"),
+         Result("scale_lean", "The largest size again with a small host budget (`--host-budget-gb`)"))
+"""The README's size table: the largest GPT each system trained on this machine."""
 
 
 def headline() -> str:
@@ -299,11 +313,60 @@ def headline() -> str:
     ])
 
 
-def readme_with_headline(text: str) -> str:
-    """``text`` (the README) with its headline block regenerated."""
-    start, end = README_MARKERS
-    a, b = text.index(start) + len(start), text.index(end)
-    return text[:a] + "\n" + headline() + "\n" + text[b:]
+def scale_rows(result: Result) -> list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]]:
+    """Per system of ``result``'s file: its label, the largest size it trained (or None) and the first
+    larger size it did not (or None)."""
+    data = load(result.file)
+    budget = data["settings"].get("host_budget_gb")
+    out = []
+    for system in data["settings"]["systems"]:
+        rows = [r for r in data["rows"] if r["system"] == system]
+        best = max((r for r in rows if r["status"] == "trained"), key=lambda r: r["params"], default=None)
+        failed = next((r for r in rows if r["status"] != "trained"
+                       and (best is None or r["params"] > best["params"])), None)
+        label = system if budget is None or system == "deepspeed" else f"{system}, host budget {cell(budget)} GiB"
+        out.append((label, best, failed))
+    return out
+
+
+def scale_table() -> str:
+    """The README's size table, from :data:`SCALE`'s files only: per system, the largest size it trained and
+    the first it did not, with why (the status's first word: the Benchmarks page has the whole of it)."""
+    lines = ["| system | largest trained | parameters | peak RSS | time to first step | step | next size |",
+             "|---|---|---|---|---|---|---|"]
+    notes = []
+    for result in SCALE:
+        data = load(result.file)
+        m = data["machine"]
+        for label, best, failed in scale_rows(result):
+            why = f"{failed['size']}: {failed['status'].split(':')[0]}" if failed is not None else "-"
+            if best is None:
+                lines.append(f"| {label} | none | - | - | - | - | {why} |")
+                continue
+            lines.append(f"| {label} | {best['size']} | {best['params'] / 1e9:.2f}B | {cell(best['peak_rss_gb'])} GiB "
+                         f"({best['peak_rss_gb'] / m['mem_total_gb']:.0%} of RAM) | {cell(best['time_to_first_step_s'])} s | "
+                         f"{cell(best['step_s'])} s | {why} |")
+        notes += [f"{result.caption}: `{data.get('command', '')}`, {committed(RESULTS / f'{result.file}.json')}.", ""]
+    m = load(SCALE[0].file)["machine"]
+    return "\n".join([
+        *lines, "",
+        f"On {machine(load(SCALE[0].file))}, {cell(m['mem_total_gb'])} GiB RAM, {cell(m['disk_free_gb'])} GB free "
+        "disk (`status` on the Benchmarks page says why a size did not run).", "", *notes[:-1],
+    ])
+
+
+README_BLOCKS = {"headline": headline, "scale": scale_table}
+"""The README's generated blocks, each between ``<!-- gen:NAME (benchmarks/report.py --readme) -->`` and
+``<!-- /gen:NAME -->``."""
+
+
+def readme_generated(text: str) -> str:
+    """``text`` (the README) with each of its generated blocks regenerated."""
+    for name, render_block in README_BLOCKS.items():
+        start, end = f"<!-- gen:{name} (benchmarks/report.py --readme) -->", f"<!-- /gen:{name} -->"
+        a, b = text.index(start) + len(start), text.index(end)
+        text = text[:a] + "\n" + render_block() + "\n" + text[b:]
+    return text
 
 
 def unlisted() -> list[str]:
@@ -316,11 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="fail when a results file is neither on the page nor in results/archive/")
-    parser.add_argument("--readme", action="store_true", help="rewrite README.md's headline table and stop")
+    parser.add_argument("--readme", action="store_true", help="rewrite README.md's generated blocks and stop")
     args = parser.parse_args(argv)
     if args.readme:
         readme = RESULTS.parent.parent / "README.md"
-        readme.write_text(readme_with_headline(readme.read_text()))
+        readme.write_text(readme_generated(readme.read_text()))
         return
     print(render())
     if args.check and unlisted():

@@ -157,12 +157,16 @@ def test_the_readme_headline_is_its_json_and_short():
     """The README's one figure is generated (``benchmarks/report.py --readme``), and the README stays short:
     its reference lives in the docs."""
     readme = (ROOT / "README.md").read_text()
-    assert report.readme_with_headline(readme) == readme, "stale headline: run python benchmarks/report.py --readme"
+    assert report.readme_generated(readme) == readme, "stale block: run python benchmarks/report.py --readme"
     data = report.load(report.HEADLINE.file)
     peer = next(r for r in data["rows"] if r.get("system") == "deepspeed")["tokens_per_s"]
     for row in data["rows"]:
         if row.get("system") in report.HEADLINE_SYSTEMS:
             assert f"| {report.cell(row['tokens_per_s'])} | {row['tokens_per_s'] / peer:.2f}x |" in readme
+    for result in report.SCALE:  # the size table: each system's largest trained size, from the files
+        for label, best, _ in report.scale_rows(result):
+            assert (f"| {label} | {best['size']} | {best['params'] / 1e9:.2f}B | {report.cell(best['peak_rss_gb'])} GiB"
+                    if best is not None else f"| {label} | none |") in readme
     assert len(readme.splitlines()) <= 150
 
 
