@@ -16,8 +16,8 @@ import pytest
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
-from lightning_greedysnake.offload.device import SIMULATE_ENV, Copy, SimulatedCopies
 from lightning_greedysnake.offload import pool
+from lightning_greedysnake.offload.device import SIMULATE_ENV, Copy, SimulatedCopies
 from lightning_greedysnake.offload.pool import debug_pool_enabled
 from lightning_greedysnake.offload.staging import Staged
 from tests.integration.test_equivalence import assert_matches, reference, run
