@@ -1,7 +1,8 @@
 """lightning-greedysnake: GreedySnake's vertical schedule as a PyTorch Lightning strategy.
 
-``import lightning_greedysnake`` registers the strategy names ``"greedysnake"`` (vertical, state on SSD
-under the Trainer's ``default_root_dir``), ``"greedysnake_horizontal"`` (the baseline order on the same
+``import lightning_greedysnake`` registers the strategy names ``"greedysnake"`` (the planned defaults:
+state placed within the host budget, the rest on SSD under the Trainer's ``default_root_dir``; the
+vertical order wherever state streams), ``"greedysnake_horizontal"`` (the baseline order on the same
 engine) and ``"greedysnake_cpu"`` (vertical, everything in host memory).
 """
 

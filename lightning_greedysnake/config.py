@@ -341,19 +341,25 @@ class OffloadConfig:
         raise ValueError(f"offload={value!r} must be an OffloadConfig, a mapping of its fields, or None.")
 
 
-FIXED_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "lag": 2, "recompute": True, "layers_per_unit": 1}
+FIXED_DEFAULTS: dict[str, Any] = {"alpha": 0.25, "lag": 2, "recompute": True, "layers_per_unit": 1,
+                                  "schedule": ScheduleKind.VERTICAL}
 """What unset ``alpha``, ``lag`` and ``recompute`` are until (with ``auto=True``) the warm-step plan, and
-unset ``layers_per_unit`` until (with ``auto=True``) setup plans it; with ``auto=False``, for the run."""
+unset ``layers_per_unit`` and ``schedule`` until (with ``auto=True``) setup plans them; with ``auto=False``,
+for the run."""
 
 
 @dataclass(frozen=True)
 class GreedySnakeConfig:
     """Settings of the greedysnake strategy (Hydra group ``strategy``)."""
 
-    schedule: ScheduleKind = ScheduleKind.VERTICAL
+    schedule: ScheduleKind | None = None
     """``vertical``: all micro-batches of a window through unit j before unit j+1, in snake order (the
-    GreedySnake order); ``horizontal``: each micro-batch through all units (the ZeRO-Infinity order, the
-    baseline for comparisons)."""
+    GreedySnake order: each unit's weights are brought in once a window, not once a micro-batch, and its
+    gradient leaves once); ``horizontal``: each micro-batch through all units (Lightning's and
+    ZeRO-Infinity's order). ``None`` (unset): vertical, and with ``auto=True`` setup chooses horizontal
+    where the model computes on the host and the placement keeps every kind wholly in host memory: then
+    nothing moves per micro-batch for the vertical order to save, and it would hold all K micro-batches'
+    activations (or recompute them) where the horizontal order holds one's, as Lightning does."""
 
     layers_per_unit: int | None = None
     """Blocks per unit. A unit is what is loaded, checkpointed and recomputed as one piece: only each
@@ -458,7 +464,8 @@ class GreedySnakeConfig:
                 f"trace_steps={self.trace_steps!r} must be a non-negative integer (optimizer steps to trace). "
                 "Fix: e.g. trace_steps=3, or 0 for no trace."
             )
-        object.__setattr__(self, "schedule", _enum_value(ScheduleKind, "schedule", self.schedule))
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", _enum_value(ScheduleKind, "schedule", self.schedule))
         if self.layers_per_unit is not None and not _integer(self.layers_per_unit, 1):
             integer = isinstance(self.layers_per_unit, int) and not isinstance(self.layers_per_unit, bool)
             raise ValueError(f"layers_per_unit={self.layers_per_unit!r} must be "

@@ -210,7 +210,8 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
 def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int, checkpoint_bytes: int,
          alphas: tuple[float, ...] = tuple(a / 20 for a in range(11)), lags: tuple[int, ...] = (0, 1, 2),
          checkpoint_placements: tuple[str, ...] = ("host", "ssd"),
-         recompute: tuple[bool, ...] = (True, False), prefetch_units: int = 1, layers_per_unit: int = 1) -> Choice:
+         recompute: tuple[bool, ...] = (True, False), prefetch_units: int = 1, layers_per_unit: int = 1,
+         schedule: str = "vertical") -> Choice:
     """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory), for
     ``units`` as given (the unit size is :mod:`~lightning_greedysnake.planner.unit_size`'s to choose).
 
@@ -218,7 +219,11 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
     fused unit); ``checkpoint_bytes``: one unit input of one micro-batch;
     ``prefetch_units``: the weights prefetches the staging budget holds room for (``offload.prefetch_units``).
     Keeping the graphs is considered only where every recomputed unit's activation bytes were measured.
+    ``schedule``: the window's order. Horizontally one micro-batch's checkpoints or graphs are alive at a
+    time, not K's; the step time is scored as vertical's (the order setup picks horizontal only where nothing
+    is on SSD, so the two differ only in how much of the optimizer the backward hides).
     """
+    held = 1 if schedule == "horizontal" else k  # micro-batches whose checkpoints or graphs are alive at once
     measured = all(u.activation_bytes > 0 for u in units[:-1])
     options = [(True, c) for c in checkpoint_placements] if True in recompute else []
     if False in recompute and measured:
@@ -235,9 +240,9 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
                        + (read_ahead_bytes(merged) if ahead else 0))
             for recomputing, checkpoints in options:
                 if recomputing:
-                    host_ckpt = k * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
-                else:  # every unit's graph for every micro-batch, but the fused last unit's
-                    host_ckpt = k * sum(u.activation_bytes for u in merged[:-1])
+                    host_ckpt = held * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
+                else:  # every unit's graph for every micro-batch alive, but the fused last unit's
+                    host_ckpt = held * sum(u.activation_bytes for u in merged[:-1])
                 host = staging + host_ckpt
                 smallest = host if smallest is None else min(smallest, host)
                 if host > host_budget_bytes:

@@ -97,8 +97,8 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
 
     Vertical: every unit's weights are read for its forward and again for its backward (the fused last
     unit once). Horizontal: per micro-batch; unit 0 stays in memory from one micro-batch's backward into
-    the next forward, and partial gradients go out and back once per micro-batch (unit 0's not at the
-    end). In both, unit 0's step ends the window and, when it is whole (nothing deferred, no global norm
+    the next forward, and partial gradients go out and back between micro-batches (the last micro-batch's
+    backward completes each one and hands it to its step). In both, unit 0's step ends the window and, when it is whole (nothing deferred, no global norm
     to wait for), in one process, with ``slack`` in the staging budget over its minimum (the automatic
     budget has it), leaves the new weights in memory for the next window's first forward: one read
     less. The optimizer reads and writes its state, writes the new compute weights, and under 32-true
@@ -130,16 +130,11 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
         add("read/master_weights", sum(u.master_bytes for u, s in zip(units, on["master_weights"]) if s))
         add("write/master_weights", sum(u.master_bytes for u, s in zip(units, on["master_weights"]) if s))
     # a step reads the unit's weights range (as master under 32-true, to refresh the 16-bit copy under
-    # bf16-mixed) where it is on SSD, unless the unit is still in memory when its step comes: in the
-    # vertical order every unit is, for its backward part; horizontally only unit 0; with norm clipping none
+    # bf16-mixed) where it is on SSD, unless the unit is still in memory when its step comes: in either
+    # order every unit is (its step follows its last backward), for its backward part; with norm clipping none
     trainable = [x if u.params else 0 for x, u in zip(w, units)]
     alpha_w = [u.alpha_weight_bytes if s else 0 for u, s in zip(units, on["weights"])]
-    if clip_norm:
-        refresh = sum(trainable)
-    elif schedule == "vertical":
-        refresh = sum(alpha_w)
-    else:
-        refresh = sum(trainable[1:]) + alpha_w[0]
+    refresh = sum(trainable) if clip_norm else sum(alpha_w)
     add("read/weights" if separate_master else "read/master_weights", refresh)
     if clip_norm:
         assert schedule == "vertical", "the traffic model covers norm clipping in the vertical order"
@@ -148,9 +143,9 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
         add("write/gradients", sum(g))
     else:
         if schedule == "horizontal":
-            # partial sums out and back after every micro-batch, but unit 0's at the end
-            add("read/gradients", k * sum(g) - g[0])
-            add("write/gradients", k * sum(g) - g[0])
+            # partial sums out and back between micro-batches: the last one's backward completes them
+            add("read/gradients", (k - 1) * sum(g))
+            add("write/gradients", (k - 1) * sum(g))
         alpha_g = sum(u.alpha_grad_bytes for u, s in zip(units, on["gradients"]) if s)
         add("read/gradients", alpha_g)
         add("write/gradients", alpha_g)

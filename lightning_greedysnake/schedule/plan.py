@@ -104,16 +104,23 @@ def build_vertical_plan(num_units: int, num_microbatches: int) -> Plan:
 
 
 def build_horizontal_plan(num_units: int, num_microbatches: int) -> Plan:
-    """The usual (ZeRO-Infinity) order: each micro-batch through all units, forward then backward; every
-    unit's gradient is complete only after the last micro-batch."""
+    """The usual (ZeRO-Infinity, and Lightning's) order: each micro-batch through all units, forward then
+    backward. Every unit's gradient is complete only in the last micro-batch's backward: each unit is
+    stepped right after it there (as vertically, right after its last backward), so the background
+    optimizer overlaps the rest of that backward."""
     _check_sizes(num_units, num_microbatches)
     last = num_units - 1
     ops: list[Op] = []
     for m in range(num_microbatches):
+        final = m == num_microbatches - 1
         ops += [Op(OpKind.FORWARD, unit, m) for unit in range(last)]
         ops.append(Op(OpKind.FUSED, last, m))
-        ops += [Op(OpKind.BACKWARD, unit, m) for unit in range(last - 1, -1, -1)]
-    ops += [Op(OpKind.OPTIMIZER, unit) for unit in range(last, -1, -1)]
+        if final:
+            ops.append(Op(OpKind.OPTIMIZER, last))
+        for unit in range(last - 1, -1, -1):
+            ops.append(Op(OpKind.BACKWARD, unit, m))
+            if final:
+                ops.append(Op(OpKind.OPTIMIZER, unit))
     plan = Plan(ScheduleKind.HORIZONTAL, num_units, num_microbatches, tuple(ops))
     check_plan(plan)
     return plan

@@ -55,7 +55,7 @@ from lightning_greedysnake.telemetry import StepTelemetry
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "greedysnake": ("GreedySnake vertical schedule", {"schedule": "vertical"}),
+    "greedysnake": ("GreedySnake, its schedule and placement planned (vertical wherever state streams)", {}),
     "greedysnake_horizontal": (
         "the horizontal (ZeRO-Infinity) order on the greedysnake engine", {"schedule": "horizontal"}),
     "greedysnake_cpu": (

@@ -243,7 +243,9 @@ def test_a_path_given_with_nothing_else_on_ssd_takes_the_checkpoints_that_exceed
     """Every kind planned in RAM, an offload path given: the report's promise holds, the checkpoints go
     there at the first save when a window's exceed their share of the host budget (the math unchanged)."""
     budget = 256 * 1024 * CHECKPOINT_SHARE
-    resident, _ = fit_wide_batches(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("host")))
+    # (every kind in RAM on a CPU run: the planned order is the horizontal one)
+    resident, _ = fit_wide_batches(GreedySnakeStrategy(auto=False, schedule="horizontal",
+                                                       offload=OffloadConfig.everywhere("host")))
     with caplog.at_level("INFO"):
         got, seen = fit_wide_batches(GreedySnakeStrategy(auto_host_budget_bytes=budget, layers_per_unit=1,
                                                          offload={"path": str(tmp_path / "off"),

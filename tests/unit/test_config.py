@@ -5,16 +5,17 @@ from lightning_greedysnake import GPTConfig, GreedySnakeConfig, GreedySnakeStrat
 
 def test_defaults():
     config = GreedySnakeConfig()
-    assert config.schedule is ScheduleKind.VERTICAL and config.layers_per_unit is None and config.auto
+    assert config.schedule is None and config.layers_per_unit is None and config.auto
     # what the planner chooses is unset until setup; in effect before that: the fixed defaults
     assert config.alpha is None and config.lag is None and config.recompute is None
     assert config.offload.weights is None and config.offload.optimizer_states is None
     fixed = config.resolved()
     assert (fixed.alpha, fixed.lag, fixed.recompute, fixed.layers_per_unit) == (0.25, 2, True, 1)
+    assert fixed.schedule is ScheduleKind.VERTICAL
     assert fixed.offload.weights is Tier.SSD and fixed.offload.checkpoints is Tier.HOST
-    assert config.unset() >= {"alpha", "lag", "recompute", "layers_per_unit", "offload.weights",
+    assert config.unset() >= {"alpha", "lag", "recompute", "layers_per_unit", "schedule", "offload.weights",
                               "offload.buffer_budget_bytes"}
-    assert not GreedySnakeConfig(alpha=0.0, lag=0, recompute=True, layers_per_unit=1,
+    assert not GreedySnakeConfig(alpha=0.0, lag=0, recompute=True, layers_per_unit=1, schedule="vertical",
                                  offload={**{k: "host" for k in ("weights", "master_weights", "optimizer_states",
                                                                  "gradients", "checkpoints")},
                                           "buffer_budget_bytes": 1 << 20}).unset()

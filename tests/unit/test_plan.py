@@ -21,7 +21,7 @@ GOLDEN = {
     ),
     ("vertical", 1, 3): "L0.0 L0.1 L0.2 O0",
     ("vertical", 2, 1): "F0.0 L1.0 O1 B0.0 O0",
-    ("horizontal", 3, 2): "F0.0 F1.0 L2.0 B1.0 B0.0 F0.1 F1.1 L2.1 B1.1 B0.1 O2 O1 O0",
+    ("horizontal", 3, 2): "F0.0 F1.0 L2.0 B1.0 B0.0 F0.1 F1.1 L2.1 O2 B1.1 O1 B0.1 O0",
     ("horizontal", 1, 2): "L0.0 L0.1 O0",
 }
 
@@ -61,9 +61,12 @@ def test_vertical_is_a_snake(units, microbatches):
     assert fused == list(range(microbatches))
 
 
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 @pytest.mark.parametrize("units", [2, 4])
-def test_vertical_steps_each_unit_right_after_its_backward(units):
-    plan = build_vertical_plan(units, 3)
+def test_steps_each_unit_right_after_its_last_backward(schedule, units):
+    """Either order hands a unit to the optimizer as soon as its gradient is complete (horizontally: in
+    the last micro-batch's backward), so the background optimizer overlaps the rest of the backward."""
+    plan = build_plan(schedule, units, 3)
     ops = list(plan.ops)
     for u in range(units):
         o = ops.index(Op(OpKind.OPTIMIZER, u))

@@ -172,6 +172,18 @@ def test_graphs_that_do_not_fit_mean_recompute():
     assert choice.recompute and choice.host_bytes <= budget
 
 
+def test_the_horizontal_order_holds_one_microbatchs_graphs():
+    """Horizontally one micro-batch's graphs are alive at a time: a budget that holds them, not K's, keeps
+    the graphs there and recomputes vertically."""
+    units = _with_graphs(layers(), activation_bytes=64 * MB)
+    graphs = sum(u.activation_bytes for u in units[:-1])
+    budget = staging_bytes(units, 2) + 2 * graphs  # one micro-batch's graphs fit, four do not
+    vertical = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB)
+    horizontal = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB, schedule="horizontal")
+    assert vertical.recompute and not horizontal.recompute
+    assert horizontal.host_bytes - horizontal.buffer_budget_bytes == graphs  # staging aside: one micro-batch's
+
+
 def test_graphs_are_not_kept_when_their_size_was_not_measured():
     choice = plan(layers(), FAST, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
     assert choice.recompute

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Tier
+from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Split, Tier
 from lightning_greedysnake.models import LayerChain, Unit, make_units
 from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
@@ -25,6 +25,7 @@ from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidt
 from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.plan import merge
 from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size, table
+from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
 from lightning_greedysnake.strategy.planning.placement import (
     CHECKPOINT_SHARE,
@@ -72,6 +73,13 @@ def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
     less (the probe's scratch file must not fill a disk the run is using), in 64 KiB steps."""
     step = 64 << 10
     return max(step, min(largest, disk_free_bytes(directory) // 4 // step * step))
+
+
+def in_host_memory(placement: Tier | Split) -> bool:
+    """A kind placed wholly in host memory on a run that computes on the host (``device`` is host RAM then)."""
+    if isinstance(placement, Split):
+        return placement.ssd == 0
+    return placement is not Tier.SSD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,14 +142,31 @@ class Planner:
         checkpoints = ((budget // CHECKPOINT_SHARE, ctx.report)
                        if settings.auto and settings.offload.checkpoints is None else None)
         if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
-            return SetupPlan(settings.resolved(), None, units, checkpoints)
+            return SetupPlan(self.scheduled(settings.resolved()), None, units, checkpoints)
         state = state_layout(units, {}, optimizer, settings.offload.placed(), dtype, shard)
         lag, placement = place_kinds(settings, state, ctx.accumulate, budget, speculative=speculative,
                                      clip_norm=clip_norm, device=device)
         placement = ctx.broadcast(placement)  # every rank runs rank 0's (the same: the same budget and sizes)
         ctx.report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
                    + placement.table())
-        return SetupPlan(placed_config(settings, state, lag, placement), placement, units, checkpoints)
+        return SetupPlan(self.scheduled(placed_config(settings, state, lag, placement)), placement, units, checkpoints)
+
+    def scheduled(self, config: GreedySnakeConfig) -> GreedySnakeConfig:
+        """``config`` (placed) with the run's schedule: the user's; unset with ``auto=True``, horizontal where
+        the model computes on the host (no device tier) and every kind is wholly in host memory (nothing moves
+        per micro-batch for the vertical order to save, and it would hold K micro-batches' activations where
+        the horizontal order holds one's, as Lightning does), else the fixed default (vertical). A device run
+        keeps the vertical order: its host-resident kinds cross the bus per use."""
+        settings = self.ctx.settings
+        if settings.schedule is not None or not settings.auto or self.ctx.device_tier:
+            return config
+        in_ram = all(in_host_memory(config.offload.tier(kind)) for kind in REGION_KINDS)
+        if not in_ram:
+            return config
+        self.ctx.report("greedysnake schedule: horizontal (auto=True: every kind is in host memory, so nothing moves "
+                        "per micro-batch and one micro-batch's activations are held at a time, as in Lightning; "
+                        "set schedule=vertical to fix it)")
+        return dataclasses.replace(config, schedule=ScheduleKind.HORIZONTAL)
 
     def unit_size(self, chain: LayerChain, optimizer: Any, dtype: torch.dtype, shard: tuple[int, int] | None, *,
                   speculative: bool, clip_norm: bool, device: DeviceSide) -> int:
@@ -218,7 +243,7 @@ class Planner:
             "lags": lags or (config.lag,),
             "recompute": (True, False) if "recompute" in unset else (config.recompute,),
             "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",),
-            "prefetch_units": manager.config.prefetch_units}
+            "prefetch_units": manager.config.prefetch_units, "schedule": config.schedule.value}
         try:
             choice: Choice | str = disks if machine is None else plan(
                 costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=config.layers_per_unit, **options)
