@@ -13,7 +13,12 @@ Step time (vertical order, K micro-batches):
 - backward phase: likewise with the recomputing backward, the second weights read (not the fused last
   unit's: its backward follows its forward), checkpoint reads and the other ``1 - alpha`` of the
   optimizer. With ``lag = 0`` the optimizer does not overlap: its backward share adds to the phase
-  instead of racing it.
+  instead of racing it, at the training thread's rate (``Machine.inline_rate``).
+
+Where the model computes on the host (``Machine.shared_cores``: no GPU) the lane's kernels run on the
+cores the training's use: a background step's compute adds to the phase's compute, and only its I/O
+overlaps. With every kind in RAM there is nothing left to hide, and the synchronous step (``lag`` 0, on
+every core) wins, as Lightning's own step does.
 
 SSD time counts only the bytes of regions on SSD (``UnitCost.on_ssd``, as :func:`~.roofline.traffic`
 counts them), and sums reads and writes: one disk serves both. Measured here (``benchmarks/disk_mix.py``)
@@ -164,7 +169,7 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     ``recompute=False``: graphs kept, no recompute, no checkpoints. ``read_ahead``: the window's last
     step reads ahead (see :func:`window_tail`, counted in the backward)."""
     read, write = machine.read_bytes_per_s, machine.write_bytes_per_s
-    rate = machine.optimizer_elements_per_s
+    rate = machine.optimizer_elements_per_s if lag else machine.inline_rate
     f_weights, b_weights = (n / read for n in weight_reads(units))
 
     def opt_io(group: list[UnitCost]) -> float:
@@ -197,8 +202,10 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
         tail_io, tail_cpu = opt_io(units[:1]), units[0].params / rate
         tail_writes = optimizer_bytes(units[0])[1] / write
         f_ssd = f_weights + ckpt / write + f_opt_io + deferred_io + tail_writes
-        forward = max(f_compute, f_ssd, lane(f_opt_io + deferred_io, f_opt_cpu))
-        backward = max(b_compute, b_weights + ckpt / read + b_opt_io - tail_io,
+        # on shared cores the lane's compute is the training's to pay (see the module's docstring)
+        f_shared, b_shared = (f_opt_cpu, b_opt_cpu - tail_cpu) if machine.shared_cores else (0.0, 0.0)
+        forward = max(f_compute + f_shared, f_ssd, lane(f_opt_io + deferred_io, f_opt_cpu))
+        backward = max(b_compute + b_shared, b_weights + ckpt / read + b_opt_io - tail_io,
                        lane(b_opt_io - tail_io, b_opt_cpu - tail_cpu))
         backward += window_tail(units, machine, k, lag, read_ahead, recompute)
     # a checkpoint on SSD is read at most one op ahead, and only from spare staging budget: counted on

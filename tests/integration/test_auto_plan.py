@@ -49,6 +49,10 @@ def test_auto_plans_the_unset_settings_after_the_first_step_and_stays_exact(sche
     assert strategy.config.recompute == choice.recompute  # applied (keeping graphs is a choice too)
     assert "greedysnake auto plan" in caplog.text and "predicted step (s)" in caplog.text
     assert "binding resource" in caplog.text and "read" in caplog.text  # the disk was measured
+    # a CPU run: the lane shares the training's cores, and a synchronous step's rate was measured too
+    machine = strategy._run.planner.machine
+    assert machine.shared_cores and machine.inline_optimizer_elements_per_s > 0
+    assert "on the training thread" in caplog.text
     assert max_abs_diff(got, ref) == 0  # re-splitting the optimizer keeps its state: same numbers
 
 

@@ -26,15 +26,19 @@ class Order(L.Callback):
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         self.schedule = trainer.strategy.engine.config.schedule
+        self.lag = trainer.strategy.tensor_manager.lag
         assert trainer.strategy.config.schedule is self.schedule
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_defaults_with_state_in_ram_run_horizontally_and_match_lightning(k, caplog):
+@pytest.mark.parametrize(("k", "lag"), [(1, None), (3, None), (3, 0), (3, 2)])
+def test_defaults_with_state_in_ram_run_horizontally_and_match_lightning(k, lag, caplog):
+    """Unset lag: the warm-step plan's (on this CPU, where the lane shares the training's cores and there
+    is no I/O to hide, the synchronous step); given: the step in line (0) or two units behind (2)."""
     order = Order()
     with caplog.at_level("INFO"):
-        got = run(GreedySnakeStrategy(auto_host_budget_bytes=ROOMY), "gpt", k, callbacks=(order,))
+        got = run(GreedySnakeStrategy(auto_host_budget_bytes=ROOMY, lag=lag), "gpt", k, callbacks=(order,))
     assert order.schedule is ScheduleKind.HORIZONTAL
+    assert lag is None or order.lag == lag
     assert "greedysnake schedule: horizontal" in caplog.text
     assert_matches(got, reference("gpt", k))  # weights, losses and every window's gradients
 

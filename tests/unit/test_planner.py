@@ -1,4 +1,5 @@
 import dataclasses
+import math
 from typing import Any
 
 import pytest
@@ -47,6 +48,27 @@ def test_without_overlap_the_optimizer_adds_to_the_step():
     f, b = score(layers(), Machine(1e13, 1e13, 8e6), 4, 0.0, 0, MB, "host")
     f2, b2 = score(layers(), Machine(1e13, 1e13, 8e6), 4, 0.0, 2, MB, "host")
     assert f + b > f2 + b2
+
+
+def test_on_shared_cores_the_background_step_hides_only_its_io():
+    """A CPU run (the lane's kernels on the training's cores): with every kind in RAM the background step
+    has nothing to hide, and the synchronous step on the training thread's threads wins, as
+    Lightning's own step; where the state streams from a disk the background step still hides the I/O.
+    On a device (cores not shared) the same RAM run keeps the background step."""
+    ram = [dataclasses.replace(u, master_bytes=4 * u.params, on_ssd=frozenset()) for u in layers()]
+    cpu = Machine(math.inf, math.inf, optimizer_elements_per_s=2e8, inline_optimizer_elements_per_s=3e8,
+                  shared_cores=True)
+    assert plan(ram, cpu, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB).lag == 0
+    f0, b0 = score(ram, cpu, 4, 0.0, 0, MB, "host")
+    f1, b1 = score(ram, cpu, 4, 0.0, 1, MB, "host")
+    compute = 4 * sum(u.forward_s + u.backward_s for u in ram)
+    params = sum(u.params for u in ram)
+    assert f0 + b0 == pytest.approx(compute + params / 3e8)  # in line, at the training thread's rate
+    assert f1 + b1 == pytest.approx(compute + params / 2e8)  # on the lane, at its own: not hidden
+    gpu = dataclasses.replace(cpu, shared_cores=False)
+    assert plan(ram, gpu, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB).lag > 0
+    disk = dataclasses.replace(cpu, read_bytes_per_s=2e9, write_bytes_per_s=2e9)
+    assert plan(layers(), disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB).lag > 0
 
 
 def test_a_tight_budget_moves_checkpoints_to_ssd_and_lowers_lag():

@@ -57,15 +57,20 @@ def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Ma
     elements: 16 MiB) so that they fit the host budget and the disks' free space. Raises ``OSError`` where
     a disk cannot be measured."""
     params = sum(lay.trainable_numel for lay in manager.layouts)
-    rate = optimizer_rate(numel=probe_numel(params), optimizer=manager.optimizer,
+    numel = probe_numel(params)
+    rate = optimizer_rate(numel=numel, optimizer=manager.optimizer,
                           threads=manager.optimizer_threads)  # (at the threads the lane really gets)
+    shared = manager.copies is None  # the model computes on the host: the lane shares its cores
+    # a synchronous step (lag 0) runs here, on the training thread, with its threads
+    inline = optimizer_rate(numel=numel, optimizer=manager.optimizer) if shared else None
     if not manager.config.uses_ssd:
-        return Machine(math.inf, math.inf, rate), "no SSD tier"
+        return Machine(math.inf, math.inf, rate, inline, shared), "no SSD tier"
     dirs = manager.offload_dirs or [default_root]
     size = min(probe_bytes(d) for d in dirs)
     read, write = paths_bandwidth(dirs, [size], manager.config, min_probe_bytes=size)[size]
     paths = ", ".join(map(str, dirs))
-    return Machine(read, write, rate), f"{paths}: read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s"
+    return (Machine(read, write, rate, inline, shared),
+            f"{paths}: read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s")
 
 
 def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
@@ -260,8 +265,10 @@ class Planner:
         manager.reconfigure(choice.alpha, choice.lag, staging)
         config = dataclasses.replace(config, alpha=choice.alpha, lag=choice.lag, recompute=choice.recompute)
         bound = predict(costs, machine, config.schedule.value, k).bound
+        inline = (f", {machine.inline_rate / 1e6:.0f} M on the training thread"
+                  if machine.inline_optimizer_elements_per_s else "")
         ctx.report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
-                   f"elements/s; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
+                   f"elements/s on the lane{inline}; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
                    f"{'binding resource':<22}{bound:>20}")
         larger = self.larger_units(costs, machine, budget, manager.checkpoint_bytes, config.layers_per_unit, options)
         if larger is not None:  # (the files are laid out by the unit size: a run keeps its own)
