@@ -19,7 +19,8 @@ def _enum_value(enum_cls: type, setting: str, value: Any) -> Any:
         return enum_cls(value)
     except ValueError:
         choices = ", ".join(repr(e.value) for e in enum_cls)
-        raise ValueError(f"{setting}={value!r} is not valid. Fix: use one of {choices}.") from None
+        raise ValueError(f"{setting}={value!r} is not valid. Fix: use one of {choices}, or leave it unset "
+                         "(None; null in Hydra) for the planner to choose.") from None
 
 
 class Tier(str, enum.Enum):

@@ -378,6 +378,7 @@ class StagingArena:
         """Wait for the reads of ``helds``; if one failed, give every one of ``helds`` back (each waits
         for what is still in flight on it) and raise."""
         t0 = time.perf_counter()
+        reading = any(held is not None and held.reads_pending for held in helds)
         try:
             for held in helds:
                 if held is not None:
@@ -387,7 +388,7 @@ class StagingArena:
                 if held is not None:
                     held.release()
             raise
-        if threading.current_thread() is threading.main_thread():
+        if reading and threading.current_thread() is threading.main_thread():  # (a synchronous step's)
             self.stats.record_wait(label, "ssd", time.perf_counter() - t0)
 
     def put_back(self, kind: TensorKind, u: int, held: Staged, ranges: list[tuple[int, int]] | None = None, *,

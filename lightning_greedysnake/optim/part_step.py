@@ -25,10 +25,12 @@ from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer
 
 class PartStepper:
     def __init__(self, staging: Staging, unit_optimizers: list[UnitOptimizer | None], slots: tuple[str, ...],
-                 compute_dtype: torch.dtype, state_format: StateFormat | None = None) -> None:
+                 compute_dtype: torch.dtype, state_format: StateFormat | None = None, trim: bool = True) -> None:
         """``unit_optimizers`` is the stepper's own list (re-split in place by a reconfiguration);
-        ``state_format``: the dtype the state is kept in (default fp32)."""
+        ``state_format``: the dtype the state is kept in (default fp32); ``trim``: give the heap's free
+        pages back to the OS after each part (:func:`~lightning_greedysnake.io.heap.trim_heap`)."""
         self._staging = staging
+        self._trim = trim
         self._format = state_format or StateFormat(torch.float32)
         self._state = staging.state
         self._unit_optimizers = unit_optimizers
@@ -198,7 +200,8 @@ class PartStepper:
                 held.release()
             raise
         self._write_back(unit, lo, hi, master, states, compute, weights_held, mflat, compute_ranges)
-        trim_heap((hi - lo) * 4)
+        if self._trim:
+            trim_heap((hi - lo) * 4)
 
     def _write_back(self, unit: int, lo: int, hi: int, master: StagedBuffer, states: StagedBuffer | None,
                     compute: StagedBuffer | None, weights_held: StagedBuffer | None, mflat: Tensor,

@@ -83,7 +83,8 @@ class UnitStepper:
                  alpha: float, lane: StepLane, *, state_format: StateFormat | None = None,
                  keep_weights: Callable[[int, StagedBuffer], bool] | None = None,
                  collectives: StepCollectives | None = None, loss_scaler: Any = None, speculative: bool = False,
-                 gradient_observer: Callable[[int, Tensor], None] | None = None) -> None:
+                 gradient_observer: Callable[[int, Tensor], None] | None = None,
+                 trim_heap: bool = True) -> None:
         """``lane``: the optimizer lane the steps run on (its depth is the lag), the caller's to share
         (the pool asks it whether buffers are on their way back); this stepper closes it.
         ``keep_weights``: offered unit 0's new weights after its step: True when it kept them (and owns
@@ -93,7 +94,8 @@ class UnitStepper:
         checks its gradient for non-finite values then. ``speculative``: see :class:`SpeculativeSteps`
         (each step's :meth:`Staging.flip` at its end). ``gradient_observer``: told ``(unit, flat fp32
         gradient)`` once per window for every stepped unit: the complete gradient (averaged over the
-        ranks, before clipping), on the thread running the step, valid only during the call."""
+        ranks, before clipping), on the thread running the step, valid only during the call.
+        ``trim_heap``: give the heap's free pages back to the OS after each part's step."""
         self.optimizer = optimizer
         self.state = state
         self.slots = slots
@@ -103,7 +105,7 @@ class UnitStepper:
         self._staging = staging
         self._gate = gate
         self.unit_optimizers: list[UnitOptimizer | None] = [self._unit_optimizer(u) for u in range(state.num_units)]
-        self.parts = PartStepper(staging, self.unit_optimizers, slots, compute_dtype, state_format)
+        self.parts = PartStepper(staging, self.unit_optimizers, slots, compute_dtype, state_format, trim_heap)
         self._state_format = state_format
         self.lane = lane
         self.keep_weights = keep_weights or (lambda unit, held: False)

@@ -89,8 +89,10 @@ def _differs(got: dict[str, Any], ref: dict[str, Any]) -> bool:
 
 def test_a_compute_stream_that_does_not_wait_for_its_copy_gives_a_wrong_result(simulated, monkeypatch):
     """Remove the one wait between the H2D copy and the compute that reads it: the simulated device then
-    computes on NaN (or stale) weights, and the comparison fails."""
+    computes on NaN (or stale) weights, and the comparison fails. Every copy lands late (20 ms): with
+    the random delays a slow, loaded machine's compute could start after every copy had landed."""
     monkeypatch.setattr(SimulatedCopies, "wait", lambda self, copy: None)
+    monkeypatch.setattr(SimulatedCopies, "_delay", lambda self: 0.02)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the non-finite losses it produces are reported)

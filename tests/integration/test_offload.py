@@ -134,6 +134,26 @@ def test_host_placement_never_touches_the_disk(tmp_path):
     assert not (tmp_path / "greedysnake_offload").exists()
 
 
+@pytest.mark.parametrize("placement", ["host", "ssd"])
+def test_the_heap_is_trimmed_after_each_step_only_where_state_streams(placement, tmp_path, monkeypatch):
+    """Every kind in RAM: the heap is left to the allocator, as in Lightning (trimming gave back pages the
+    next micro-batch faulted in again); state on SSD: each unit's step gives the freed pages back."""
+    import lightning_greedysnake.optim.part_step as part_step
+
+    trims: list[int] = []
+    monkeypatch.setattr(part_step, "trim_heap", trims.append)
+    seen: list[bool] = []
+
+    class Trims(L.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            seen.append(trainer.strategy.tensor_manager.trims_heap)
+
+    _fit(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere(placement)), 2, callbacks=[Trims()],
+         default_root_dir=tmp_path)
+    assert seen == [placement == "ssd"]
+    assert bool(trims) is (placement == "ssd")
+
+
 def _io_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("greedysnake-io")]
 

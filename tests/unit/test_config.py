@@ -28,7 +28,7 @@ def test_strings_become_enums():
 @pytest.mark.parametrize(
     "settings,words",
     [
-        ({"schedule": "diagonal"}, ["schedule='diagonal'", "'vertical'", "'horizontal'"]),
+        ({"schedule": "diagonal"}, ["schedule='diagonal'", "'vertical'", "'horizontal'", "unset", "null"]),
         ({"layers_per_unit": 0}, ["layers_per_unit=0", "Fix"]),
         ({"layers_per_unit": 1.5}, ["layers_per_unit=1.5"]),
         ({"layers_per_unit": True}, ["layers_per_unit=True"]),

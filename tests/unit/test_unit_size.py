@@ -67,7 +67,7 @@ def test_without_compute_setup_scores_the_ssd_bound_step():
     even a disk fast per request prefers it; its last optimizer step, which nothing overlaps, grows."""
     fast = at_setup(lambda size: (2e9, 2e9))  # no latency: one bandwidth at every request size
     assert fast.machines[1] == fast.machines[8]
-    assert astuple(fast.machines[1]) == pytest.approx((2e9, 2e9, 1e9))
+    assert astuple(fast.machines[1])[:3] == pytest.approx((2e9, 2e9, 1e9))
     assert fast.plans[8].step_s < fast.plans[1].step_s * 0.9 and choose_unit_size(fast.plans) == 8
     weights_read = 2 * 7 * LAYER / 2e9  # one layer per unit: 7 of 8 layers read in each phase
     tail_growth = 7 * (LAYER // 4) / 1e9  # unit 0's optimizer step: 8 layers' elements instead of 1's
@@ -101,7 +101,7 @@ def test_a_candidate_left_out_by_the_budget_is_not_chosen():
 def test_the_machine_weights_each_kind_by_the_bytes_it_moves():
     units = merge(layers(), 2)
     moved = traffic(units, "vertical", 4)
-    assert astuple(machine_at(units, moved, lambda size: (3e9, 1e9), 5.0)) == pytest.approx((3e9, 1e9, 5.0))
+    assert astuple(machine_at(units, moved, lambda size: (3e9, 1e9), 5.0))[:3] == pytest.approx((3e9, 1e9, 5.0))
     per_size = disk(latency_s=1e-3)
     machine = machine_at(units, moved, per_size, 5.0, state_slots=2)
     assert per_size(2 * LAYER)[0] == pytest.approx(machine.read_bytes_per_s)  # every request here is 2 layers
