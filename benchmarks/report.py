@@ -71,6 +71,21 @@ SECTIONS: tuple[Section, ...] = (
          Result("compare_issue37_seq32_fp32", "Sequence 32, 32-true.")),
     ),
     Section(
+        "The defaults with the planned order, against Lightning and ZeRO-Offload",
+        "The same model and settings as above, on the tree where setup plans the schedule and the warm-step plan "
+        "counts the cores the optimizer lane shares with the training: with every kind in RAM on this CPU "
+        "machine `gs_default` runs the horizontal order (one micro-batch's activations alive, as in Lightning) "
+        "and steps each unit in line (`lag` 0, on both cores); the runs above, on 7cf8384, ran the vertical "
+        "order with K=8 micro-batches' graphs and a background step on one core. Sequence 128 on 750aae0 "
+        "(a RAM run no longer trims the heap after each unit's step), sequence 32 on c11479e (before that). "
+        "Against DeepSpeed ZeRO-3 with parameters and optimizer in CPU memory (`deepspeed_cpu`) and Lightning "
+        "in memory (`lightning_auto`), three rounds alternating in fresh processes.",
+        (Result("compare_ram_seq128_bf16", "Sequence 128, bf16-mixed."),
+         Result("compare_ram_seq32_bf16", "Sequence 32, bf16-mixed."),
+         Result("compare_ram_seq128_fp32", "Sequence 128, 32-true."),
+         Result("compare_ram_seq32_fp32", "Sequence 32, 32-true.")),
+    ),
+    Section(
         "SSD against SSD",
         "Every kind on SSD for both systems. `gs_vertical` is `auto=False` (ZeRO-Infinity's placement, the fixed "
         "alpha, lag, recompute and the automatic staging budget); `gs_auto` plans the rest over the same "
@@ -100,14 +115,18 @@ SECTIONS: tuple[Section, ...] = (
         "Peak resident memory against the model state (16 bytes per parameter), each placement in a fresh "
         "process; growth is peak RSS over the same process idle.",
         (Result("memory", "GPT 1024 x 20 (270M parameters), sequence 128, K=4."),
-         Result("memory_defaults_bf16", "GreedySnakeStrategy() as it is (the planner kept every kind in RAM, "
-                                        "return_weights=True) against Lightning in memory, GPT 1024 x 12 (168M "
-                                        "parameters), bf16-mixed, sequence 128, K=8, 2 steps; train_peak_rss_mb is "
-                                        "the peak by the last step, peak_rss_mb includes the end of fit. Rows marked "
-                                        "@afcc0d0: the tree before the end of fit was planned (issue 37), which "
-                                        "copied the weights and optimizer state back beside the tiers."),
+         Result("memory_defaults_bf16", "GreedySnakeStrategy() as it is on 750aae0 (the planner kept every kind in "
+                                        "RAM and so ran the horizontal order, stepping in line, the heap left to the "
+                                        "allocator; return_weights=True) against Lightning in memory, "
+                                        "GPT 1024 x 12 (168M parameters), bf16-mixed, sequence 128, K=8, 4 steps "
+                                        "(past the warm-step plan after step 2: an earlier 2-step measurement saw only "
+                                        "the first steps' recompute and missed the vertical order's K graphs); "
+                                        "train_peak_rss_mb is the peak by the last step, peak_rss_mb includes the end "
+                                        "of fit."),
          Result("memory_defaults_fp32", "The same at 32-true: GreedySnakeStrategy() as it is against Lightning in "
-                                        "memory, GPT 1024 x 12, sequence 128, K=8, 2 steps."),
+                                        "memory, GPT 1024 x 12, sequence 128, K=8, 4 steps. (On c11479e, which "
+                                        "still trimmed the heap after every unit's step, the same command gave "
+                                        "3,273 MB against Lightning's 3,231 MB.)"),
          Result("memory_budget_bf16", "The end of fit within a 2 GiB host budget (auto_host_budget_bytes), GPT "
                                       "1024 x 12, bf16-mixed, sequence 128, K=8, 2 steps: the weights come back, the "
                                       "optimizer's state (said at setup) does not; @afcc0d0 copied everything back."),
@@ -164,7 +183,11 @@ SECTIONS: tuple[Section, ...] = (
         "`vs_baseline` is the tokens/s ratio.",
         (Result("refactor_seq128", "The tensor manager's rebuild around explicit ownership."),
          Result("compare_readahead_seq32_k2", "Reading each step's state ahead, where the disk binds."),
-         Result("compare_issue33", "One cost model at setup and after the warm step (issue 33)."),
+         Result("compare_issue33", "Issue 33's consolidation, 750aae0 against 0170bae (before it began); "
+                                   "`gs_default` also has the planned horizontal order and in-line step here."),
+         Result("compare_planned_schedule", "The schedule planned at setup (horizontal with every kind in RAM) "
+                                            "and the lag planned for shared cores (in line: 0), 750aae0, against "
+                                            "the tree before both (4a3865c: the vertical order, a background step)."),
          Result("unit_size_relayout_disk", "Moving the state into larger units mid-run (the warm-step plan's "
                                            "relayout), measured side by side before it was removed: the run "
                                            "keeps the unit size it started with.")),
