@@ -1,0 +1,69 @@
+"""Where one training step's CPU time goes, greedysnake's defaults or Lightning's own strategy, by op
+(``torch.profiler``, self CPU time): for finding what a step costs beyond the model's own compute.
+
+    python benchmarks/profile_step.py --system greedysnake --precision 32-true
+    python benchmarks/profile_step.py --system lightning --precision 32-true
+
+The GPT 1024 x 12 of ``compare.py`` (168M parameters), sequence 128, K=8; the last of ``--steps`` steps is
+profiled (greedysnake's warm-step plan applies after step 2). One process per system: run them one after
+the other on a quiet machine. A single step varies by more than 10% between runs here (the same 792
+matmuls took 3.6 s in one run and 5.5 s in the next), so compare op shares, not totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import lightning as L
+from _common import gpt_module, token_loader
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_greedysnake import GreedySnakeStrategy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--system", choices=["greedysnake", "lightning"], default="greedysnake")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--offload-dir", default="/tmp/greedysnake_profile")
+    args = parser.parse_args()
+    module_cls, _ = gpt_module(1024, 12, 16, 8192, args.seq, optimizer="AdamW")
+
+    class Profiled(L.Callback):
+        """Profiles the last optimizer step (its K micro-batches and the step)."""
+
+        def __init__(self) -> None:
+            self.profiler: Any = None
+            self.t0 = 0.0
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
+            if i == args.k * (args.steps - 1):
+                self.profiler = profile(activities=[ProfilerActivity.CPU])
+                self.profiler.__enter__()
+                self.t0 = time.perf_counter()
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            if self.profiler is None:
+                return
+            self.profiler.__exit__(None, None, None)
+            print(f"{args.system}, {args.precision}: the profiled step took {time.perf_counter() - self.t0:.3f} s")
+            print(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+    strategy: Any = "auto" if args.system == "lightning" else GreedySnakeStrategy(offload={"return_weights": False})
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
+                        max_steps=args.steps, accumulate_grad_batches=args.k, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Profiled()], default_root_dir=args.offload_dir)
+    with trainer.init_module(empty_init=args.system != "lightning"):
+        module = module_cls()
+    trainer.fit(module, token_loader(8192, args.seq, args.k * args.steps))
+
+
+if __name__ == "__main__":
+    main()
