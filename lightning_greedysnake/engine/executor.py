@@ -123,18 +123,29 @@ class _WeightRef:
     stride: tuple[int, ...]
 
 
-def _as_weight_ref(t: Tensor, params: list[Tensor]) -> _WeightRef | None:
-    """``t`` as a view of one of ``params`` (None when it is not one)."""
-    if t.layout is not torch.strided or t.device.type == "meta":
-        return None
-    ptr = t.untyped_storage().data_ptr()
-    if ptr == 0:
-        return None
-    for i, p in enumerate(params):
-        d = p.data
-        if d.untyped_storage().data_ptr() == ptr and d.dtype == t.dtype:
-            return _WeightRef(i, t.storage_offset() - d.storage_offset(), tuple(t.shape), tuple(t.stride()))
-    return None
+class _WeightViews:
+    """Finds the saved tensors that view one of ``params``: by storage, so a lookup costs the same however
+    many parameters the unit has (autograd saves dozens of tensors per block, every forward)."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self._by_storage: dict[tuple[int, torch.dtype], int] = {}
+        for i, p in enumerate(params):
+            d = p.data
+            if d.layout is torch.strided and d.device.type != "meta":
+                # (a unit's parameters share one flat buffer: the first one's offsets stand for all)
+                self._by_storage.setdefault((d.untyped_storage().data_ptr(), d.dtype), i)
+
+    def ref(self, t: Tensor) -> _WeightRef | None:
+        """``t`` as a view of one of the parameters (None when it is not one)."""
+        if t.layout is not torch.strided or t.device.type == "meta":
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        i = self._by_storage.get((ptr, t.dtype)) if ptr != 0 else None
+        if i is None:
+            return None
+        d = self.params[i].data
+        return _WeightRef(i, t.storage_offset() - d.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
 class SavedBytes:
@@ -143,12 +154,12 @@ class SavedBytes:
     The planner reads it."""
 
     def __init__(self, params: list[Tensor]) -> None:
-        self.params = params
+        self._weights = _WeightViews(params)
         self.nbytes = 0
         self._seen: set[int] = set()
 
     def _pack(self, t: Tensor) -> Tensor:
-        if t.layout is torch.strided and _as_weight_ref(t, self.params) is None:
+        if t.layout is torch.strided and self._weights.ref(t) is None:
             storage = t.untyped_storage()
             if storage.data_ptr() not in self._seen:
                 self._seen.add(storage.data_ptr())
@@ -168,9 +179,10 @@ def _weight_refs(unit: Unit) -> ContextManager[Any]:
     which by then holds the same values again (the unit is re-acquired before its backward, and its
     weights are not stepped before their backward is done)."""
     params = unit.parameters()
+    weights = _WeightViews(params)
 
     def pack(t: Tensor) -> Any:
-        ref = _as_weight_ref(t, params)
+        ref = weights.ref(t)
         return t if ref is None else ref
 
     def unpack(packed: Any) -> Tensor:
