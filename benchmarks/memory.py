@@ -67,6 +67,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         def __init__(self) -> None:
             self.train_peak_mb = 0.0
             self.times: list[float] = []
+            self.peaks: list[float] = []
+            """Peak RSS by the end of each step: where the run's peak was reached (warm-up or steady)."""
             self.io: list[dict[str, float]] = []
             self._t = time.perf_counter()
 
@@ -75,6 +77,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 now = time.perf_counter()
                 self.times.append(now - self._t)
                 self._t = now
+                self.peaks.append(round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
                 manager = getattr(trainer.strategy, "tensor_manager", None)
                 if manager is not None:
                     manager.flush()
@@ -117,6 +120,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "idle_rss_mb": round(idle_mb, 1),
         "train_peak_rss_mb": round(timer.train_peak_mb, 1),
         "peak_rss_mb": round(peak_mb, 1),
+        "peak_rss_by_step_mb": timer.peaks,
         "growth_mb": round(peak_mb - idle_mb, 1),
         "growth_vs_state": round((peak_mb - idle_mb) / (config.num_params * 16 / 2**20), 3),
         "step_s": round(sum(steady) / len(steady), 3),
