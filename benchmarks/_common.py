@@ -60,11 +60,32 @@ def child_argv(name: str, args: Any, flags: list[str], extra: list[str]) -> list
     return argv
 
 
+def settle(max_wait_s: float = 60.0) -> float:
+    """Wait until the kernel has written back what the previous process left dirty (``sync``, then
+    ``Dirty`` + ``Writeback`` in ``/proc/meminfo`` under 32 MiB) and two seconds more: a run that starts
+    while the flusher threads write out DeepSpeed's swap files, or while gigabytes just freed are being
+    reclaimed, computes on a core it shares with them. Returns the seconds waited."""
+    import time
+    from pathlib import Path
+
+    t0 = time.monotonic()
+    os.sync()
+    meminfo = Path("/proc/meminfo")
+    while meminfo.exists() and time.monotonic() - t0 < max_wait_s:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        if sum(int(fields.get(k, "0 kB").split()[0]) for k in ("Dirty", "Writeback")) < 32 << 10:
+            break
+        time.sleep(0.5)
+    time.sleep(2.0)
+    return time.monotonic() - t0
+
+
 def child_result(script: str, name: str, args: Any, flags: list[str], extra: list[str],
                  package_root: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
     """Run ``script --child name`` in a fresh process with ``args``' ``flags``; return its RESULT line, or,
     where it failed or ran past ``timeout_s``, ``{"error": ..., "log_tail": ...}`` (the end of its output).
     ``package_root``: import ``lightning_greedysnake`` from that source tree instead (a baseline)."""
+    settle()
     cmd = [sys.executable, script, *child_argv(name, args, flags, extra)]
     env = dict(os.environ)
     if package_root is not None:

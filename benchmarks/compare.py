@@ -2,7 +2,8 @@
 engine), Lightning's default strategy in memory, DeepSpeed ZeRO-Infinity (ZeRO-3 with parameters
 and optimizer on NVMe: ``deepspeed``) and DeepSpeed ZeRO-3 with both in host memory (ZeRO-Offload:
 ``deepspeed_cpu``, the fair peer of state in RAM), on one model, one data stream and each K; runs interleaved (every system at a
-K before the next K) in fresh processes, so machine drift hits all alike.
+K before the next K, each round starting one system later) in fresh processes, so machine drift and a slot's
+bias hit all alike.
 
 DeepSpeed is optional and kept out of CI. To include it on a CPU machine:
 
@@ -295,7 +296,11 @@ def main() -> None:
         try:
             for k in args.ks:
                 for round_ in range(args.rounds):
-                    for system in systems:
+                    # each round starts one system later: no system always runs first in a round (after the
+                    # disk probe) or right after the same neighbour (a process that freed gigabytes, or
+                    # DeepSpeed's): a slot's bias lands on every system alike
+                    shift = round_ % len(systems)
+                    for system in systems[shift:] + systems[:shift]:
                         variants = [(system, None)]
                         if baseline is not None and system.startswith("gs_"):
                             variants.append((f"{system}@{args.baseline}", baseline))

@@ -86,6 +86,15 @@ SECTIONS: tuple[Section, ...] = (
          Result("compare_ram_seq32_fp32", "Sequence 32, 32-true.")),
     ),
     Section(
+        "Sequence 128, 32-true, in a rotated order on a settled machine",
+        "The configuration where the defaults trailed Lightning above, rerun with every system in "
+        "every slot: each round starts one system later, and before each fresh process the kernel writes back "
+        "what the last one left dirty (DeepSpeed's swap files). `gs_default` (every kind in RAM, horizontal "
+        "order, in-line steps) against Lightning in memory and ZeRO-Offload; `gs_vertical` (every kind on SSD) "
+        "against ZeRO-Infinity. The first slot after the machine probe ran slow whichever system took it.",
+        (Result("compare_rotated_seq128_fp32", "GPT 1024 x 12, sequence 128, K=8, 32-true, three rounds."),),
+    ),
+    Section(
         "SSD against SSD",
         "Every kind on SSD for both systems. `gs_vertical` is `auto=False` (ZeRO-Infinity's placement, the fixed "
         "alpha, lag, recompute and the automatic staging budget); `gs_auto` plans the rest over the same "
