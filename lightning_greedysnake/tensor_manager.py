@@ -145,11 +145,10 @@ class TieredTensorStore:
         128, side by side; its peak RSS is the price: 3,454 MB against 3,273 MB with the trim, Lightning
         3,228 MB; at bf16-mixed 3,504 MB, below Lightning's 3,593 MB). The difference is free heap, not live
         data: at the end of a step glibc's arenas held 424 MB free against Lightning's 151 MB (``mallinfo2``)
-        with the same ~200 MB in use beside the state, and one trim at each window's end instead of each
-        unit's gave a 3,331 MB peak; with ``MALLOC_ARENA_MAX=1`` in the environment (one glibc arena for
-        every thread) the peak was 3,182 MB against Lightning's 3,198 MB under the same setting, so the free
-        space is the split across per-thread arenas (not the optimizer lane's: a run without it, ``lag=0``
-        from the first step, peaked alike). Where state streams from SSD (or
+        with the same ~200 MB in use beside the state. The peak varies between runs of one command by
+        +-150 MB (3,304-3,541 MB on one day; Lightning 3,200-3,281 MB), and neither one glibc arena
+        (``MALLOC_ARENA_MAX=1``: 3,182, 3,537 and 3,212 MB) nor one trim at each window's end (3,331 MB, one
+        run) settled it. Where state streams from SSD (or
         computes on a device) the trim keeps host memory from creeping up by several units' worth of
         freed gradients."""
         self.host_group: Any = data_parallel.host_group if data_parallel is not None else None
