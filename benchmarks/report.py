@@ -95,6 +95,13 @@ SECTIONS: tuple[Section, ...] = (
         (Result("compare_rotated_seq128_fp32", "GPT 1024 x 12, sequence 128, K=8, 32-true, three rounds."),),
     ),
     Section(
+        "Planned SSD runs since the planner counts shared cores",
+        "Every kind on SSD, planned (`gs_auto_ssd`) and `auto=False` (`gs_vertical`), this tree against c2872eb, "
+        "the commit before the warm-step plan counted the cores a background optimizer step shares with the "
+        "training on a CPU run; bf16-mixed, GPT 1024 x 12, sequence 32, K=8, two rounds alternating.",
+        (Result("compare_shared_cores_ssd_seq32", "`vs_baseline`: tokens/s against c2872eb."),),
+    ),
+    Section(
         "SSD against SSD",
         "Every kind on SSD for both systems. `gs_vertical` is `auto=False` (ZeRO-Infinity's placement, the fixed "
         "alpha, lag, recompute and the automatic staging budget); `gs_auto` plans the rest over the same "
