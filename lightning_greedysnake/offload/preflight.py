@@ -58,8 +58,11 @@ class OffloadDirLock:
     process) is refused; the kernel drops the lock when the process dies, so a crash leaves no stale lock.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, keep_files: bool = False) -> None:
+        """``keep_files``: the run keeps its files (``offload.keep_files``); the lock file says so, so that
+        what a killed run leaves is kept too (:func:`clear_leftovers` reads it)."""
         self.path = directory / LOCK_NAME
+        self.keep_files = keep_files
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -67,7 +70,7 @@ class OffloadDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(fd, 64, 0).decode(errors="replace").partition("\n")[0].strip() or "unknown"
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise ValueError(
@@ -77,7 +80,7 @@ class OffloadDirLock:
                 ) from None
             raise
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()}\n{KEEP_MARK if self.keep_files else ''}".encode(), 0)
         self._fd = fd
 
     def release(self) -> None:
@@ -169,6 +172,9 @@ def preflight(
     return report
 
 
+KEEP_MARK = "keep_files\n"
+"""The lock file's second line where the run keeps its files (``offload.keep_files=True``)."""
+
 LEFTOVER_FILES = ("weights.bin", "master_weights.bin", "optimizer_states.bin", "gradients.bin", "checkpoints.bin")
 """The files a run keeps in its offload directory (``offload.regions.FILE_NAMES``)."""
 
@@ -209,7 +215,8 @@ def clear_leftovers(directories: list[Path]) -> list[Leftover]:
     """In each of ``directories`` that holds a greedysnake lock file nobody holds and offload files, remove
     those files and the lock (and the directory itself when that leaves it empty): a killed run's state
     is useless without its process (what it checkpointed is in its checkpoints). A directory whose run
-    is alive, or that a run left on purpose (``keep_files``: no lock file), is not touched."""
+    is alive, or that a run left on purpose (``keep_files``: no lock file after a normal end, the lock
+    file's :data:`KEEP_MARK` after a kill), is not touched: the next run there refuses to start instead."""
     found = []
     for directory in directories:
         lock = directory / LOCK_NAME
@@ -225,7 +232,10 @@ def clear_leftovers(directories: list[Path]) -> list[Leftover]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a live run holds it
-            pid = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            pid, _, rest = os.pread(fd, 64, 0).decode(errors="replace").partition("\n")
+            if rest.startswith(KEEP_MARK):
+                continue  # killed, but it asked to keep its files
+            pid = pid.strip() or "unknown"
             nbytes = sum(f.stat().st_blocks * 512 for f in files)
             for f in files:
                 f.unlink(missing_ok=True)

@@ -68,7 +68,7 @@ class OffloadDirectory:
             path.parent.mkdir(parents=True, exist_ok=True)
         try:
             report = preflight(path, ssd_bytes)
-            self._lock = OffloadDirLock(report.offload_dir)
+            self._lock = OffloadDirLock(report.offload_dir, keep_files=self.config.keep_files)
             self._lock.acquire()
             refuse_kept_files(report.offload_dir, self.setting)  # (with the lock: no live run's files)
         except BaseException:

@@ -538,3 +538,30 @@ def test_ssd_checkpoints_are_read_back_just_in_time_within_the_documented_budget
     assert probe["peak_loaded"] <= 2, probe  # the one in use and at most one read ahead
     for (n, a), (_, b) in zip(roomy.named_parameters(), got.named_parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_a_killed_run_that_keeps_its_files_keeps_them(tmp_path):
+    """offload.keep_files=True keeps the files "after a crash" too: a run killed with SIGKILL cannot say so
+    at its end, so its lock file does; the next run beside it leaves them, and a run in that directory
+    refuses to start (as after a normal end) instead of removing them."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "outputs"
+    kept = root / "run-killed" / "greedysnake_offload"
+    kept.mkdir(parents=True)
+    child = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from lightning_greedysnake.offload.preflight import OffloadDirLock\n"
+        "d = Path(sys.argv[1])\n"
+        "OffloadDirLock(d, keep_files=True).acquire()\n"
+        "(d / 'weights.bin').write_bytes(b'w' * 8192)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", child, str(kept)], check=False).returncode == -9
+    _fit(GreedySnakeStrategy(auto=False), 2, steps=1, default_root_dir=root / "run-now")
+    assert (kept / "weights.bin").read_bytes() == b"w" * 8192
+    with pytest.raises(ValueError, match=r"kept there \(offload.keep_files=True\): weights.bin"):
+        _fit_never(GreedySnakeStrategy(auto=False, offload_dir=kept))
+    assert (kept / "weights.bin").read_bytes() == b"w" * 8192
