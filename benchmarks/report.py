@@ -91,7 +91,8 @@ SECTIONS: tuple[Section, ...] = (
         "every slot: each round starts one system later, and before each fresh process the kernel writes back "
         "what the last one left dirty (DeepSpeed's swap files). `gs_default` (every kind in RAM, horizontal "
         "order, in-line steps) against Lightning in memory and ZeRO-Offload; `gs_vertical` (every kind on SSD) "
-        "against ZeRO-Infinity. The first slot after the machine probe ran slow whichever system took it.",
+        "against ZeRO-Infinity. In round 0 gs_default took the first slot, right after the machine probe, and "
+        "ran slow there (as in two other runs that day).",
         (Result("compare_rotated_seq128_fp32", "GPT 1024 x 12, sequence 128, K=8, 32-true, three rounds."),),
     ),
     Section(
