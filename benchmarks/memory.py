@@ -14,6 +14,8 @@ Each configuration runs in a fresh process (so peak RSS is its own), on the same
 
     python benchmarks/memory.py                      # GPT 1024x20 (270M), vocab 8192, seq 128, K=4, 3 steps
     python benchmarks/memory.py --n-layer 4 --steps 2 --configs lightning_auto greedysnake_ssd_meta
+    python benchmarks/memory.py --n-layer 12 --k 8 --steps 4 --rounds 3 --configs lightning_auto greedysnake_defaults
+                                                     # a peak varies +-150 MB between runs: medians of rounds
 
 Reports peak RSS (``train_peak_rss_mb``: by the end of the last step, before the end of fit hands the state
 back; ``peak_rss_mb``: the whole run), its growth over the same process idle (torch, Lightning and this package imported),
@@ -137,6 +139,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One config's rounds as one row: the median of every number that varies (peak RSS, step time, ...),
+    the rest as the first round has it."""
+    import statistics
+
+    row: dict[str, Any] = {k: v for k, v in runs[0].items() if k != "round"}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "round":
+            row[key] = round(statistics.median(r[key] for r in runs), 3)
+    return {**row, "round": "median"}
+
+
 def main() -> None:
     from _common import add_model_args
 
@@ -150,6 +164,9 @@ def main() -> None:
                         help="auto_host_budget_bytes of the greedysnake_defaults configs, in GiB (0: the default)")
     parser.add_argument("--offload-dir", default=None, help="where the SSD runs put their files (default: a temp dir)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory.json"))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every config, each round starting one config later; with more than one, the "
+                             "median rows come first (a peak RSS varies by +-150 MB between runs of one command)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -159,12 +176,19 @@ def main() -> None:
 
     rows = []
     flags = [*MODEL_FLAGS, "micro_batch", "k", "steps", "host_budget_gb"]
+    configs = list(args.configs)
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp:
-        for name in args.configs:
-            rows.append(run_child(__file__, name, args, flags, ["--offload-dir", tmp]))
-            print(f"  done {name}", file=sys.stderr)
-    base = next((r for r in rows if r["config"].startswith("lightning_auto")), rows[0])
+        for round_ in range(args.rounds):
+            shift = round_ % len(configs)
+            for name in configs[shift:] + configs[:shift]:
+                row = run_child(__file__, name, args, flags, ["--offload-dir", tmp])
+                rows.append({**row, "round": round_} if args.rounds > 1 else row)
+                print(f"  done {name} round {round_}", file=sys.stderr)
+    if args.rounds > 1:
+        rows = [_median_row([r for r in rows if r["config"] == name]) for name in configs] + rows
     for r in rows:
+        same = [b for b in rows if b.get("round") == r.get("round")]
+        base = next((b for b in same if b["config"].startswith("lightning_auto")), same[0])
         r["rss_vs_lightning"] = round(r["peak_rss_mb"] / base["peak_rss_mb"], 3)
         r["time_vs_lightning"] = round(r["step_s"] / base["step_s"], 3)
     cols = ["config", "state_mb", "train_peak_rss_mb", "peak_rss_mb", "growth_mb", "growth_vs_state", "rss_vs_lightning", "step_s", "time_vs_lightning", "tokens_per_s",
