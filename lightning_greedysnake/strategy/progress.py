@@ -13,9 +13,11 @@ def show_progress(module: Any, last: StepTelemetry | None) -> None:
     """The last step's tokens/s and SSD GB/s on the progress bar (not the loggers: they get it all)."""
     if last is None:
         return
-    values = {"gs/ssd_GBps": round(last.ssd_gb_per_s, 3)}
+    # unrounded: the bar prints three significant digits (tqdm's format); rounding here to places showed a
+    # slow disk's or a small model's traffic as 0.0
+    values = {"gs/ssd_GBps": last.ssd_gb_per_s}
     if last.tokens:
-        values["gs/tok_s"] = round(last.tokens_per_s, 1)
+        values["gs/tok_s"] = last.tokens_per_s
     module.log_dict(values, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
 
