@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -534,12 +534,17 @@ class GreedySnakeConfig:
                     f"offload_dir={offload_dir!r} and offload.path={given!r} both set the offload directory. "
                     "Fix: give one of them (offload_dir is shorthand for offload.path)."
                 )
-            if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
+            # one per SSD: any sequence but a string (a list, a tuple, Hydra's ListConfig), as offload.path
+            several = isinstance(offload_dir, Sequence) and not isinstance(offload_dir, str)
+            dirs = list(offload_dir) if several else [offload_dir]
+            if offload_dir is not None and not all(isinstance(d, (str, os.PathLike)) for d in dirs):
                 raise ValueError(
-                    f"offload_dir={offload_dir!r} is a {type(offload_dir).__name__}, not a directory path. "
-                    "Fix: pass a string or pathlib.Path, e.g. offload_dir='/mnt/nvme/greedysnake'."
+                    f"offload_dir={offload_dir!r} is not a directory path or a list of them. Fix: pass a string "
+                    "or pathlib.Path, e.g. offload_dir='/mnt/nvme/greedysnake', or one per SSD, e.g. "
+                    "offload_dir=['/mnt/nvme0/gs', '/mnt/nvme1/gs']."
                 )
-            offload["path"] = None if offload_dir is None else os.fspath(offload_dir)
+            offload["path"] = None if offload_dir is None else [os.fspath(d) for d in dirs] if several else os.fspath(
+                offload_dir)  # (OffloadConfig checks them: several must differ)
         values.update(overrides)
         values["offload"] = OffloadConfig.from_value(offload)
         return cls(**values)

@@ -86,6 +86,12 @@ def test_offload_dir_shorthand_and_partial_mapping(tmp_path):
     assert strategy.config.offload.checkpoints is Tier.SSD and strategy.config.offload.weights is Tier.SSD
 
 
+def test_offload_dir_takes_one_directory_per_ssd_as_offload_path_does(tmp_path):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    assert GreedySnakeStrategy(offload_dir=dirs).config.offload.path == [str(d) for d in dirs]
+    assert GreedySnakeStrategy(offload_dir=dirs).config == GreedySnakeStrategy(offload={"path": dirs}).config
+
+
 def test_everything_on_the_device_needs_no_tensor_manager():
     assert not OffloadConfig.everywhere("device").uses_tensor_manager
     assert not OffloadConfig.everywhere("host").uses_ssd
@@ -160,7 +166,9 @@ def test_bf16_warning_reaches_the_user_at_setup(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, error", [
     ({"offload_dir": "/a", "offload": {"path": "/b"}}, r"offload_dir='/a' and offload.path='/b' both.*Fix"),
-    ({"offload_dir": 3.5}, r"offload_dir=3.5 is a float, not a directory path.*Fix"),
+    ({"offload_dir": 3.5}, r"offload_dir=3.5 is not a directory path or a list of them.*Fix"),
+    ({"offload_dir": ["/a", 3]}, r"offload_dir=\['/a', 3\] is not a directory path.*Fix"),
+    ({"offload_dir": ["/a", "/a"]}, r"offload.path=.*must name one directory or several different ones.*Fix"),
     ({"offload": {"path": 3.5}}, r"offload.path=3.5 must be a directory path.*Fix"),
 ])
 def test_conflicting_or_mistyped_offload_directories_are_refused(kwargs, error):
