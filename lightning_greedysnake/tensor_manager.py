@@ -125,10 +125,9 @@ class TieredTensorStore:
         self.compute_dtype = compute_dtype
         self.clip = clip or ClipPolicy()
         self.stats = IOStats()
-        self.offload_dir: Path | None = None
-        """The first offload directory (None: none), set by :meth:`open`."""
         self._engines: list[IOEngine] = []
         self.offload_dirs: list[Path] = []
+        """The offload directories, one per SSD (set by :meth:`open`; empty: none)."""
         self._closed = False
         self.params: list[list[nn.Parameter]] = [unit.parameters() for unit in units]
         self.slots: tuple[str, ...] = discover_slots(optimizer) if optimizer is not None else ()
@@ -172,6 +171,11 @@ class TieredTensorStore:
         self.activations = ActivationStore(self.arena, config, self.stats, copies, checkpoint_plan)
 
     # -- views of the components (read-only) ------------------------------------------------------------
+    @property
+    def offload_dir(self) -> Path | None:
+        """The first offload directory (None: none)."""
+        return self.offload_dirs[0] if self.offload_dirs else None
+
     @property
     def layouts(self) -> tuple[UnitLayout, ...]:
         return self.state.units
@@ -312,7 +316,6 @@ class TieredTensorStore:
         has its own queue, see :func:`~lightning_greedysnake.io.default_engine`); this store closes it."""
         config = self.config
         dirs = [offload_dirs] if isinstance(offload_dirs, Path) else list(offload_dirs or [])
-        self.offload_dir = dirs[0] if dirs else None
         self.offload_dirs = dirs
         engines: list[IOEngine] = []
         assert dirs or not config.uses_ssd, "an SSD tier needs an offload directory"
