@@ -168,9 +168,15 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
 
 
 def predict(units: list[UnitCost], machine: Machine, schedule: str, k: int, **options: bool) -> Prediction:
-    """The roofline prediction of one step (``options``: :func:`traffic`'s)."""
+    """The roofline prediction of one step (``options``: :func:`traffic`'s). On shared cores
+    (``Machine.shared_cores``) the optimizer's kernels run on the cores the model computes on, whichever
+    thread runs them: the compute term is the two added (at the optimizer's in-line rate), and the
+    optimizer's own term is that same step alone."""
     tr = traffic(units, schedule, k, **options)
     compute = k * sum(u.forward_s + u.backward_s for u in units)
     ssd = tr.read_bytes / machine.read_bytes_per_s + tr.write_bytes / machine.write_bytes_per_s
-    optimizer = sum(u.params for u in units) / machine.optimizer_elements_per_s
-    return Prediction(compute, ssd, optimizer, tr)
+    elements = sum(u.params for u in units)
+    if machine.shared_cores:
+        optimizer = elements / machine.inline_rate
+        return Prediction(compute + optimizer, ssd, optimizer, tr)
+    return Prediction(compute, ssd, elements / machine.optimizer_elements_per_s, tr)

@@ -26,6 +26,17 @@ def test_the_bound_is_whichever_term_is_largest():
     assert one.ssd_s == many.ssd_s and many.compute_s == 10_000 * one.compute_s
 
 
+def test_on_shared_cores_the_optimizer_adds_to_the_compute():
+    """A CPU run: the optimizer's kernels take the model's cores, so its time adds to the compute's
+    rather than racing it (at the training thread's rate, the faster one here)."""
+    slow = dict(read_bytes_per_s=1e12, write_bytes_per_s=1e12, optimizer_elements_per_s=1e5)
+    apart = predict(UNITS, Machine(**slow), "vertical", 8)
+    shared = predict(UNITS, Machine(**slow, inline_optimizer_elements_per_s=2e5, shared_cores=True), "vertical", 8)
+    assert shared.optimizer_s == sum(u.params for u in UNITS) / 2e5 < apart.optimizer_s
+    assert shared.compute_s == apart.compute_s + shared.optimizer_s and shared.bound == "compute"
+    assert shared.step_s > max(apart.compute_s, shared.optimizer_s)
+
+
 def test_reads_and_writes_sum_their_terms():
     t = traffic(UNITS, "horizontal", 3, clip_norm=False)
     assert t.read_bytes == sum(v for n, v in t.terms.items() if n.startswith("read/"))
