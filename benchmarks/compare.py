@@ -248,6 +248,33 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def add_ratios(rows: list[dict[str, Any]], baseline: str | None = None) -> None:
+    """Each row's ratios against the rows of its K and round (the medians against the medians): tokens/s
+    against each DeepSpeed peer (``vs_deepspeed``, ``vs_deepspeed_cpu``) and, for greedysnake's rows,
+    against Lightning in memory (``vs_lightning_auto``) and the baseline tree (``vs_baseline``); step time
+    against the vertical and RAM presets; the roofline's fraction of the step."""
+    for row in rows:
+        same_k = {r["system"]: r for r in rows if r["k"] == row["k"] and r.get("round") == row.get("round")}
+        for peer in DEEPSPEED:
+            if peer in same_k:
+                row[f"vs_{peer}"] = round(row["tokens_per_s"] / same_k[peer]["tokens_per_s"], 2)
+        if row["system"].startswith("gs_") and "lightning_auto" in same_k:
+            row["vs_lightning_auto"] = round(row["tokens_per_s"] / same_k["lightning_auto"]["tokens_per_s"], 3)
+        base = same_k.get(f"{row['system']}@{baseline}") if baseline else None
+        if base is not None:
+            row["vs_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        vertical = same_k.get("gs_auto_ssd" if row["system"] == "gs_auto_ssd_bf16_state" else "gs_vertical")
+        if (row["system"] in ("gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state") and vertical is not None
+                and vertical.get("ssd_GB_per_step")):
+            row["bytes_vs_vertical"] = round(row["ssd_GB_per_step"] / vertical["ssd_GB_per_step"], 3)
+            row["time_vs_vertical"] = round(row["step_s"] / vertical["step_s"], 3)
+        cpu = same_k.get("gs_cpu")
+        if row["system"] in ("gs_auto", "gs_default") and cpu is not None:
+            row["time_vs_cpu"] = round(row["step_s"] / cpu["step_s"], 3)
+        if row.get("roofline_s"):
+            row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
+
+
 def main() -> None:
     from _common import add_machine_args, add_model_args
 
@@ -320,25 +347,9 @@ def main() -> None:
                 remove_baseline_tree(baseline)
     if args.rounds > 1 or baseline is not None:
         rows = _medians(rows) + rows
-    for row in rows:
-        same_k = {r["system"]: r for r in rows if r["k"] == row["k"] and r.get("round") == row.get("round")}
-        for peer in DEEPSPEED:
-            if peer in same_k:
-                row[f"vs_{peer}"] = round(row["tokens_per_s"] / same_k[peer]["tokens_per_s"], 2)
-        base = same_k.get(f"{row['system']}@{args.baseline}") if args.baseline else None
-        if base is not None:
-            row["vs_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-        vertical = same_k.get("gs_auto_ssd" if row["system"] == "gs_auto_ssd_bf16_state" else "gs_vertical")
-        if (row["system"] in ("gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state") and vertical is not None
-                and vertical.get("ssd_GB_per_step")):
-            row["bytes_vs_vertical"] = round(row["ssd_GB_per_step"] / vertical["ssd_GB_per_step"], 3)
-            row["time_vs_vertical"] = round(row["step_s"] / vertical["step_s"], 3)
-        cpu = same_k.get("gs_cpu")
-        if row["system"] in ("gs_auto", "gs_default") and cpu is not None:
-            row["time_vs_cpu"] = round(row["step_s"] / cpu["step_s"], 3)
-        if row.get("roofline_s"):
-            row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
-    print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_deepspeed_cpu", "vs_baseline",
+    add_ratios(rows, args.baseline)
+    print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_deepspeed_cpu",
+                       "vs_lightning_auto", "vs_baseline",
                        "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
