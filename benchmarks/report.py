@@ -99,6 +99,19 @@ SECTIONS: tuple[Section, ...] = (
                                              "day, the defaults did not, so the gap at 32-true is not closed.")),
     ),
     Section(
+        "Every configuration in the rotated order",
+        "The four configurations of the DeepSpeed comparison above (sequence 128 and 32, bf16-mixed and 32-true, "
+        "K=8, GPT 1024 x 12), each rerun on c10bf96 in compare.py's rotated order with the kernel settled before "
+        "each fresh process, one command after the other on a quiet machine. `gs_default` against Lightning in "
+        "memory (`vs_lightning_auto`) and ZeRO-Offload (`vs_deepspeed_cpu`); `gs_vertical` against "
+        "ZeRO-Infinity (`vs_deepspeed`).",
+        (Result("compare_rotated_seq128_bf16", "Sequence 128, bf16-mixed."),
+         Result("compare_rotated_seq32_bf16", "Sequence 32, bf16-mixed."),
+         Result("compare_rotated_again_seq128_fp32", "Sequence 128, 32-true (the configuration of the section "
+                                                     "above, again)."),
+         Result("compare_rotated_seq32_fp32", "Sequence 32, 32-true.")),
+    ),
+    Section(
         "Planned SSD runs since the planner counts shared cores",
         "Every kind on SSD, planned (`gs_auto_ssd`) and `auto=False` (`gs_vertical`), this tree against c2872eb, "
         "the commit before the warm-step plan counted the cores a background optimizer step shares with the "
@@ -147,6 +160,9 @@ SECTIONS: tuple[Section, ...] = (
                                         "memory, GPT 1024 x 12, sequence 128, K=8, 4 steps. (On c11479e, which "
                                         "still trimmed the heap after every unit's step, the same command gave "
                                         "3,273 MB against Lightning's 3,231 MB.)"),
+         Result("memory_defaults_fp32_12steps", "The same at 12 steps, two rounds alternating (c10bf96): by "
+                                                "peak_rss_by_step_mb both runs' peaks stop growing within the first "
+                                                "steps; a longer run does not creep."),
          Result("memory_budget_bf16", "The end of fit within a 2 GiB host budget (auto_host_budget_bytes), GPT "
                                       "1024 x 12, bf16-mixed, sequence 128, K=8, 2 steps: the weights come back, the "
                                       "optimizer's state (said at setup) does not; @afcc0d0 copied everything back."),
