@@ -156,7 +156,7 @@ class TieredTensorStore:
         # on their way back; the weights wait on it), then the staging, the weights, the stepper
         lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b), threads=optimizer_threads)
         self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1,
-                                  copies=copies, others_active=lambda: not lane.idle)
+                                  copies=copies, others_active=lane.others_will_release)
         self.gate = UpdateGate(len(units))
         self.weights = WeightsResidency(self.arena, self.state, self.params, compute_dtype, self.gate,
                                         wait_for=lane.wait_for, copies=copies)

@@ -46,6 +46,11 @@ FRAGMENTED_WAIT_S = 1.0
 """With a :class:`PinnedArena`: how long a request whose bytes fit the budget but no free range waits for
 releases (transfers or the optimizer lane in flight) before the arena registers another segment."""
 
+FRAGMENTED_POLL_S = 0.05
+"""How often such a waiting request asks again whether anything will be released: the other thread may
+have blocked on the asker since (the training thread waiting on the optimizer lane whose job asks), and
+nothing would wake the request to see it."""
+
 
 class BufferBudgetError(ValueError):
     """A single request is larger than the whole budget, or the budget stayed full too long."""
@@ -175,6 +180,13 @@ class BufferPool:
         self.others_active = others_active
         """Whether another thread (the optimizer lane) holds buffers it will give back: then waiting for
         memory makes sense even when no I/O is in flight."""
+        self.unserved_growths = 0
+        """Segments registered for a fragmented request that nothing in flight could serve (no transfer on
+        its way back, and ``others_active`` false: the other thread gone idle or blocked on the asker).
+        Written under ``_cond``; read after a drain."""
+        self.valve_growths = 0
+        """Segments registered after a fragmented request waited :data:`FRAGMENTED_WAIT_S` for a release
+        that did not come (likewise)."""
 
     @property
     def budget_bytes(self) -> int:
@@ -212,6 +224,10 @@ class BufferPool:
                         if buf is None and (not in_flight or fragmented_s >= FRAGMENTED_WAIT_S):
                             # nothing coming back makes room, or not soon: one more registered segment
                             buf = arena.grow(nbytes, self._budget_bytes // 4)
+                            if in_flight:
+                                self.valve_growths += 1
+                            else:
+                                self.unserved_growths += 1
                         if buf is not None:
                             if self.debug:
                                 self._check_poison(buf, what)
@@ -219,7 +235,7 @@ class BufferPool:
                         # the bytes fit but no free range does: wait for a release to make one (as a full
                         # budget waits), rather than register memory in the steady state
                         t0 = time.monotonic()
-                        self._cond.wait(FRAGMENTED_WAIT_S)
+                        self._cond.wait(FRAGMENTED_POLL_S)
                         fragmented_s += time.monotonic() - t0
                         continue
                 else:

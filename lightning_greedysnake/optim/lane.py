@@ -44,6 +44,9 @@ class StepLane:
         self._stop = False
         self.wait_seconds = 0.0
         """Time the training thread spent blocked on this lane (the optimizer work not hidden)."""
+        self._waiting = 0
+        """The training thread is blocked on this lane (in :meth:`submit` at the lag bound, :meth:`drain` or
+        :meth:`wait_for`): it gives nothing back until a job goes on. Written and read under ``_cond``."""
         self._thread: threading.Thread | None = None
         self._closed = False
         # the thread starts with the first job, so a lane that never runs anything owns no thread
@@ -70,8 +73,10 @@ class StepLane:
             self._raise_if_failed()
             if heavy and self._heavy >= self.lag:
                 t0 = time.perf_counter()
+                self._waiting += 1
                 while self._heavy >= self.lag and self._error is None:
                     self._cond.wait()
+                self._waiting -= 1
                 self.wait_seconds += time.perf_counter() - t0
                 self._raise_if_failed()
             self._jobs.append((job, heavy))
@@ -86,8 +91,10 @@ class StepLane:
         with self._cond:
             if self._jobs or self._running:
                 t0 = time.perf_counter()
+                self._waiting += 1
                 while (self._jobs or self._running) and self._error is None:
                     self._cond.wait()
+                self._waiting -= 1
                 self.wait_seconds += time.perf_counter() - t0
             self._raise_if_failed()
 
@@ -96,14 +103,20 @@ class StepLane:
         if done.is_set():
             return
         t0 = time.perf_counter()
-        while not done.wait(0.05):
+        with self._cond:
+            self._waiting += 1
+        try:
+            while not done.wait(0.05):
+                with self._cond:
+                    self._raise_if_failed()
+                    if not self._jobs and not self._running and not done.is_set():
+                        raise RuntimeError(
+                            "greedysnake: waiting for a unit's optimizer step that no job will complete (a step "
+                            "was never submitted); this is a bug in greedysnake, please report it."
+                        )
+        finally:
             with self._cond:
-                self._raise_if_failed()
-                if not self._jobs and not self._running and not done.is_set():
-                    raise RuntimeError(
-                        "greedysnake: waiting for a unit's optimizer step that no job will complete (a step "
-                        "was never submitted); this is a bug in greedysnake, please report it."
-                    )
+                self._waiting -= 1
         self.wait_seconds += time.perf_counter() - t0
 
     def check(self) -> None:
@@ -119,6 +132,17 @@ class StepLane:
     def idle(self) -> bool:
         with self._cond:
             return not self._jobs and not self._running
+
+    def others_will_release(self) -> bool:
+        """For a staging request that found no room (the pool's ``others_active``): whether the thread on
+        the other side of this lane will give buffers back without the caller going on. Asked by the
+        training thread: the lane, while it has work. Asked by a job on the lane: the training thread,
+        unless it is blocked on this lane, which it leaves only once that job goes on (waiting for its
+        buffers waited out the pool's valve, ``FRAGMENTED_WAIT_S``, and then registered a segment anyway)."""
+        with self._cond:
+            if threading.current_thread() is self._thread:
+                return self._waiting == 0
+            return bool(self._jobs) or self._running
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -171,3 +171,31 @@ def test_a_fragmented_pinned_pool_waits_for_a_release_before_it_registers_more()
         pool.release(buf)
     assert pinner.registrations == 2
     pool.close()
+
+
+def test_an_optimizer_job_does_not_wait_for_buffers_the_training_thread_holds_while_blocked_on_it(monkeypatch):
+    """The training thread holds buffers and blocks on the lane (submit at the lag bound); the lane's job
+    needs a range those buffers would make: nothing can release them until the job goes on, so the job
+    registers a segment at once instead of waiting out the valve (a minute here; a second in a run)."""
+    from lightning_greedysnake.offload import pool as pool_module
+    from lightning_greedysnake.optim.lane import StepLane
+
+    monkeypatch.setattr(pool_module, "FRAGMENTED_WAIT_S", 60.0)
+    lane = StepLane(lag=1)
+    pinner = Pinner()
+    pool = BufferPool(4 * 4096, pinner=(pinner.pin, pinner.unpin), others_active=lane.others_will_release)
+    a, b, c, d = (pool.acquire(4096) for _ in range(4))
+    pool.release(a)
+    pool.release(c)  # two free pages, not adjacent: the bytes of a 2-page request fit, no range does
+    got = []
+    try:
+        lane.submit(lambda: got.append(pool.acquire(2 * 4096)), heavy=True)
+        lane.submit(lambda: None, heavy=True)  # blocks here, holding b and d, until the first job is done
+        lane.drain()
+    finally:
+        lane.close()
+    assert got[0].nbytes == 2 * 4096
+    assert pool.valve_growths == 0 and pool.unserved_growths == 1 and pinner.registrations == 2
+    for buf in (got[0], b, d):
+        pool.release(buf)
+    pool.close()
