@@ -157,6 +157,19 @@ def test_the_heap_is_trimmed_after_each_step_only_where_state_streams(placement,
     assert bool(trims) is trimming
 
 
+def test_the_heap_is_trimmed_once_when_the_warm_step_plan_reconfigures(tmp_path, monkeypatch):
+    """The planned defaults (every kind in RAM here): the pages freed by the steps before the plan (on the
+    lane's thread too) go back to the OS once, when the plan's settings take over; without it a RAM run's
+    peak RSS crept from step to step (see ``TieredTensorStore.reconfigure``)."""
+    import lightning_greedysnake.tensor_manager as tensor_manager
+
+    trims: list[bool] = []
+    strategy = GreedySnakeStrategy(offload_dir=tmp_path / "off")
+    monkeypatch.setattr(tensor_manager, "trim_heap", lambda *a: trims.append(strategy.plan_choice is not None))
+    _fit(strategy, 2, steps=4, default_root_dir=tmp_path)
+    assert trims == [True]  # once, with the plan's choice made
+
+
 def _io_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("greedysnake-io")]
 
