@@ -163,6 +163,9 @@ SECTIONS: tuple[Section, ...] = (
          Result("memory_defaults_fp32_12steps", "The same at 12 steps, two rounds alternating (c10bf96): by "
                                                 "peak_rss_by_step_mb both runs' peaks stop growing within the first "
                                                 "steps; a longer run does not creep."),
+         Result("memory_defaults_fp32_trim", "The same at 8 steps, two rounds alternating, with the heap trimmed "
+                                             "once when the warm-step plan reconfigures the store: the peak is "
+                                             "reached by step 2 (the steps before the plan) and holds."),
          Result("memory_budget_bf16", "The end of fit within a 2 GiB host budget (auto_host_budget_bytes), GPT "
                                       "1024 x 12, bf16-mixed, sequence 128, K=8, 2 steps: the weights come back, the "
                                       "optimizer's state (said at setup) does not; @afcc0d0 copied everything back."),
