@@ -147,7 +147,8 @@ class TieredTensorStore:
         with the same ~200 MB in use beside the state. The peak varies between runs of one command by
         +-150 MB (3,304-3,541 MB on one day; Lightning 3,200-3,281 MB), and neither one glibc arena
         (``MALLOC_ARENA_MAX=1``: 3,182, 3,537 and 3,212 MB) nor one trim at each window's end (3,331 MB, one
-        run) settled it. Where state streams from SSD (or
+        run) settled it; one trim when the warm-step plan reconfigures the store (:meth:`reconfigure`) stops
+        the steps after the plan from creeping. Where state streams from SSD (or
         computes on a device) the trim keeps host memory from creeping up by several units' worth of
         freed gradients."""
         self.host_group: Any = data_parallel.host_group if data_parallel is not None else None
