@@ -178,8 +178,10 @@ class BufferPool:
         """With a ``pinner`` (``(pin, unpin)`` of the device tier): the registered segments every buffer is
         carved from (see the module's docstring); without one, buffers are cached by size in ``_free``."""
         self.others_active = others_active
-        """Whether another thread (the optimizer lane) holds buffers it will give back: then waiting for
-        memory makes sense even when no I/O is in flight."""
+        """Whether a thread other than the caller holds buffers it will give back without the caller going
+        on (asked by the calling thread, about the other: :meth:`StepLane.others_will_release
+        <lightning_greedysnake.optim.lane.StepLane.others_will_release>`): then waiting for memory makes
+        sense even when no I/O is in flight."""
         self.unserved_growths = 0
         """Segments registered for a fragmented request that nothing in flight could serve (no transfer on
         its way back, and ``others_active`` false: the other thread gone idle or blocked on the asker).

@@ -128,11 +128,6 @@ class StepLane:
         with self._cond:
             return self._error is not None
 
-    @property
-    def idle(self) -> bool:
-        with self._cond:
-            return not self._jobs and not self._running
-
     def others_will_release(self) -> bool:
         """For a staging request that found no room (the pool's ``others_active``): whether the thread on
         the other side of this lane will give buffers back without the caller going on. Asked by the
