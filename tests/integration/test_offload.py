@@ -170,6 +170,24 @@ def test_the_heap_is_trimmed_once_when_the_warm_step_plan_reconfigures(tmp_path,
     assert trims == [True]  # once, with the plan's choice made
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+def test_the_heap_is_trimmed_after_the_first_optimizer_step_only(tmp_path, monkeypatch, lag):
+    """The optimizer's first step creates its state as new tensors, copied into the store's buffers and
+    freed: those pages go back to the OS once (on the lane's thread they were free memory no other thread
+    reuses), and no later step trims (a run with its state in RAM leaves the heap to the allocator)."""
+    import lightning_greedysnake.optim.unit_optimizer as unit_optimizer
+
+    trims: dict[int, int] = {}
+    for steps in (1, 3):
+        calls: list[int] = []
+        monkeypatch.setattr(unit_optimizer, "trim_heap", lambda nbytes: calls.append(nbytes))
+        _fit(GreedySnakeStrategy(auto=False, lag=lag, offload=OffloadConfig.everywhere("host")), 2, steps=steps,
+             default_root_dir=tmp_path)
+        trims[steps] = len(calls)
+        assert all(n > 0 for n in calls)
+    assert trims[1] > 0 and trims[3] == trims[1]
+
+
 def _io_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("greedysnake-io")]
 
