@@ -15,7 +15,6 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.layout import SPLIT_ALIGN_NUMEL, ParamSlot, UnitLayout
 
 
@@ -213,19 +212,20 @@ class UnitOptimizer:
         has_grad: list[bool],
         part: int = 0,
         hyper: list[dict[str, Any]] | None = None,
-    ) -> None:
+    ) -> bool:
         """Step part ``part`` of this unit.
 
         ``master``/``grad``: the unit's flat fp32 buffers (``layout.numel`` elements; only the part's
         range is read); ``state``: the part's per-element state, piece by piece; ``has_grad[j]``: whether
         trainable parameter j got a gradient in this window (torch skips parameters without one, and so
         do we); ``hyper``: the user's param-group hyperparameters as they were when Lightning would have
-        stepped (default: as they are now).
+        stepped (default: as they are now). Returns whether the step created state (a piece's first):
+        new tensors, copied into ``state`` and freed.
         """
         p = self.parts[part]
         shadow = p.shadow
         if shadow is None:
-            return
+            return False
         groups = hyper if hyper is not None else [
             {k: v for k, v in g.items() if k != "params"} for g in self.user_optimizer.param_groups
         ]
@@ -260,13 +260,7 @@ class UnitOptimizer:
                 sp.grad = None
                 sp.data = torch.zeros(1)
         p.steps += 1
-        if fresh:
-            # the first step's new state was allocated on this thread's heap, copied and freed: its pages
-            # go back to the OS, once. Kept, they were free memory of the lane thread's own glibc arena,
-            # which the training thread's allocations never reuse: 332-364 MB of it (malloc_info) put the
-            # peak RSS of step 2 at 3,293-3,564 MB against 3,128-3,193 MB with this (168M GPT, 32-true,
-            # sequence 128, K=8, state in RAM; ad hoc runs of memory.py's child, six without, twelve with)
-            trim_heap(sum(p.pieces[k][3] - p.pieces[k][2] for k in fresh) * 4)
+        return bool(fresh)
 
     @staticmethod
     def _keep(p: _Part, k: int, state: PieceState) -> None:

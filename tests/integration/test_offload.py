@@ -138,23 +138,28 @@ def test_host_placement_never_touches_the_disk(tmp_path):
 @pytest.mark.parametrize("placement", ["host", "ssd"])
 def test_the_heap_is_trimmed_after_each_step_only_where_state_streams(placement, tmp_path, monkeypatch):
     """Every kind in RAM: the heap is left to the allocator, as in Lightning (trimming gave back pages the
-    next micro-batch faulted in again); state on SSD, or a device tier (CI's simulated one): each unit's
-    step gives the freed pages back."""
+    next micro-batch faulted in again), but for the optimizer's first step, whose new state is copied into
+    the store's buffers and freed (on the lane's thread no other thread reuses that memory); state on SSD,
+    or a device tier (CI's simulated one): each unit's step gives the freed pages back."""
     import lightning_greedysnake.optim.part_step as part_step
 
-    trims: list[int] = []
-    monkeypatch.setattr(part_step, "trim_heap", trims.append)
     seen: list[bool] = []
 
     class Trims(L.Callback):
         def on_train_end(self, trainer: Any, module: Any) -> None:
             seen.append(trainer.strategy.tensor_manager.trims_heap)
 
-    _fit(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere(placement)), 2, callbacks=[Trims()],
-         default_root_dir=tmp_path)
+    trims: dict[int, int] = {}
+    for steps in (1, 3):
+        calls: list[int] = []
+        monkeypatch.setattr(part_step, "trim_heap", calls.append)
+        _fit(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere(placement)), 2, steps=steps,
+             callbacks=[Trims()], default_root_dir=tmp_path / str(steps))
+        trims[steps] = len(calls)
     trimming = placement == "ssd" or os.environ.get(SIMULATE_ENV) == "1"  # (a device tier trims too)
-    assert seen == [trimming]
-    assert bool(trims) is trimming
+    assert seen == [trimming, trimming]
+    assert trims[1] > 0  # (the first step's parts)
+    assert trims[3] == (3 if trimming else 1) * trims[1]
 
 
 def test_the_heap_is_trimmed_once_when_the_warm_step_plan_reconfigures(tmp_path, monkeypatch):
@@ -168,24 +173,6 @@ def test_the_heap_is_trimmed_once_when_the_warm_step_plan_reconfigures(tmp_path,
     monkeypatch.setattr(tensor_manager, "trim_heap", lambda *a: trims.append(strategy.plan_choice is not None))
     _fit(strategy, 2, steps=4, default_root_dir=tmp_path)
     assert trims == [True]  # once, with the plan's choice made
-
-
-@pytest.mark.parametrize("lag", [0, 1])
-def test_the_heap_is_trimmed_after_the_first_optimizer_step_only(tmp_path, monkeypatch, lag):
-    """The optimizer's first step creates its state as new tensors, copied into the store's buffers and
-    freed: those pages go back to the OS once (on the lane's thread they were free memory no other thread
-    reuses), and no later step trims (a run with its state in RAM leaves the heap to the allocator)."""
-    import lightning_greedysnake.optim.unit_optimizer as unit_optimizer
-
-    trims: dict[int, int] = {}
-    for steps in (1, 3):
-        calls: list[int] = []
-        monkeypatch.setattr(unit_optimizer, "trim_heap", lambda nbytes: calls.append(nbytes))
-        _fit(GreedySnakeStrategy(auto=False, lag=lag, offload=OffloadConfig.everywhere("host")), 2, steps=steps,
-             default_root_dir=tmp_path)
-        trims[steps] = len(calls)
-        assert all(n > 0 for n in calls)
-    assert trims[1] > 0 and trims[3] == trims[1]
 
 
 def _io_threads() -> list[str]:
