@@ -170,7 +170,7 @@ SECTIONS: tuple[Section, ...] = (
          Result("memory_defaults_fp32_trim", "The same at 8 steps, two rounds alternating, with the heap trimmed "
                                              "once when the warm-step plan reconfigures the store: the peak is "
                                              "reached by step 2 (the steps before the plan) and holds."),
-         Result("memory_defaults_fp32_first_step_trim", "The same on 61b5aa0, the heap also trimmed once after the "
+         Result("memory_defaults_fp32_first_step_trim", "The same on c111378, the heap also trimmed once after the "
                                                         "optimizer's first step: step 2 no longer sets the peak; the "
                                                         "steps after the plan creep up to it."),
          Result("memory_budget_bf16", "The end of fit within a 2 GiB host budget (auto_host_budget_bytes), GPT "
