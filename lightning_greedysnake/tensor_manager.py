@@ -137,7 +137,8 @@ class TieredTensorStore:
         self.speculative = loss_scaler is not None and not self.clip.defer
         self.copies = copies
         self.trims_heap = config.uses_ssd or copies is not None
-        """Whether each optimizer part's step gives the heap's free pages back to the OS. A run with every
+        """Whether each optimizer part's step gives the heap's free pages back to the OS (a part's first
+        step always does: :meth:`PartStepper.step_part`). A run with every
         kind in host memory holds its state in RAM anyway and, as Lightning, leaves the heap to the
         allocator: trimming after every unit's step gave back the freed activation and gradient pages
         the next micro-batch faulted in again (4-7% of a 32-true step on the 168M GPT at K=8, sequence

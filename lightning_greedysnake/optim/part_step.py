@@ -28,7 +28,8 @@ class PartStepper:
                  compute_dtype: torch.dtype, state_format: StateFormat | None = None, trim: bool = True) -> None:
         """``unit_optimizers`` is the stepper's own list (re-split in place by a reconfiguration);
         ``state_format``: the dtype the state is kept in (default fp32); ``trim``: give the heap's free
-        pages back to the OS after each part (:func:`~lightning_greedysnake.io.heap.trim_heap`)."""
+        pages back to the OS after each part (:func:`~lightning_greedysnake.io.heap.trim_heap`); a part's
+        first step, which creates the optimizer's state, gives them back either way."""
         self._staging = staging
         self._trim = trim
         self._format = state_format or StateFormat(torch.float32)
