@@ -506,6 +506,7 @@ class TieredTensorStore:
         loss scaling (``inv_scale``, deferred mode) each gradient is unscaled first, and a window with a
         non-finite gradient anywhere steps nothing: False (its gradients go)."""
         self.stepper.check()
+        self.stepper.backward_done()
         if self.speculative:
             return self._settle_speculation()
         if not self.clip.defer:

@@ -6,7 +6,10 @@ Ordering guarantees (the callers rely on them):
   forward-part (alpha) job, which is submitted later.
 - ``submit(..., heavy=True)`` is for jobs that hold a unit's gradient buffer: it blocks while ``lag`` such
   jobs are outstanding, so the optimizer is never more than ``lag`` units behind backward and the
-  memory held by queued gradients is bounded. ``lag == 0`` runs every job inline, synchronously.
+  memory held by queued gradients is bounded. ``lag == 0`` runs every job inline, synchronously,
+  except one submitted with ``hold=True``: that waits for :meth:`run_held` (the window's backward is
+  done), :meth:`drain`, :meth:`wait_for` or the next job submitted without it, and runs there, on the
+  training thread, still in submission order.
 - The first exception in a job stops the lane; it is raised in the training thread at the next
   ``submit``, ``drain`` or ``check``. Jobs queued behind it are dropped.
 """
@@ -49,6 +52,8 @@ class StepLane:
         :meth:`wait_for`): it gives nothing back until a job goes on. Written and read under ``_cond``."""
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._held: list[Job] = []
+        """A synchronous lane's jobs submitted with ``hold``, not run yet (training thread only)."""
         # the thread starts with the first job, so a lane that never runs anything owns no thread
 
     def _ensure_thread(self) -> bool:
@@ -60,14 +65,16 @@ class StepLane:
             self._thread.start()
         return True
 
-    def submit(self, job: Job, heavy: bool) -> None:
+    def submit(self, job: Job, heavy: bool, hold: bool = False) -> None:
+        """Queue ``job`` (a background lane), or run it now on the calling thread (a synchronous one).
+        ``hold``: a synchronous lane keeps it until :meth:`run_held` (see the module's docstring); a
+        background lane runs it as any other."""
         if not self._ensure_thread():
-            # synchronous: the training thread runs the step itself, so all of it is unhidden
-            t0 = time.perf_counter()
-            try:
-                self._run(job)
-            finally:
-                self.wait_seconds += time.perf_counter() - t0
+            if hold:
+                self._held.append(job)
+            else:
+                self.run_held()
+                self._run_inline(job)
             return
         with self._cond:
             self._raise_if_failed()
@@ -84,8 +91,28 @@ class StepLane:
                 self._heavy += 1
             self._cond.notify_all()
 
+    def run_held(self) -> None:
+        """A synchronous lane: run the held jobs now, in submission order (training thread). The first
+        that raises drops the ones behind it, as a background lane drops the jobs queued behind a failure."""
+        while self._held:
+            job = self._held.pop(0)
+            try:
+                self._run_inline(job)
+            except BaseException:
+                self._held.clear()
+                raise
+
+    def _run_inline(self, job: Job) -> None:
+        # synchronous: the training thread runs the step itself, so all of it is unhidden
+        t0 = time.perf_counter()
+        try:
+            self._run(job)
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
     def drain(self) -> None:
         """Block until every submitted job has run (raises the lane's error, if any)."""
+        self.run_held()
         if self._thread is None:
             return
         with self._cond:
@@ -100,6 +127,9 @@ class StepLane:
 
     def wait_for(self, done: threading.Event) -> None:
         """Block until ``done`` is set by a job (counted as unhidden optimizer time)."""
+        if done.is_set():
+            return
+        self.run_held()  # (a held job may be the one that sets it)
         if done.is_set():
             return
         t0 = time.perf_counter()
@@ -183,11 +213,15 @@ class StepLane:
         """Between steps, with the lane drained (training thread, the only submitter): a new depth. A
         background thread started before stays; a synchronous lane (0) runs every job inline."""
         with self._cond:
-            assert not self._jobs and not self._running and not self._heavy, "set_lag on a busy lane"
+            assert not self._jobs and not self._running and not self._heavy and not self._held, "set_lag on a busy lane"
             self.lag = lag
 
     def close(self) -> None:
         """Finish queued jobs (unless one failed) and stop the thread. Idempotent; never raises."""
+        try:
+            self.run_held()  # (as a background lane finishes what was queued)
+        except BaseException:  # noqa: BLE001 - never raises: the failure surfaced where the run stopped
+            pass
         self._closed = True
         thread, self._thread = self._thread, None
         if thread is None:

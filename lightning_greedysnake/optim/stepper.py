@@ -2,7 +2,9 @@
 
 - A unit's step runs on the optimizer lane (:class:`StepLane`) as soon as its gradient is complete: its
   backward part at once (the lane may trail backward by ``lag`` units), its forward (alpha) part, when
-  ``alpha`` defers one, after the window's backward, overlapping the next forward.
+  ``alpha`` defers one, after the window's backward, overlapping the next forward. A synchronous lane
+  (``lag=0``) runs the backward part of a unit whose step stages nothing (all in host memory) once the
+  window's backward is done (:meth:`UnitStepper.backward_done`), as Lightning steps after backward.
 - With clipping by the global norm (or a custom ``configure_gradient_clipping``) every unit's whole step
   waits until the whole backward is done and the clip coefficient is known.
 - A unit's :class:`UpdateGate` entry is cleared when its step is submitted and published by the job
@@ -251,8 +253,13 @@ class UnitStepper:
             if not deferred:
                 self._complete(unit)
 
+        # a synchronous step (lag 0) that holds no staging buffer (gradient, weights and state all in
+        # host memory) waits for the end of the window's backward, Lightning's own order: its temporaries
+        # then reuse what the backward freed rather than stack on its live activations (inside the
+        # backward it overlaps nothing either); one holding staging buffers runs at once, so they come back
+        hold = staging == 0 and not grad.pooled and not (weights is not None and weights.pooled)
         try:
-            self.lane.submit(backward_part, heavy=True)  # (blocks while lag steps are queued)
+            self.lane.submit(backward_part, heavy=True, hold=hold)  # (blocks while lag steps are queued)
         except BaseException:
             # not submitted (the lane failed, or Ctrl-C while waiting for a slot): nothing was stepped,
             # the unit's weights on their tier are current, and its handles go back here
@@ -397,6 +404,11 @@ class UnitStepper:
     def check(self) -> None:
         """Raise a background step's error, if one failed."""
         self.lane.check()
+
+    def backward_done(self) -> None:
+        """The window's backward is done (training thread): the synchronous steps held for it run now
+        (:meth:`submit_backward_part`)."""
+        self.lane.run_held()
 
     def drain(self) -> None:
         """Complete every pending step, deferred forward parts included."""

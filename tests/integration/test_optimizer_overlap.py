@@ -235,3 +235,54 @@ def test_the_automatic_budget_reads_the_last_step_ahead_from_what_the_minimum_re
     assert seen["state"] > seen["slack"]
     assert seen["ahead"] == seen["steps"] - 1 >= 3
     assert max_abs_diff({n: p.detach() for n, p in module.named_parameters()}, ref) == 0
+
+
+class StepsDoneAtBackward(L.Callback):
+    """Per window: how many of its unit steps had run by its last backward, and by its end."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.before = 0
+        self.at_backward: list[int] = []
+        self.at_end: list[int] = []
+
+    @staticmethod
+    def _done(trainer: L.Trainer) -> int:
+        return sum(trainer.strategy.tensor_manager.stepper.steps_completed)
+
+    def _last_microbatch(self, trainer: L.Trainer) -> bool:
+        return (trainer.fit_loop.epoch_loop.batch_idx + 1) % self.k == 0
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self._last_microbatch(trainer):
+            self.at_backward.append(self._done(trainer) - self.before)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._last_microbatch(trainer):
+            self.at_end.append(self._done(trainer) - self.before)
+            self.before = self._done(trainer)
+
+
+@pytest.mark.parametrize(("placement", "schedule", "held"), [
+    ("host", "vertical", True), ("host", "horizontal", True), ("ssd", "vertical", False),
+    ("state-on-ssd", "vertical", False),
+])
+def test_a_synchronous_step_in_host_memory_runs_once_the_backward_is_done(placement, schedule, held):
+    """``lag=0``: a unit's step that stages nothing (all in RAM) waits for the end of the window's
+    backward, Lightning's order (its temporaries then reuse what the backward freed); one that holds
+    staging buffers (state on SSD) runs at once, so they come back. Both exact."""
+    offload = {"host": OffloadConfig.everywhere("host"), "ssd": None,
+               "state-on-ssd": OffloadConfig.everywhere("host", optimizer_states="ssd")}[placement]
+    watch = StepsDoneAtBackward(k=3)
+    L.seed_everything(0, verbose=False)
+    module = TinyGPTModule(n_layer=3, lr=LR)
+    make_trainer(GreedySnakeStrategy(auto=False, alpha=0.0, lag=0, schedule=schedule, offload=offload), 3,
+                 max_epochs=1, callbacks=[watch]).fit(module, token_loader(12))
+    units = len(watch.at_end) and watch.at_end[0]
+    assert units > 0 and watch.at_end == [units] * 4
+    assert watch.at_backward == ([0] * 4 if held else [units] * 4)
+    L.seed_everything(0, verbose=False)
+    reference = TinyGPTModule(n_layer=3, lr=LR)
+    make_trainer("auto", 3, max_epochs=1).fit(reference, token_loader(12))
+    got = {n: p.detach() for n, p in module.named_parameters()}
+    assert max_abs_diff(got, {n: p.detach() for n, p in reference.named_parameters()}) <= 1e-5
