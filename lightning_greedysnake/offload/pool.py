@@ -200,8 +200,12 @@ class BufferPool:
             self._budget_bytes = budget_bytes
             self._cond.notify_all()
 
-    def acquire(self, nbytes: int, *, block: bool = True, what: str = "buffer") -> AlignedBuffer | None:
-        """A buffer of at least ``nbytes``; ``None`` when ``block`` is False and the budget is full."""
+    def acquire(self, nbytes: int, *, block: bool = True, what: str = "buffer",
+                returning_wait_s: float = 0.0) -> AlignedBuffer | None:
+        """A buffer of at least ``nbytes``; ``None`` when ``block`` is False and the budget is full.
+        ``returning_wait_s`` (with ``block`` False): a request that does not fit waits up to that long for
+        buffers already released whose writes are still in flight (write-behind) to come back, never for
+        a holder to release one: those bytes are free in all but the timing."""
         nbytes = align_up(nbytes)
         if nbytes > self.budget_bytes:
             raise BufferBudgetError(
@@ -209,11 +213,16 @@ class BufferPool:
                 "offload.buffer_budget_bytes (or leave it None for automatic), or lower layers_per_unit."
             )
         fragmented_s = 0.0
+        deadline = time.monotonic() + returning_wait_s
         with self._cond:
             assert not self._closed, "buffer pool is closed"
             while True:
                 if not block and self.in_use_bytes + nbytes > self._budget_bytes:
-                    return None
+                    left = deadline - time.monotonic()
+                    if self._returning == 0 or left <= 0:
+                        return None
+                    self._cond.wait(left)  # (a write-behind's completion gives its buffer back, and notifies)
+                    continue
                 if self._arena is not None:
                     if self.in_use_bytes + nbytes <= self._budget_bytes:
                         arena = self._arena

@@ -145,6 +145,11 @@ def staging_budget_of(state: StateLayout, config: OffloadConfig, lag: int, devic
     return staging_budget(units, lag, config.prefetch_units)
 
 
+WRITE_BEHIND_WAIT_S = 10.0
+"""How long work ahead of need waits for buffers on their way back from a write (see
+:meth:`PoolBudget.take_optional`) before it is refused."""
+
+
 class PoolBudget:
     """The pool, its budget, the minimum the must-run work holds and the slack over it. Shared by the
     training thread, the optimizer lane and I/O completion callbacks: the pool locks itself, and ``_lock``
@@ -228,14 +233,22 @@ class PoolBudget:
     # -- work ahead of need (the training thread, the lane) -----------------------------------------------
     def take_optional(self, nbytes: int, what: str, within_slack: bool) -> AlignedBuffer | None:
         """A pool buffer of ``nbytes`` (aligned) counted as work ahead of need, or ``None`` (no room in the
-        slack, if ``within_slack``, or in the pool). Its holder gives it back with :meth:`give_back`."""
+        slack, if ``within_slack``, or in the pool). Its holder gives it back with :meth:`give_back`.
+
+        The slack is counted against the minimum, but the must-run work can hold more for a moment: a
+        step's buffers stay in use until their write-behind lands. So a request the slack allows waits
+        for those (up to :data:`WRITE_BEHIND_WAIT_S`) rather than being refused by the timing of a
+        write; it is taken from the slack first, so nothing else claims the room meanwhile."""
         with self._lock:
             if within_slack and not self._slack_allows(nbytes):
                 return None
-            buf = self.pool.acquire(nbytes, block=False, what=what)
-            if buf is None:
-                return None
-            self._optional_bytes += buf.nbytes
+            self._optional_bytes += nbytes
+        buf = None
+        try:
+            buf = self.pool.acquire(nbytes, block=False, what=what, returning_wait_s=WRITE_BEHIND_WAIT_S)
+        finally:
+            with self._lock:
+                self._optional_bytes += (buf.nbytes if buf is not None else 0) - nbytes
         return buf
 
     def adopt_optional(self, nbytes: int) -> bool:

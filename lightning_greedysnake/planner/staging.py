@@ -15,7 +15,8 @@ in place and takes no staging.
   weights on SSD, each), and :data:`AUTO_BUDGET_EXTRA_BYTES` of slack for activation checkpoints read
   ahead. Work ahead of need (prefetches, read-aheads) only ever takes the slack above the minimum, so a
   budget of at least the minimum never deadlocks, and the automatic one never refuses a prefetch it
-  promised.
+  promised. (The must-run work holds more than the minimum only while a finished step's write-behind
+  lands; work ahead of need waits for that rather than be refused: ``PoolBudget.take_optional``.)
 
 Activation checkpoints on SSD add two checkpoints to the minimum once their size is known (the tensor
 manager's ``reserve_checkpoints``); the planner counts them with the checkpoints it places.

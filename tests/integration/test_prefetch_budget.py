@@ -7,6 +7,7 @@ only speed would change, so the refusals are counted."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
@@ -15,6 +16,7 @@ import torch
 
 from lightning_greedysnake import GPT, GPTConfig, GreedySnakeStrategy
 from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.io.engine import ThreadedIOEngine
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, max_abs_diff, token_loader
 
@@ -83,3 +85,22 @@ def test_the_automatic_budget_never_refuses_a_promised_prefetch_and_training_is_
     assert len(windows) == STEPS
     for got, want in zip(windows, grads_ref, strict=True):
         assert max_abs_diff(got, {n: want[n] for n in got}) < 1e-5
+
+
+def test_a_slow_disk_write_does_not_refuse_a_promised_prefetch(monkeypatch, reference):
+    """A step's buffers stay in use until their write-behind lands, so for a moment the must-run work
+    holds more than the staging rule's minimum. A prefetch the slack allows waits for those writes
+    rather than being refused by their timing; here every write is slowed, as a busy disk slows it."""
+    write = ThreadedIOEngine._write_piece
+
+    def slow_write(self: ThreadedIOEngine, *args: Any) -> None:
+        time.sleep(0.2)
+        write(self, *args)
+
+    monkeypatch.setattr(ThreadedIOEngine, "_write_piece", slow_write)
+    weights_ref, _ = reference
+    refusals = Refusals()
+    weights = _fit(GreedySnakeStrategy(auto=False, alpha=0.0, offload={"prefetch_units": 2}), [refusals])
+    assert refusals.weights_on_ssd >= 2
+    assert refusals.refused == 0, (refusals.refused, refusals.budget)
+    assert max_abs_diff(weights, weights_ref) < 1e-5

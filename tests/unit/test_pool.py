@@ -61,6 +61,34 @@ def test_blocking_waits_for_a_buffer_that_is_on_its_way_back():
     pool.close()
 
 
+def test_a_request_ahead_of_need_waits_for_a_write_behind_but_not_for_a_holder():
+    """Work ahead of need (``block=False``) that does not fit waits, up to ``returning_wait_s``, for a
+    buffer already released behind a write still in flight; a buffer its holder keeps, it does not."""
+    pool = BufferPool(2 * 4096)
+    first = pool.acquire(2 * 4096)
+    t0 = time.monotonic()
+    assert pool.acquire(4096, block=False, returning_wait_s=5.0) is None  # held, nothing on its way back
+    assert time.monotonic() - t0 < 1.0
+    pool.will_return()  # released behind a write still in flight
+
+    def finish_write() -> None:
+        time.sleep(0.2)
+        pool.release(first, returning=True)
+
+    t = threading.Thread(target=finish_write)
+    t.start()
+    assert pool.acquire(4096, block=False) is None  # (no wait asked: refused at once)
+    second = pool.acquire(2 * 4096, block=False, returning_wait_s=5.0)
+    t.join()
+    assert second is not None and second.nbytes == 2 * 4096
+    pool.will_return()
+    t0 = time.monotonic()
+    assert pool.acquire(4096, block=False, returning_wait_s=0.2) is None  # the write outlasts the wait
+    assert time.monotonic() - t0 >= 0.2
+    pool.release(second, returning=True)
+    pool.close()
+
+
 def test_blocking_with_nothing_in_flight_fails_fast_instead_of_hanging():
     pool = BufferPool(2 * 4096)
     held = pool.acquire(2 * 4096)
