@@ -123,7 +123,10 @@ SECTIONS: tuple[Section, ...] = (
         "Every kind on SSD, planned (`gs_auto_ssd`) and `auto=False` (`gs_vertical`), this tree against c2872eb, "
         "the commit before the warm-step plan counted the cores a background optimizer step shares with the "
         "training on a CPU run; bf16-mixed, GPT 1024 x 12, sequence 32, K=8, two rounds alternating.",
-        (Result("compare_shared_cores_ssd_seq32", "`vs_baseline`: tokens/s against c2872eb."),),
+        (Result("compare_shared_cores_ssd_seq32", "`vs_baseline`: tokens/s against c2872eb."),
+         Result("compare_writebehind_seq32", "`gs_vertical` on 30446f5 against b29bf93, 32-true, three rounds "
+                                             "alternating: prefetches that wait for a finished step's write-behind, "
+                                             "instead of being refused, cost no speed.")),
     ),
     Section(
         "SSD against SSD",
