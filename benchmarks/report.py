@@ -179,6 +179,9 @@ SECTIONS: tuple[Section, ...] = (
          Result("memory_defaults_fp32_first_step_trim", "The same on c111378, the heap also trimmed once after the "
                                                         "optimizer's first step: step 2 no longer sets the peak; the "
                                                         "steps after the plan creep up to it."),
+         Result("memory_defaults_bf16_steps_after_backward", "The defaults and Lightning under bf16-mixed on "
+                                                             "6271448, 6 steps, two rounds alternating: the "
+                                                             "defaults' peak below Lightning's in both."),
          Result("memory_defaults_fp32_steps_after_backward", "The same on 33b396d, three rounds: at lag 0 a unit's "
                                                              "step that stages nothing runs once the window's "
                                                              "backward is done, as Lightning steps, so its "
