@@ -229,6 +229,25 @@ class StateLayout:
         return sum(b - a for a, b in (self.chunk_ranges(kind, u) or []))
 
 
+def empty_shares(region_bytes: list[int], placement: Tier | Split) -> list[tuple[Tier, float, float]]:
+    """The tiers of a :class:`Split` that have a share but get no unit from :func:`unit_tiers` (the unit
+    reaching the tier is larger than its share), each with its share and the share that unit needs: what
+    the user asked for and does not get."""
+    if not isinstance(placement, Split):
+        return []
+    order = ((Tier.DEVICE, placement.device), (Tier.HOST, placement.host), (Tier.SSD, placement.ssd))
+    rank = {tier: i for i, (tier, _) in enumerate(order)}
+    tiers = unit_tiers(region_bytes, placement)
+    total = sum(region_bytes) or 1
+    empty = []
+    for tier, share in order:
+        if share > 0 and tier not in tiers:
+            # the first unit placed past this tier: the one that did not fit its share
+            reaching = next((size for size, t in zip(region_bytes, tiers, strict=True) if rank[t] > rank[tier]), 0)
+            empty.append((tier, share, reaching / total))
+    return empty
+
+
 def unit_tiers(region_bytes: list[int], placement: Tier | Split) -> list[Tier]:
     """Each unit's tier for one kind: its placement, or for a :class:`Split` a prefix of units per tier in
     the order device, host, SSD: units stay on a tier while their bytes fit its share of the kind's total;

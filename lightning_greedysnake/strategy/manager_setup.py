@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig
+from lightning_greedysnake.layout import StateLayout, empty_shares
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
 from lightning_greedysnake.offload.device import device_copies_for
 from lightning_greedysnake.optim import ClipPolicy
@@ -103,7 +104,7 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
     copies = device_copies_for(ctx.device)
     config = planned.config
     try:
-        return TieredTensorStore(
+        manager = TieredTensorStore(
             planned.units, {id(p): n for n, p in module.named_parameters()}, optimizer, config.offload,
             compute_dtype=ctx.precision.compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
             copies=copies, loss_scaler=ctx.precision.loss_scaler,
@@ -113,6 +114,22 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
         if copies is not None:
             copies.close()
         raise
+    warn_empty_shares(manager.state, config)
+    return manager
+
+
+def warn_empty_shares(state: StateLayout, config: GreedySnakeConfig) -> None:
+    """Say where a split placement's share gets no unit (units are placed whole, and a unit larger than the
+    share goes to the next tier): the user asked for bytes there and gets none."""
+    for kind in REGION_KINDS:
+        sizes = state.all_region_bytes(kind)
+        for tier, share, needed in empty_shares(sizes, config.offload.tier(kind)):
+            warnings.warn(
+                f"greedysnake: offload.{kind.value}={config.offload.tier(kind)} puts no unit on {tier.value}: units "
+                f"are placed whole, and the one that would go there first is {needed:.1%} of the kind's "
+                f"{sum(sizes):,} bytes, more than its {share:.1%} share (units of {config.layers_per_unit} "
+                f"layer(s)). Fix: a {tier.value} share of at least {needed:.1%}, or a smaller layers_per_unit (set "
+                "it: with auto=True the unit size is chosen by measuring the disk).", stacklevel=2)
 
 
 def move_all_but_units(module: nn.Module, units: list[Unit], device: torch.device) -> None:

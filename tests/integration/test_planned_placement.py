@@ -84,7 +84,10 @@ def test_the_users_placements_are_kept_and_the_rest_planned():
     # units the first alone may outweigh half the weights, which leaves none of them in RAM)
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, layers_per_unit=LPU,
                                    offload={"optimizer_states": "ssd", "weights": {"host": 0.5, "ssd": 0.5}})
-    _, seen = fit(strategy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, seen = fit(strategy)
+    assert not [w for w in caught if "puts no unit" in str(w.message)]
     assert strategy.config.offload.optimizer_states is Tier.SSD
     assert strategy.config.offload.weights == Split(0.5, 0.5)
     assert set(seen.tiers["optimizer_states"]) == {Tier.SSD}
@@ -92,6 +95,18 @@ def test_the_users_placements_are_kept_and_the_rest_planned():
     assert set(seen.tiers["gradients"]) == {Tier.HOST}  # planned: the budget holds it
     plan = strategy.placement_plan
     assert not plan.kinds["optimizer_states"].planned and plan.kinds["gradients"].planned
+
+
+def test_a_split_share_that_no_whole_unit_fits_is_said():
+    """Units are placed whole: with four layers a unit the first outweighs half the weights, so the user's
+    ``{host: 0.5, ssd: 0.5}`` keeps none in RAM, and the run says so with the fix."""
+    strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, layers_per_unit=4,
+                                   offload={"optimizer_states": "ssd", "weights": {"host": 0.5, "ssd": 0.5}})
+    with pytest.warns(UserWarning, match=r"offload\.weights=\{host: 0\.5, ssd: 0\.5\} puts no unit on host.*"
+                                         r"more than its 50\.0% share \(units of 4 layer\(s\)\)\. Fix: a host "
+                                         r"share of at least"):
+        _, seen = fit(strategy)
+    assert set(seen.tiers["weights"]) == {Tier.SSD}
 
 
 def test_a_budget_with_room_for_the_staging_only_keeps_everything_on_ssd(caplog):

@@ -1,4 +1,6 @@
-from lightning_greedysnake.layout import PARAM_ALIGN_NUMEL, build_file_layout, build_unit_layout
+from lightning_greedysnake.config import Split, Tier
+from lightning_greedysnake.layout import (PARAM_ALIGN_NUMEL, build_file_layout, build_unit_layout, empty_shares,
+                                        unit_tiers)
 
 
 def test_parameters_start_on_aligned_offsets_and_regions_are_page_multiples():
@@ -52,3 +54,11 @@ def test_a_steps_weight_ranges_are_the_runs_of_trained_parameters_a_frozen_one_e
     assert state.trained_weight_ranges(0, 0, lay.numel) == [(0, 276), (512, 640)]  # a and b (padding between), c
     assert state.trained_weight_ranges(0, 120, 300) == [(256, 276), (512, 600)]  # clipped to the part
     assert state.trained_weight_ranges(0, 192, 256) == []  # only the frozen one
+
+
+def test_a_split_share_that_no_whole_unit_fits_is_found_with_the_share_it_needs():
+    assert unit_tiers([60, 20, 20], Split(0.5, 0.5)) == [Tier.SSD] * 3
+    assert empty_shares([60, 20, 20], Split(0.5, 0.5)) == [(Tier.HOST, 0.5, 0.6)]
+    assert empty_shares([20, 20, 60], Split(0.5, 0.5)) == []  # (two units in RAM)
+    assert empty_shares([30, 50, 20], Split(0.3, 0.5, device=0.2)) == [(Tier.DEVICE, 0.2, 0.3)]
+    assert empty_shares([30, 50, 20], Tier.HOST) == []
