@@ -138,20 +138,11 @@ class TieredTensorStore:
         self.copies = copies
         self.trims_heap = config.uses_ssd or copies is not None
         """Whether each optimizer part's step gives the heap's free pages back to the OS (a part's first
-        step always does: :meth:`PartStepper.step_part`). A run with every
-        kind in host memory holds its state in RAM anyway and, as Lightning, leaves the heap to the
-        allocator: trimming after every unit's step gave back the freed activation and gradient pages
-        the next micro-batch faulted in again (4-7% of a 32-true step on the 168M GPT at K=8, sequence
-        128, side by side; its peak RSS is the price: 3,454 MB against 3,273 MB with the trim, Lightning
-        3,228 MB; at bf16-mixed 3,504 MB, below Lightning's 3,593 MB). The difference is free heap, not live
-        data: at the end of a step glibc's arenas held 424 MB free against Lightning's 151 MB (``mallinfo2``)
-        with the same ~200 MB in use beside the state. The peak varies between runs of one command by
-        +-150 MB (3,304-3,541 MB on one day; Lightning 3,200-3,281 MB), and neither one glibc arena
-        (``MALLOC_ARENA_MAX=1``: 3,182, 3,537 and 3,212 MB) nor one trim at each window's end (3,331 MB, one
-        run) settled it; one trim when the warm-step plan reconfigures the store (:meth:`reconfigure`) stops
-        the steps after the plan from creeping. Where state streams from SSD (or
-        computes on a device) the trim keeps host memory from creeping up by several units' worth of
-        freed gradients."""
+        step always does: :meth:`PartStepper.step_part`). A run with every kind in host memory, as
+        Lightning, leaves the heap to the allocator: a trim after every unit's step gave back the pages the
+        next micro-batch faulted in again, a few percent of a step (``benchmarks/memory.py``; results
+        ``memory_defaults_fp32_trim.json``). Where state streams from SSD (or computes on a device) the trim
+        keeps host memory from creeping up by several units' worth of freed gradients."""
         self.host_group: Any = data_parallel.host_group if data_parallel is not None else None
         """Data parallel: the process group for host tensors (gloo beside NCCL; None: the default group)."""
         # built in dependency order, each complete: the lane first (the pool asks it whether buffers are
@@ -373,10 +364,8 @@ class TieredTensorStore:
         self.stepper.reconfigure(alpha, lag)
         self.arena.budget.set_budget(buffer_budget_bytes, lag)
         # once, with nothing in flight: the heap the steps before the plan freed (on the lane's thread
-        # too, which a synchronous step no longer uses) goes back to the OS. Without it a run with every
-        # kind in RAM crept from step to step after the plan (168M GPT, 32-true, sequence 128, K=8, 8 steps,
-        # four rounds: peak RSS 3,572-3,620 MB, still rising at step 8; with it 3,297-3,433 MB, flat;
-        # Lightning 3,232-3,241 MB; step time unchanged)
+        # too, which a synchronous step no longer uses) goes back to the OS; without it a run with every
+        # kind in RAM crept from step to step after the plan
         trim_heap()
 
     @property

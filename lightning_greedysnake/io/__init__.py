@@ -11,6 +11,7 @@ from lightning_greedysnake.io.engine import (
     ThreadedIOEngine,
     default_engine,
     open_offload_file,
+    when_all,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "default_engine",
     "align_up",
     "open_offload_file",
+    "when_all",
 ]

@@ -23,6 +23,26 @@ from lightning_greedysnake.io.aligned import ALIGN_BYTES, AlignedBuffer, align_u
 MiB = 1 << 20
 
 
+def when_all(futures: list[Future[None]], callback: Callable[[], None]) -> None:
+    """Call ``callback`` once every one of ``futures`` completed: now if none is given, else on the thread
+    that completes the last one (a countdown under its own lock)."""
+    if not futures:
+        callback()
+        return
+    remaining = [len(futures)]
+    gate = threading.Lock()
+
+    def one_done(_: Future[None]) -> None:
+        with gate:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    for f in futures:
+        f.add_done_callback(one_done)
+
+
 class OffloadIOError(OSError):
     """An offload read or write failed; the message names the file, offset and operation."""
 
@@ -180,40 +200,36 @@ class ThreadedIOEngine:
     def write(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int, nbytes: int) -> None:
         self.submit_write(file, offset, buffer, buffer_offset, nbytes).result()
 
-    def _submit(self, op: str, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
-                nbytes: int) -> Future[None]:
-        pool = self._pool
-        if pool is None:
+    def _check_request(self, op: str, file: OffloadFile, offset: int, buffer_offset: int, nbytes: int) -> None:
+        if self._pool is None:
             raise RuntimeError("the I/O engine is closed")
         for name, value in (("offset", offset), ("buffer_offset", buffer_offset), ("nbytes", nbytes)):
             if value % ALIGN_BYTES:
                 raise ValueError(f"{op} {name}={value} is not a multiple of {ALIGN_BYTES} (O_DIRECT alignment)")
         if offset + nbytes > file.size_bytes:
             raise ValueError(f"{op} of {nbytes} bytes at offset {offset} runs past the end of {file}")
+
+    def _submit(self, op: str, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
+                nbytes: int) -> Future[None]:
+        self._check_request(op, file, offset, buffer_offset, nbytes)
+        pool = self._pool
+        assert pool is not None
         # Split into chunks; the returned future completes when every chunk has, and carries the first
-        # error. Each chunk touches a disjoint part of the buffer and the file, so chunks need no order.
+        # chunk's error. Each chunk touches a disjoint part of the buffer and the file: no order among them.
         chunk = self.config.chunk_bytes
         pieces = [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)] or [(0, 0)]
-        done: Future[None] = Future()
-        remaining = [len(pieces)]
-        errors: list[BaseException] = []
-        gate = threading.Lock()
-
-        def finished(f: Future[None]) -> None:
-            with gate:
-                if f.exception() is not None:
-                    errors.append(f.exception())  # type: ignore[arg-type]
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                if errors:
-                    done.set_exception(errors[0])
-                else:
-                    done.set_result(None)
-
         fn = self._read_piece if op == "read" else self._write_piece
-        for rel, size in pieces:
-            pool.submit(fn, file, offset + rel, buffer, buffer_offset + rel, size).add_done_callback(finished)
+        chunks = [pool.submit(fn, file, offset + rel, buffer, buffer_offset + rel, size) for rel, size in pieces]
+        done: Future[None] = Future()
+
+        def settle() -> None:  # on the I/O thread that completes the last chunk
+            error = next((e for e in (f.exception() for f in chunks) if e is not None), None)
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+        when_all(chunks, settle)
         return done
 
     def _read_piece(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
@@ -278,12 +294,7 @@ class InlineIOEngine(ThreadedIOEngine):
 
     def _submit(self, op: str, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
                 nbytes: int) -> Future[None]:
-        if self._pool is None:
-            raise RuntimeError("the I/O engine is closed")
-        if (offset | buffer_offset | nbytes) % ALIGN_BYTES:
-            raise ValueError(f"{op} of {nbytes} bytes at {offset} is not {ALIGN_BYTES}-byte aligned (O_DIRECT)")
-        if offset + nbytes > file.size_bytes:
-            raise ValueError(f"{op} of {nbytes} bytes at offset {offset} runs past the end of {file}")
+        self._check_request(op, file, offset, buffer_offset, nbytes)
         done: Future[None] = Future()
         try:
             fn = self._read_piece if op == "read" else self._write_piece

@@ -91,9 +91,8 @@ class GradientAccumulator:
         elif grad.dtype == view.dtype:
             view.add_(grad)
         else:
-            # fp32 += bf16 through torch's type promotion allocates an fp32 temporary per call, and every
-            # large one is fresh memory to fault in: ~15x slower than a copy into a kept buffer and an
-            # fp32 add (the same sum, bit for bit)
+            # fp32 += bf16 through torch's type promotion allocates an fp32 temporary per call, fresh
+            # memory to fault in: a copy into a kept buffer and an fp32 add is the same sum, bit for bit
             if self._scratch is None or self._scratch.numel() < grad.numel():
                 self._scratch = torch.empty(max(grad.numel(), self._largest_param), dtype=view.dtype,
                                             device=view.device)
@@ -146,9 +145,8 @@ class GradientAccumulator:
     def _complete(self, u: int) -> Tensor:
         """Unit ``u``'s accumulator with zeros wherever no gradient was written (alignment padding, and the
         parameters without a gradient so far), before anyone reads it whole: the ranks' average, the
-        finiteness sum, the gradient observer, its tier. A fresh accumulator is not zeroed up front: each
-        parameter's first gradient is copied in (zeroing the whole buffer every window cost a memory pass
-        over every gradient, ~3% of a compute-bound CPU step)."""
+        finiteness sum, the gradient observer, its tier. A fresh accumulator is not zeroed up front (a
+        memory pass over every gradient): each parameter's first gradient is copied in."""
         flat = self.flat(u)
         end = 0
         written = sorted((s.offset_numel, s.offset_numel + s.numel)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_greedysnake.io import ALIGN_BYTES, AlignedBuffer
+from lightning_greedysnake.offload.regions import FILE_NAMES
 
 LOCK_NAME = ".greedysnake.lock"
 
@@ -175,8 +176,8 @@ def preflight(
 KEEP_MARK = "keep_files\n"
 """The lock file's second line where the run keeps its files (``offload.keep_files=True``)."""
 
-LEFTOVER_FILES = ("weights.bin", "master_weights.bin", "optimizer_states.bin", "gradients.bin", "checkpoints.bin")
-"""The files a run keeps in its offload directory (``offload.regions.FILE_NAMES``)."""
+LEFTOVER_FILES = tuple(FILE_NAMES.values())
+"""The files a run keeps in its offload directory."""
 
 
 @dataclass

@@ -15,13 +15,8 @@ from lightning_greedysnake.offload.device_regions import DeviceRegions
 from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import HostRegions, SSDRegions
 
-FILE_NAMES = {
-    TensorKind.WEIGHTS: "weights.bin",
-    TensorKind.MASTER_WEIGHTS: "master_weights.bin",
-    TensorKind.OPTIMIZER_STATES: "optimizer_states.bin",
-    TensorKind.GRADIENTS: "gradients.bin",
-    TensorKind.CHECKPOINTS: "checkpoints.bin",
-}
+FILE_NAMES = {kind: f"{kind.value}.bin" for kind in TensorKind}
+"""Each kind's file in an offload directory."""
 SLOTTED = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES)
 """The kinds a step rewrites: with two slots (speculative steps) each unit has two regions of each."""
 

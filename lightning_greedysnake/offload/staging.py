@@ -25,14 +25,14 @@ import torch
 from torch import Tensor
 
 from lightning_greedysnake.config import REGION_KINDS, OffloadConfig, TensorKind
-from lightning_greedysnake.io import AlignedBuffer, align_up
+from lightning_greedysnake.io import AlignedBuffer, align_up, when_all
 from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.device_regions import DeviceRegions
 from lightning_greedysnake.offload.pool import BufferBudgetError, BufferPool
 from lightning_greedysnake.offload.regions import SLOTTED, RegionMap, SlotMap, placement_of
 from lightning_greedysnake.offload.stats import IOStats
-from lightning_greedysnake.offload.tiers import HostRegions, when_all
+from lightning_greedysnake.offload.tiers import HostRegions
 from lightning_greedysnake.planner.staging import StagingBudget, staging_budget, unit_staging
 
 

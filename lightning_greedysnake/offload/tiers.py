@@ -19,29 +19,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up
+from lightning_greedysnake.io import AlignedBuffer, IOEngine, OffloadFile, align_up, when_all
 from lightning_greedysnake.layout import FileLayout, build_file_layout
 from lightning_greedysnake.offload.stats import IOStats
-
-
-def when_all(futures: list[Future[None]], callback: Callable[[], None]) -> None:
-    """Call ``callback`` once every one of ``futures`` completed: now if none is given, else on the thread
-    that completes the last one (a countdown under its own lock)."""
-    if not futures:
-        callback()
-        return
-    remaining = [len(futures)]
-    gate = threading.Lock()
-
-    def one_done(_: Future[None]) -> None:
-        with gate:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            callback()
-
-    for f in futures:
-        f.add_done_callback(one_done)
 
 
 class HostRegions:

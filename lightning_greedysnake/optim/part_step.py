@@ -203,11 +203,8 @@ class PartStepper:
         self._write_back(unit, lo, hi, master, states, compute, weights_held, mflat, compute_ranges)
         if self._trim or created:
             # a first step's new state was allocated on this thread's heap, copied and freed: its pages go
-            # back to the OS once, whatever ``trim`` says. Kept, they were free memory of the lane thread's
-            # own glibc arena, which the training thread's allocations never reuse: 332-364 MB of it
-            # (malloc_info) put the peak RSS of step 2 at 3,293-3,564 MB against 3,128-3,193 MB with this
-            # (168M GPT, 32-true, sequence 128, K=8, state in RAM; ad hoc runs of memory.py's child, six
-            # without, twelve with)
+            # back to the OS once, whatever ``trim`` says. Kept, they stay free memory of the lane thread's
+            # own glibc arena, which the training thread's allocations never reuse
             trim_heap((hi - lo) * 4)
 
     def _write_back(self, unit: int, lo: int, hi: int, master: StagedBuffer, states: StagedBuffer | None,

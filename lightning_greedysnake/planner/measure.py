@@ -160,9 +160,8 @@ def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None
     """Elements per second of one step of ``optimizer``'s class (with its first param group's settings)
     on the host, as the optimizer lane runs it: on a thread of its own with ``threads`` intra-op threads
     (the lane's planned count, :func:`lightning_greedysnake.planner.threads.optimizer_threads`; None:
-    on the calling thread, with its threads). Default optimizer: fused AdamW. torchao's 8-bit AdamW,
-    say, steps some 20x fewer elements per second on a CPU than fused AdamW
-    (``benchmarks/optimizer_rate.py``): the plan must see the user's own."""
+    on the calling thread, with its threads). Default optimizer: fused AdamW. Rates differ by an order
+    of magnitude between optimizers (``benchmarks/optimizer_rate.py``): the plan must see the user's own."""
     if threads is None:
         return _optimizer_rate(numel, repeats, optimizer)
     import threading

@@ -46,11 +46,6 @@ class KindPlacement:
     device_bytes: int = 0
     """Device memory those units take."""
 
-    @property
-    def share(self) -> float:
-        """The kind's host share of its bytes (``Split.host``)."""
-        return self.host_bytes / self.total_bytes if self.total_bytes else 1.0
-
 
 @dataclass(frozen=True)
 class PlacementPlan:

@@ -21,10 +21,9 @@ overlaps. With every kind in RAM there is nothing left to hide, and the synchron
 every core) wins, as Lightning's own step does.
 
 SSD time counts only the bytes of regions on SSD (``UnitCost.on_ssd``, as :func:`~.roofline.traffic`
-counts them), and sums reads and writes: one disk serves both. Measured here (``benchmarks/disk_mix.py``)
-a read stream beside a write stream took 0.72-1.15x the two one after the other (median 0.94) and
-1.37-1.79x the slower one alone, so the sum is the nearer model (a second working set overlaps the
-optimizer's compute with its I/O, not one disk's reads with its writes).
+counts them), and sums reads and writes: one disk serves both, a read stream beside a write stream
+about as fast as the two one after the other (``benchmarks/disk_mix.py``; a second working set overlaps
+the optimizer's compute with its I/O, not one disk's reads with its writes).
 
 Keeping the autograd graphs (``recompute=False``) takes each unit's recompute out of the backward
 phase and its checkpoint traffic out of both, and costs every unit's graph for all K micro-batches in

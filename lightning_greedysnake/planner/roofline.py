@@ -70,9 +70,7 @@ class Machine:
     shared_cores: bool = False
     """The model computes on the cores the lane's kernels run on (no device tier): a background step
     takes its compute's time from the training's instead of overlapping it, and hides only its I/O
-    (measured on the 168M GPT, every kind in RAM, 2 cores: the lane was busy 0.64-0.73 s a step against
-    the synchronous step's 0.25 s at bf16-mixed, and lag 0 ran 0.98-1.07x lag 1's speed, three rounds
-    each at bf16-mixed and 32-true: no faster in the background)."""
+    (measured with every kind in RAM on 2 cores: lag 0 as fast as lag 1)."""
 
     @property
     def inline_rate(self) -> float:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.offload.preflight import human_bytes
 
 if TYPE_CHECKING:
     from lightning_greedysnake.tensor_manager import TieredTensorStore
@@ -34,15 +35,6 @@ if TYPE_CHECKING:
 FP32_BYTES = 4
 """The optimizer's state comes back as ``torch.optim`` keeps it: fp32 tensors the size of the parameter,
 one per slot (quantized state dequantized)."""
-
-
-def _size(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError
 
 
 KEEP = ("save a checkpoint during fit, which streams the state unit by unit from the tiers (ModelCheckpoint, "
@@ -154,15 +146,15 @@ class HostMemory:
         raise_to = f"raise auto_host_budget_bytes (this placement's hand-back of both needs {with_state:,} bytes)"
         if weights_only <= self.budget_bytes:
             return HandBack(True, False, staging_bytes=self.staging_bytes, why=(
-                f"the optimizer's state ({_size(self.state_bytes)}) does not come back at the end of fit: with it "
-                f"the hand-back would take {_size(with_state)} of RAM, over the host budget of "
-                f"{_size(self.budget_bytes)}; the weights do ({_size(self.weights_bytes)}). To keep the state: "
+                f"the optimizer's state ({human_bytes(self.state_bytes)}) does not come back at the end of fit: with it "
+                f"the hand-back would take {human_bytes(with_state)} of RAM, over the host budget of "
+                f"{human_bytes(self.budget_bytes)}; the weights do ({human_bytes(self.weights_bytes)}). To keep the state: "
                 f"{KEEP}; or {raise_to}. After fit your optimizer refuses state_dict() and step() (so "
                 "trainer.save_checkpoint needs weights_only=True) until a state is loaded into it"))
         return HandBack(False, False, why=(
-            f"neither the trained weights ({_size(self.weights_bytes)}) nor the optimizer's state come back at "
-            f"the end of fit: the weights alone would take {_size(weights_only)} of RAM, over the host budget of "
-            f"{_size(self.budget_bytes)}. To keep them: {KEEP}; or raise auto_host_budget_bytes (this placement's "
+            f"neither the trained weights ({human_bytes(self.weights_bytes)}) nor the optimizer's state come back at "
+            f"the end of fit: the weights alone would take {human_bytes(weights_only)} of RAM, over the host budget of "
+            f"{human_bytes(self.budget_bytes)}. To keep them: {KEEP}; or raise auto_host_budget_bytes (this placement's "
             f"hand-back needs {weights_only:,} bytes for the weights, {with_state:,} with the state). After fit the module refuses "
             "to run or be saved until a checkpoint is loaded into it; set offload.return_weights=False to say so"))
 
@@ -188,38 +180,38 @@ class HostMemory:
         return self.budget_bytes + self.built_bytes + (0 if self.bounded else self.returned_bytes)
 
     def report(self) -> str:
-        built = (f"the model as you built it, {_size(self.built_bytes)} of parameters (built on the meta device, "
+        built = (f"the model as you built it, {human_bytes(self.built_bytes)} of parameters (built on the meta device, "
                  "trainer.init_module(empty_init=True), it takes none)" if self.built_bytes else
                  "the model as built takes none (the meta device)")
         back = self.hand_back
         if not self.return_weights:
             end = "Nothing is copied back at the end (offload.return_weights=False)."
         elif back.complete:
-            within = (f", unit by unit in place of the tensor manager's RAM: at most {_size(self.hand_back_peak(True))}"
+            within = (f", unit by unit in place of the tensor manager's RAM: at most {human_bytes(self.hand_back_peak(True))}"
                       ", within the budget" if self.bounded else " (auto=False: no budget for it)")
             end = (f"At the end of fit the trained weights and the optimizer's state come back into the module and "
-                   f"your optimizer (offload.return_weights=True), {_size(self.weights_bytes)} + "
-                   f"{_size(self.state_bytes)}{within}.")
+                   f"your optimizer (offload.return_weights=True), {human_bytes(self.weights_bytes)} + "
+                   f"{human_bytes(self.state_bytes)}{within}.")
         else:
             end = f"{back.why[0].upper()}{back.why[1:]}."
-        return (f"greedysnake host memory: the host budget ({_size(self.budget_bytes)}) covers what the tensor "
+        return (f"greedysnake host memory: the host budget ({human_bytes(self.budget_bytes)}) covers what the tensor "
                 f"manager keeps in RAM (the kinds placed there, staging, activation checkpoints). Not in it: "
-                f"{built}. {end} Expect the process to peak near {_size(self.peak_bytes)}, plus torch and the data.")
+                f"{built}. {end} Expect the process to peak near {human_bytes(self.peak_bytes)}, plus torch and the data.")
 
     def warning(self) -> str | None:
         """The fixes, where the model itself (as built, or, without a budget for the hand-back, as it
         comes back) exceeds the budget."""
         fixes, what = [], []
         if self.built_bytes > self.budget_bytes:
-            what.append(f"the model as built ({_size(self.built_bytes)})")
+            what.append(f"the model as built ({human_bytes(self.built_bytes)})")
             fixes.append("build the model on the meta device (`with trainer.init_module(empty_init=True): module = "
                          "MyModule(...)`: setup materializes it unit by unit straight into the tensor manager)")
         if not self.bounded and self.returned_bytes > self.budget_bytes:
-            what.append(f"the weights and optimizer state copied back at the end ({_size(self.returned_bytes)})")
+            what.append(f"the weights and optimizer state copied back at the end ({human_bytes(self.returned_bytes)})")
             fixes.append("set offload.return_weights=False (nothing is copied back; save with ModelCheckpoint, and "
                          "the module refuses to run or be saved until a checkpoint is loaded into it)")
         if not fixes:
             return None
-        return (f"greedysnake: {' and '.join(what)} exceed the host budget of {_size(self.budget_bytes)}, which "
-                f"covers the tensor manager's RAM only: the process may peak near {_size(self.peak_bytes)}. "
+        return (f"greedysnake: {' and '.join(what)} exceed the host budget of {human_bytes(self.budget_bytes)}, which "
+                f"covers the tensor manager's RAM only: the process may peak near {human_bytes(self.peak_bytes)}. "
                 f"Fix: {'; and '.join(fixes)}.")

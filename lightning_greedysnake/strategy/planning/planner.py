@@ -45,9 +45,8 @@ FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_bu
 PLAN_STEP = 2
 """The optimizer step whose compute the plan measures, and after which it runs: the first warm one. The
 first step's compute runs slow (every staging buffer touched for the first time, each kernel's first
-call): its backward took 1.4-1.5x a later step's on the 168M GPT at sequence 32 here, which made the
-plan see compute bind where the disk did and underrate larger units. A run of fewer steps is not
-planned (the settings in effect are kept)."""
+call) and would make the plan see compute bind where the disk does. A run of fewer steps is not planned
+(the settings in effect are kept)."""
 
 
 def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Machine, str]:
