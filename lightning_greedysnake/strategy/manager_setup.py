@@ -8,11 +8,11 @@ convention for FSDP and DeepSpeed)."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig
@@ -87,10 +87,10 @@ def check_device(config: GreedySnakeConfig, device: torch.device, distributed: b
             "Trainer(accelerator='gpu') or Trainer(accelerator='cpu')."
         )
     if device.type == "cuda" and distributed:
-        warnings.warn(
+        rank_zero_warn(
             "greedysnake: data parallel with offloading on CUDA (gradients reduce-scattered on the GPUs over "
             "NCCL, host tensors over gloo) is tested on the simulated device over gloo only, not yet across "
-            "real GPUs. Compare a short run against strategy='ddp' before relying on it.", stacklevel=2)
+            "real GPUs. Compare a short run against strategy='ddp' before relying on it.")
 
 
 def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
@@ -124,12 +124,12 @@ def warn_empty_shares(state: StateLayout, config: GreedySnakeConfig) -> None:
     for kind in REGION_KINDS:
         sizes = state.all_region_bytes(kind)
         for tier, share, needed in empty_shares(sizes, config.offload.tier(kind)):
-            warnings.warn(
+            rank_zero_warn(
                 f"greedysnake: offload.{kind.value}={config.offload.tier(kind)} puts no unit on {tier.value}: units "
                 f"are placed whole, and the one that would go there first is {needed:.1%} of the kind's "
                 f"{sum(sizes):,} bytes, more than its {share:.1%} share (units of {config.layers_per_unit} "
                 f"layer(s)). Fix: a {tier.value} share of at least {needed:.1%}, or a smaller layers_per_unit (set "
-                "it: with auto=True the unit size is chosen by measuring the disk).", stacklevel=2)
+                "it: with auto=True the unit size is chosen by measuring the disk).")
 
 
 def move_all_but_units(module: nn.Module, units: list[Unit], device: torch.device) -> None:

@@ -1,3 +1,7 @@
+import warnings
+
+import pytest
+
 from lightning_greedysnake.config import Split, Tier
 from lightning_greedysnake.layout import (PARAM_ALIGN_NUMEL, build_file_layout, build_unit_layout, empty_shares,
                                         unit_tiers)
@@ -62,3 +66,23 @@ def test_a_split_share_that_no_whole_unit_fits_is_found_with_the_share_it_needs(
     assert empty_shares([20, 20, 60], Split(0.5, 0.5)) == []  # (two units in RAM)
     assert empty_shares([30, 50, 20], Split(0.3, 0.5, device=0.2)) == [(Tier.DEVICE, 0.2, 0.3)]
     assert empty_shares([30, 50, 20], Tier.HOST) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_split_share_no_unit_fits_is_said_once_by_rank_zero(rank, monkeypatch):
+    """Every rank lays the state out alike: the warning comes from rank 0 alone, as Lightning's own do."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_greedysnake.config import GreedySnakeConfig
+    from lightning_greedysnake.layout import StateLayout
+    from lightning_greedysnake.strategy.manager_setup import warn_empty_shares
+
+    units = tuple(build_unit_layout(u, [("w", (n,), 0)]) for u, n in enumerate((6000, 2000, 2000)))
+    state = StateLayout(units, compute_itemsize=4, num_slots=2, separate_master=False)
+    config = GreedySnakeConfig(layers_per_unit=1, offload={"weights": {"host": 0.5, "ssd": 0.5}})
+    monkeypatch.setattr(rank_zero_only, "rank", rank)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_empty_shares(state, config)
+    said = [str(w.message) for w in seen if "puts no unit on host" in str(w.message)]
+    assert len(said) == (1 if rank == 0 else 0)
