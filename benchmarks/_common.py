@@ -10,6 +10,18 @@ import subprocess
 import sys
 from typing import Any
 
+WARMUP_STEPS = 2
+"""Steps not timed, of every system: warm-up, and greedysnake's ``auto=True`` plan after step 2."""
+
+
+def steady_step_s(step_times: list[float]) -> float:
+    """A run's step time: the median of its steps after :data:`WARMUP_STEPS` (all of them in a shorter
+    run). The first step after the plan may still run slow (the new settings' buffers touched for the first
+    time): a run of 6 steps or more keeps it from deciding the median."""
+    import statistics
+
+    return statistics.median(step_times[WARMUP_STEPS:] or step_times)
+
 
 def gpt_module(n_embd: int, n_layer: int, n_head: int, vocab: int, seq: int, optimizer: str = "AdamW") -> Any:
     """A LightningModule around the package GPT with fused AdamW, or torchao's ``AdamW8bit`` /

@@ -15,9 +15,9 @@ DeepSpeed is optional and kept out of CI. To include it on a CPU machine:
     python benchmarks/compare.py --seq 128 --ks 8 --systems gs_vertical --baseline a952f99 --rounds 3
                                      # this tree against an earlier commit, runs alternating, ratio of medians
 
-Each run's step time is the median of its steps after the second (``--steps``, default 4: steps 3 and 4),
+Each run's step time is the median of its steps after the second (``--steps``, default 6: steps 3 to 6),
 every system alike: the first steps are warm-up (DeepSpeed's, and greedysnake's first steps run at the
-fixed settings until ``auto=True``'s plan after step 2). Results measured before this rule (commits up to 3749a5f) took the median after the first of 3.
+fixed settings until ``auto=True``'s plan after step 2, and the step after the plan may still run slow). Results measured before this rule (commits up to 3749a5f) took the median after the first of 3.
 
 Writes a table, ``benchmarks/results/compare.json`` and a plot of tokens/s against K per system with
 greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench]``).
@@ -41,9 +41,6 @@ DEEPSPEED = {"deepspeed": "nvme", "deepspeed_cpu": "cpu"}
 optimizer state on NVMe), the peer of greedysnake with its state on SSD; ``deepspeed_cpu`` is ZeRO-3 with
 both in host memory (ZeRO-Offload), the peer of greedysnake with its state in RAM (the defaults where the
 host budget holds the model's state)."""
-
-WARMUP_STEPS = 2
-"""Steps not timed, of every system: warm-up, and greedysnake's ``auto=True`` plan after step 2."""
 
 SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
            "gs_auto_ssd_bf16_state", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
@@ -74,7 +71,7 @@ def _ssd_bytes(trainer: Any) -> int:
 
 def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, Any]:
     import lightning as L
-    from _common import gpt_module, token_loader
+    from _common import WARMUP_STEPS, gpt_module, token_loader
 
     from lightning_greedysnake import GreedySnakeStrategy
     from lightning_greedysnake.config import TensorKind
@@ -177,6 +174,8 @@ def run_deepspeed(args: argparse.Namespace, k: int, offload: str) -> dict[str, A
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
+    from _common import steady_step_s
+
     import lightning_greedysnake
 
     system, k = args.child.split(":")
@@ -185,8 +184,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         result = run_deepspeed(args, k, DEEPSPEED[system])
     else:
         result = run_lightning(args, system, k)
-    steady = result["step_times"][WARMUP_STEPS:] or result["step_times"]
-    step_s = statistics.median(steady)
+    step_s = steady_step_s(result["step_times"])
     return {"system": system, "k": k, "step_s": round(step_s, 3), "package": lightning_greedysnake.__file__,
             "tokens_per_s": round(k * args.seq / step_s, 1), **{k_: v for k_, v in result.items() if k_ != "step_times"}}
 
@@ -276,12 +274,12 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str | None = None) -> None:
 
 
 def main() -> None:
-    from _common import add_machine_args, add_model_args
+    from _common import WARMUP_STEPS, add_machine_args, add_model_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, n_layer=12, seq=128)
     parser.add_argument("--ks", type=int, nargs="+", default=[8])
-    parser.add_argument("--steps", type=int, default=WARMUP_STEPS + 2)
+    parser.add_argument("--steps", type=int, default=WARMUP_STEPS + 4)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--budget-gb", type=float, default=0.0,

@@ -58,7 +58,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from _common import gpt_module, token_loader
+    from _common import gpt_module, steady_step_s, token_loader
     from lightning_greedysnake import GreedySnakeStrategy, OffloadConfig
 
     idle_mb = _rss_mb()  # an idle process with everything imported: the baseline of "growth"
@@ -114,7 +114,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         module = Module()
     trainer.fit(module, loader)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    steady = timer.times[1:] or timer.times
+    step_s = steady_step_s(timer.times)
     out: dict[str, Any] = {
         "config": name,
         "params": config.num_params,
@@ -125,8 +125,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_by_step_mb": timer.peaks,
         "growth_mb": round(peak_mb - idle_mb, 1),
         "growth_vs_state": round((peak_mb - idle_mb) / (config.num_params * 16 / 2**20), 3),
-        "step_s": round(sum(steady) / len(steady), 3),
-        "tokens_per_s": round(args.k * args.micro_batch * args.seq / (sum(steady) / len(steady)), 1),
+        "step_s": round(step_s, 3),
+        "tokens_per_s": round(args.k * args.micro_batch * args.seq / step_s, 1),
     }
     if timer.io:
         first, last = timer.io[0], timer.io[-1]
