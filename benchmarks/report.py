@@ -54,7 +54,12 @@ SECTIONS: tuple[Section, ...] = (
         "first step; SSD bytes are the kernel's counters of the process.",
         (Result("scale", "The ladder, bf16-mixed, sequence 32, K=2."),
          Result("scale_lean", "The largest size `gs_bf16_state` trained, again with a small host budget "
-                              "(`--host-budget-gb`, in the settings): how little RAM it needs.")),
+                              "(`--host-budget-gb`, in the settings): how little RAM it needs."),
+         Result("scale_rerun", "greedysnake's rows again, on later code (the commit is in `note`): the same sizes "
+                               "train, at the same peak RSS."),
+         Result("scale_ab_7cf8384", "Five steps at two sizes, the ladder's code against the later code, alternating: "
+                                    "the steady step (`steady_step_s`, after the warm-step plan) the ladder's three "
+                                    "steps do not show.")),
     ),
     Section(
         "The defaults and every kind on SSD against both DeepSpeed offloads",
@@ -449,7 +454,47 @@ def scale_table() -> str:
     ])
 
 
-README_BLOCKS = {"headline": headline, "scale": scale_table}
+RAM = (Result("memory_defaults_fp32_steps_after_backward", "Peak RSS, 32-true"),
+       Result("memory_defaults_bf16_steps_after_backward", "Peak RSS, bf16-mixed"),
+       Result("compare_steady_seq128_fp32_after_backward", "Step time, 32-true (steps 3 to 6)"))
+"""The README's table of the defaults with every kind in RAM against Lightning in memory: peak RSS
+(``benchmarks/memory.py``) and step time (``benchmarks/compare.py``), each round and the medians."""
+
+RAM_PAIRS = (("lightning_auto", "greedysnake_defaults"), ("lightning_auto_bf16", "greedysnake_defaults_bf16"),
+             ("lightning_auto", "gs_default"))
+"""(Lightning, the defaults) as memory.py's ``config`` and compare.py's ``system`` name them."""
+
+
+def ram_rows(result: Result) -> tuple[str, list[float], float]:
+    """``result``'s value for the defaults and for Lightning (peak RSS in MB, or seconds a step), as
+    (both medians in words, each round's ratio of the defaults to Lightning, the ratio of the medians)."""
+    data = load(result.file)
+    by_round: dict[Any, dict[str, float]] = {}
+    for r in data["rows"]:
+        name = r.get("config", r.get("system"))
+        by_round.setdefault(r.get("round", "median"), {})[name] = r["peak_rss_mb"] if "peak_rss_mb" in r else r["step_s"]
+    lightning, ours = next((a, b) for a, b in RAM_PAIRS if b in by_round["median"])
+    rounds = [v[ours] / v[lightning] for k, v in sorted(by_round.items(), key=str) if k != "median"]
+    median = by_round["median"]
+    unit = "MB" if "peak_rss_mb" in data["rows"][0] else "s"
+    words = f"{median[ours]:,.{0 if unit == 'MB' else 3}f} {unit} against {median[lightning]:,.{0 if unit == 'MB' else 3}f} {unit}"
+    return words, rounds, median[ours] / median[lightning]
+
+
+def ram_table() -> str:
+    """The README's table of :data:`RAM`'s files only: the defaults against Lightning in memory."""
+    lines = [("| the defaults (every kind in RAM) against Lightning in memory | medians | the defaults / Lightning, "
+              "each round | of the medians |"),
+             "|---|---|---|---|"]
+    for result in RAM:
+        words, rounds, ratio = ram_rows(result)
+        lines.append(f"| {result.caption} | {words} | {', '.join(f'{r:.3f}x' for r in rounds)} | {ratio:.3f}x |")
+    notes = [f"`{load(r.file).get('command', '')}` ({r.file}.json)" for r in RAM]
+    return "\n".join([*lines, "", f"GPT 1024 x 12 (168M), sequence 128, K=8, on {machine(load(RAM[0].file))}: "
+                      + "; ".join(notes) + "."])
+
+
+README_BLOCKS = {"headline": headline, "ram": ram_table, "scale": scale_table}
 """The README's generated blocks, each between ``<!-- gen:NAME (benchmarks/report.py --readme) -->`` and
 ``<!-- /gen:NAME -->``."""
 

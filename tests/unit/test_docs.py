@@ -167,6 +167,11 @@ def test_the_readme_headline_is_its_json_and_short():
         for label, best, _ in report.scale_rows(result):
             assert (f"| {label} | {best['size']} | {best['params'] / 1e9:.2f}B | {report.cell(best['peak_rss_gb'])} GiB"
                     if best is not None else f"| {label} | none |") in readme
+    for result in report.RAM[:2]:  # the RAM table's peak RSS rows: each round's ratio as memory.py wrote it
+        rows = report.load(result.file)["rows"]
+        said = [f"{r['rss_vs_lightning']:.3f}x" for r in sorted(rows, key=lambda r: str(r["round"]))
+                if r["round"] != "median" and "greedysnake" in r["config"]]
+        assert f"| {result.caption} | " in readme and f"| {', '.join(said)} |" in readme
     assert len(readme.splitlines()) <= 150
 
 
