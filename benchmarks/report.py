@@ -131,7 +131,10 @@ SECTIONS: tuple[Section, ...] = (
         (Result("compare_shared_cores_ssd_seq32", "`vs_baseline`: tokens/s against c2872eb."),
          Result("compare_writebehind_seq32", "`gs_vertical` on 30446f5 against b29bf93, 32-true, three rounds "
                                              "alternating: prefetches that wait for a finished step's write-behind, "
-                                             "instead of being refused, cost no speed.")),
+                                             "instead of being refused, cost no speed."),
+         Result("compare_io_consolidation_seq32", "`gs_vertical` on 4afcf51 against 6d4235d, bf16-mixed, three "
+                                                  "rounds alternating: the I/O engine's chunks counted down by "
+                                                  "`io.when_all`, at no cost.")),
     ),
     Section(
         "SSD against SSD",
