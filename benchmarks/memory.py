@@ -20,7 +20,8 @@ Each configuration runs in a fresh process (so peak RSS is its own), on the same
 Reports peak RSS (``train_peak_rss_mb``: by the end of the last step, before the end of fit hands the state
 back; ``peak_rss_mb``: the whole run), its growth over the same process idle (torch, Lightning and this package imported),
 and that growth as a fraction of the model state (16 bytes per parameter: fp32 weights, gradients, two
-Adam moments). Prints a table and writes JSON (default ``benchmarks/results/memory.json``).
+Adam moments), and the step time as compare.py takes it (``step_s``: the median of the steps after the second,
+``_common.steady_step_s``). Prints a table and writes JSON (default ``benchmarks/results/memory.json``).
 """
 
 from __future__ import annotations
