@@ -10,7 +10,7 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,8 +122,10 @@ def preflight(
     offload_dir: str | os.PathLike[str],
     breakdown: Mapping[str, int],
     free_space_probe: FreeSpaceProbe = disk_free_bytes,
+    fixes: Sequence[str] = (),
 ) -> PreflightReport:
-    """Check ``offload_dir`` for a run that will keep ``sum(breakdown.values())`` bytes there.
+    """Check ``offload_dir`` for a run that will keep ``sum(breakdown.values())`` bytes there; ``fixes``:
+    what else would shrink those bytes for this run, said beside the general fixes when they do not fit.
 
     Creates the directory itself (owner-only) when its parent exists; a missing parent is refused, since
     it usually means a mistyped mount point and creating it would silently fill the root filesystem.
@@ -165,10 +167,10 @@ def preflight(
     free = int(free_space_probe(path))
     report = PreflightReport(path, o_direct, free, required, dict(breakdown))
     if free < required:
+        ways = ["free space", "point offload_dir at a larger disk", "keep more state in host memory", *fixes]
         raise ValueError(
             f"offload_dir={raw!r} has {human_bytes(free)} free but this model and placement need "
-            f"{human_bytes(required)} there:\n{report.text()}\nFix: free space, point offload_dir at a larger "
-            "disk, or keep more state in host memory."
+            f"{human_bytes(required)} there:\n{report.text()}\nFix: {', '.join(ways[:-1])}, or {ways[-1]}."
         )
     return report
 

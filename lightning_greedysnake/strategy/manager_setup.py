@@ -15,10 +15,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig
+from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, TensorKind
 from lightning_greedysnake.layout import StateLayout, empty_shares
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
 from lightning_greedysnake.offload.device import device_copies_for
+from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
@@ -132,6 +133,16 @@ def warn_empty_shares(state: StateLayout, config: GreedySnakeConfig) -> None:
                 "it: with auto=True the unit size is chosen by measuring the disk).")
 
 
+def disk_fixes(manager: TieredTensorStore, needs: list[dict[str, int]]) -> tuple[str, ...]:
+    """What this run itself could set to need less disk, for a refusal of too little free space: plain fp32
+    optimizer state on SSD halves in bf16."""
+    state = sum(need.get(TensorKind.OPTIMIZER_STATES.value, 0) for need in needs)
+    if not state or manager.state_format.codec is not None or manager.state_format.dtype != torch.float32:
+        return ()
+    return (f"offload.optimizer_state_dtype=bfloat16 (the optimizer state's {human_bytes(state)} on SSD in half the "
+            "bytes; not bit-identical)",)
+
+
 def move_all_but_units(module: nn.Module, units: list[Unit], device: torch.device) -> None:
     """``module.to(device)`` except the units' parameters: those live in the tensor manager's tiers and
     come to the device one unit at a time (moving them would need the whole model in device memory)."""
@@ -149,8 +160,9 @@ def open_tensor_manager(ctx: SetupContext, manager: TieredTensorStore, directory
     try:
         if manager.config.uses_ssd or directory.given:
             manager.arena.regions.stripe(len(directory.dirs))  # (what each directory keeps, for its preflight)
-            reports = directory.prepare(ctx.default_root, [manager.ssd_bytes(d) for d in range(len(directory.dirs))],
-                                        ctx.global_rank, ctx.local_rank, ctx.is_distributed)
+            needs = [manager.ssd_bytes(d) for d in range(len(directory.dirs))]
+            reports = directory.prepare(ctx.default_root, needs, ctx.global_rank, ctx.local_rank, ctx.is_distributed,
+                                        fixes=disk_fixes(manager, needs))
             ctx.report(directory.text(reports, empty_note))
             manager.open(directory.paths)
         else:

@@ -5,6 +5,7 @@ run kept there), locked for the run, and cleaned up at its end, removing only wh
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_greedysnake.config import OffloadConfig
@@ -54,9 +55,10 @@ class OffloadDirectory:
         return path
 
     def prepare(self, default_root: Path, ssd_bytes: dict[str, int], rank: int = 0, local_rank: int = 0,
-                distributed: bool = False) -> PreflightReport:
+                distributed: bool = False, fixes: Sequence[str] = ()) -> PreflightReport:
         """Choose, check and lock the directory for a run that keeps ``ssd_bytes`` there (after removing
-        what killed runs left beside it, reported in :attr:`leftovers`). A refusal leaves nothing."""
+        what killed runs left beside it, reported in :attr:`leftovers`). A refusal leaves nothing;
+        ``fixes``: the run's own ways to need less disk, said when it does not fit (:func:`preflight`)."""
         path = self._choose(default_root, rank, local_rank, distributed)
         self.leftovers = clear_leftovers(self._neighbours(path, default_root))
         existed = path.exists()
@@ -67,7 +69,7 @@ class OffloadDirectory:
             made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
             path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            report = preflight(path, ssd_bytes)
+            report = preflight(path, ssd_bytes, fixes=fixes)
             self._lock = OffloadDirLock(report.offload_dir, keep_files=self.config.keep_files)
             self._lock.acquire()
             refuse_kept_files(report.offload_dir, self.setting)  # (with the lock: no live run's files)
@@ -144,12 +146,13 @@ class OffloadDirectories:
         return [left for d in self.dirs for left in d.leftovers]
 
     def prepare(self, default_root: Path, ssd_bytes: list[dict[str, int]], rank: int = 0, local_rank: int = 0,
-                distributed: bool = False) -> list[PreflightReport]:
-        """Prepare each directory for the bytes it will keep (``ssd_bytes``, one dict per directory)."""
+                distributed: bool = False, fixes: Sequence[str] = ()) -> list[PreflightReport]:
+        """Prepare each directory for the bytes it will keep (``ssd_bytes``, one dict per directory;
+        ``fixes``: see :meth:`OffloadDirectory.prepare`)."""
         reports = []
         try:
             for d, need in zip(self.dirs, ssd_bytes, strict=True):
-                reports.append(d.prepare(default_root, need, rank, local_rank, distributed))
+                reports.append(d.prepare(default_root, need, rank, local_rank, distributed, fixes))
         except BaseException:
             self.cleanup([])
             raise

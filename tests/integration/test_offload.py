@@ -377,9 +377,16 @@ def test_not_enough_space_on_a_tiny_filesystem_is_refused_up_front(tmp_path):
             self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=32, block_size=8))
 
     with mounted(tmp_path / "tiny", size="2M") as mount:
-        with pytest.raises(ValueError, match=r"has .* free but this model and placement need"):
+        with pytest.raises(ValueError, match=r"has .* free but this model and placement need") as info:
             make_trainer(GreedySnakeStrategy(auto=False, offload_dir=mount), 2, max_epochs=1).fit(Big(), token_loader(4))
         assert list(mount.iterdir()) == []
+        # the run's own way to need less disk is said beside the general ones; with bf16 state already, not
+        assert re.search(r"keep more state in host memory, or offload\.optimizer_state_dtype=bfloat16 \(the optimizer "
+                         r"state's [\d.]+ [KM]iB on SSD in half the bytes", str(info.value)), str(info.value)
+        with pytest.raises(ValueError, match=r"has .* free but this model and placement need") as info:
+            make_trainer(GreedySnakeStrategy(auto=False, offload_dir=mount, offload={"optimizer_state_dtype": "bf16"}),
+                         2, max_epochs=1).fit(Big(), token_loader(4))
+        assert "or keep more state in host memory." in str(info.value) and "bfloat16" not in str(info.value)
         # a directory preflight created for the run is gone again after the refusal
         with pytest.raises(ValueError, match=r"has .* free but this model and placement need"):
             make_trainer(GreedySnakeStrategy(auto=False, offload_dir=mount / "run"), 2, max_epochs=1).fit(Big(), token_loader(4))

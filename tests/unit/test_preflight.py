@@ -58,6 +58,9 @@ def test_read_only_directory(tmp_path):
 def test_too_little_space_with_an_injected_probe(tmp_path):
     with pytest.raises(ValueError, match=r"has 1\.0 GiB free but .* need 3\.0 GiB(.|\n)*master weights(.|\n)*Fix"):
         preflight(tmp_path, {"master weights": 3 * GiB}, free_space_probe=lambda p: 1 * GiB)
+    with pytest.raises(ValueError, match=r"Fix: free space, point offload_dir at a larger disk, keep more state in "
+                                         r"host memory, or set x=1\.$"):
+        preflight(tmp_path, {"master weights": 3 * GiB}, free_space_probe=lambda p: 1 * GiB, fixes=("set x=1",))
 
 
 def test_too_little_space_on_a_tiny_filesystem(tmp_path):
