@@ -48,7 +48,7 @@ from lightning_greedysnake.offload.pool import BufferPool
 from lightning_greedysnake.offload.residency import UpdateGate, WeightsResidency
 from lightning_greedysnake.offload.staging import StagingArena
 from lightning_greedysnake.offload.stats import IOStats
-from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper, discover_slots
+from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper, discover_slots, split_numel
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.optim.protocols import StepCollectives
 from lightning_greedysnake.optim.state_format import StateFormat, state_format_for
@@ -93,6 +93,16 @@ class DataParallelHooks:
     """On a device tier: averages each unit's gradient on the device before its copy to the host."""
 
 
+def gradients_from(state: StateLayout, alpha_max: float | None) -> list[int] | None:
+    """Per unit, the first element a deferred part at alpha up to ``alpha_max`` starts at (unit 0 is never
+    deferred: its numel), the range its gradient region can be written from; None where ``alpha_max`` is
+    None or each rank steps its own chunk (partitioned state: its deferred part is within its chunk)."""
+    if alpha_max is None or state.shard is not None:
+        return None
+    return [lay.numel if u == 0 else split_numel(lay, alpha_max, None, state.split_align_numel)
+            for u, lay in enumerate(state.units)]
+
+
 class TieredTensorStore:
     """The SSD/host tensor manager behind the :class:`TensorStore` protocol, plus the optimizer step."""
 
@@ -102,7 +112,8 @@ class TieredTensorStore:
                  copies: DeviceCopies | None = None, loss_scaler: Any = None,
                  data_parallel: DataParallelHooks | None = None,
                  gradient_observer: Callable[[int, Tensor], None] | None = None, optimizer_threads: int = 1,
-                 checkpoint_plan: tuple[int, Callable[[str], None]] | None = None) -> None:
+                 checkpoint_plan: tuple[int, Callable[[str], None]] | None = None,
+                 deferred_gradients_only: float | None = None) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
@@ -117,7 +128,11 @@ class TieredTensorStore:
         ``gradient_observer``: see :class:`~lightning_greedysnake.optim.stepper.UnitStepper`.
         ``optimizer_threads``: the optimizer lane's intra-op threads (planned by the strategy).
         ``checkpoint_plan``: the activation checkpoints' tier, planned at their first save (see
-        :class:`~lightning_greedysnake.offload.activations.ActivationStore`)."""
+        :class:`~lightning_greedysnake.offload.activations.ActivationStore`).
+        ``deferred_gradients_only``: the largest alpha any step of the run may take, where only the deferred
+        parts of gradients ever wait on their tier (the vertical order, no clipping by the global norm):
+        a gradients file on SSD holds only those (:class:`~lightning_greedysnake.offload.regions.RegionMap`);
+        None: whole gradients may wait there."""
         if config.unset():
             raise ValueError(f"the tensor manager needs every kind placed (OffloadConfig.placed()), not {config}")
         self.config = config
@@ -149,7 +164,8 @@ class TieredTensorStore:
         # on their way back; the weights wait on it), then the staging, the weights, the stepper
         lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b), threads=optimizer_threads)
         self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1,
-                                  copies=copies, others_active=lane.others_will_release)
+                                  copies=copies, others_active=lane.others_will_release,
+                                  gradients_from=gradients_from(self.state, deferred_gradients_only))
         self.gate = UpdateGate(len(units))
         self.weights = WeightsResidency(self.arena, self.state, self.params, compute_dtype, self.gate,
                                         wait_for=lane.wait_for, copies=copies)

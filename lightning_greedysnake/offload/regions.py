@@ -75,11 +75,16 @@ class RegionMap:
 
     def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, slots: int,
                  copies: DeviceCopies | None,
-                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None) -> None:
+                 pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None,
+                 gradients_from: list[int] | None = None) -> None:
         """``slots``: regions per unit of each :data:`SLOTTED` kind (the :class:`SlotMap`'s count);
         ``copies``: the device tier, where units placed on ``device`` keep their regions (None: the CPU
-        computes, ``device`` is host RAM); ``pinner``: its page-locking of the host regions it copies from."""
+        computes, ``device`` is host RAM); ``pinner``: its page-locking of the host regions it copies from;
+        ``gradients_from``: per unit, the first element its gradient region on SSD is ever written from
+        (only deferred parts wait there), None: any of it. The file is then sparse, and preflight counts
+        only what can be written (a whole gradient spilled anyway would allocate the rest as it writes)."""
         self.state = state
+        self.gradients_from = gradients_from
         self.stats = stats
         self.slots = slots
         self.copies = copies
@@ -113,8 +118,10 @@ class RegionMap:
                     if sum(here):
                         path = directory / FILE_NAMES[kind]
                         self.files.append(path)
-                        self._ssd.setdefault(kind, {})[d] = SSDRegions(
-                            kind.value, here, engines[d], path, self.stats, sparse=self.state.sharded(kind))
+                        sparse = self.state.sharded(kind) or (kind is TensorKind.GRADIENTS
+                                                              and self.gradients_from is not None)
+                        self._ssd.setdefault(kind, {})[d] = SSDRegions(kind.value, here, engines[d], path, self.stats,
+                                                                       sparse=sparse)
                 if sum(in_ram):
                     # only weights and gradients are copied to and from the device straight out of
                     # their host regions: only they are page-locked (the optimizer's stay pageable)
@@ -168,10 +175,17 @@ class RegionMap:
     def ssd_bytes(self, directory: int | None = None) -> dict[str, int]:
         """Bytes each SSD-resident kind keeps in offload directory ``directory`` (None: in all of them),
         for preflight."""
-        kept = {kind.value: sum(self.state.kept_unit_bytes(kind, u) for u, d in enumerate(self._directory[kind])
+        kept = {kind.value: sum(self._written_bytes(kind, u) for u, d in enumerate(self._directory[kind])
                                 if d is not None and (directory is None or d == directory))
                 * self._slots(kind) for kind in REGION_KINDS}
         return {kind: n for kind, n in kept.items() if n}
+
+    def _written_bytes(self, kind: TensorKind, u: int) -> int:
+        """Bytes of unit ``u``'s SSD region of ``kind`` that can be written (see ``gradients_from``)."""
+        if kind is not TensorKind.GRADIENTS or self.gradients_from is None:
+            return self.state.kept_unit_bytes(kind, u)
+        lo, hi = self.gradients_from[u], self.state.units[u].numel
+        return sum(b - a for a, b in self.state.byte_ranges(kind, u, lo, hi)) if lo < hi else 0
 
     def host_bytes(self) -> int:
         """RAM the host-tier regions take (every slot; this rank's chunk of partitioned kinds)."""

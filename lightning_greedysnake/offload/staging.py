@@ -302,16 +302,17 @@ class StagingArena:
     the budget lock themselves."""
 
     def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, lag: int, slots: int = 1,
-                 copies: DeviceCopies | None = None, others_active: Callable[[], bool] | None = None) -> None:
+                 copies: DeviceCopies | None = None, others_active: Callable[[], bool] | None = None,
+                 gradients_from: list[int] | None = None) -> None:
         """``copies``: the device tier (a GPU, or the simulated device), where units placed on ``device``
         keep their regions (:class:`DeviceRegions`); None: the CPU computes, ``device`` is host RAM.
         ``others_active``: whether another thread (the optimizer lane) holds buffers it will give back
-        (see :class:`BufferPool`)."""
+        (see :class:`BufferPool`); ``gradients_from``: see :class:`RegionMap`."""
         pinner = (copies.pin, copies.unpin) if copies is not None else None
         self.state = state
         self.stats = stats
         self.slots = SlotMap(state.num_units, slots)
-        self.regions = RegionMap(state, config, stats, slots, copies, pinner)
+        self.regions = RegionMap(state, config, stats, slots, copies, pinner, gradients_from)
         self.budget = PoolBudget(state, config, lag, copies is not None, pinner, others_active)
 
     def flush(self) -> None:

@@ -213,8 +213,13 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     return forward, backward
 
 
+ALPHAS = tuple(a / 20 for a in range(11))
+"""The alphas the warm-step plan chooses from when the user left ``alpha`` unset (the largest bounds what the
+gradients' SSD file must hold: :func:`~lightning_greedysnake.offload.regions.RegionMap`)."""
+
+
 def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int, checkpoint_bytes: int,
-         alphas: tuple[float, ...] = tuple(a / 20 for a in range(11)), lags: tuple[int, ...] = (0, 1, 2),
+         alphas: tuple[float, ...] = ALPHAS, lags: tuple[int, ...] = (0, 1, 2),
          checkpoint_placements: tuple[str, ...] = ("host", "ssd"),
          recompute: tuple[bool, ...] = (True, False), prefetch_units: int = 1, layers_per_unit: int = 1,
          schedule: str = "vertical") -> Choice:

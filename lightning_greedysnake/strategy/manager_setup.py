@@ -21,6 +21,8 @@ from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_o
 from lightning_greedysnake.offload.device import device_copies_for
 from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.planner.plan import ALPHAS
+from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.tensor_manager import TieredTensorStore
@@ -110,7 +112,8 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
             compute_dtype=ctx.precision.compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
             copies=copies, loss_scaler=ctx.precision.loss_scaler,
             data_parallel=ctx.data_parallel(copies, shard is not None), gradient_observer=ctx.gradient_observer,
-            optimizer_threads=ctx.optimizer_threads, checkpoint_plan=planned.checkpoints)
+            optimizer_threads=ctx.optimizer_threads, checkpoint_plan=planned.checkpoints,
+            deferred_gradients_only=deferred_gradients_only(ctx, config, clip))
     except BaseException:
         if copies is not None:
             copies.close()
@@ -131,6 +134,17 @@ def warn_empty_shares(state: StateLayout, config: GreedySnakeConfig) -> None:
                 f"{sum(sizes):,} bytes, more than its {share:.1%} share (units of {config.layers_per_unit} "
                 f"layer(s)). Fix: a {tier.value} share of at least {needed:.1%}, or a smaller layers_per_unit (set "
                 "it: with auto=True the unit size is chosen by measuring the disk).")
+
+
+def deferred_gradients_only(ctx: SetupContext, config: GreedySnakeConfig, clip: ClipPolicy) -> float | None:
+    """The largest alpha of the run where only deferred parts of gradients wait on their tier: the vertical
+    order completes each unit's gradient before releasing the unit, and without clipping by the global norm
+    its step takes it at once (the user's alpha, or the largest the warm-step plan may choose); None where
+    whole gradients wait (the horizontal order, deferred clipping)."""
+    if config.schedule is not ScheduleKind.VERTICAL or clip.defer:
+        return None
+    planned = ctx.settings.auto and "alpha" in ctx.settings.unset()
+    return max(ALPHAS) if planned else config.alpha
 
 
 def disk_fixes(manager: TieredTensorStore, needs: list[dict[str, int]]) -> tuple[str, ...]:

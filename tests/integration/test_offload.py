@@ -590,3 +590,45 @@ def test_a_killed_run_that_keeps_its_files_keeps_them(tmp_path):
     with pytest.raises(ValueError, match=r"kept there \(offload.keep_files=True\): weights.bin"):
         _fit_never(GreedySnakeStrategy(auto=False, offload_dir=kept))
     assert (kept / "weights.bin").read_bytes() == b"w" * 8192
+
+
+@pytest.mark.parametrize("alpha, clip, whole", [(0.25, None, False), (0.0, None, False), (0.25, 1.0, True),
+                                                (0.25, "horizontal", True)])
+def test_the_gradients_file_keeps_only_what_can_wait_there(alpha, clip, whole, tmp_path):
+    """In the vertical order without clipping by the global norm a gradient waits on its tier only for its
+    deferred (alpha) part: preflight counts those bytes, the file is sparse, and no block of it beyond them
+    is ever written. Clipping by the norm or the horizontal order keep whole gradients there."""
+    from lightning_greedysnake.config import TensorKind
+    from lightning_greedysnake.optim import split_numel
+
+    snap = Snapshot()
+    schedule = "horizontal" if clip == "horizontal" else "vertical"
+    strategy = GreedySnakeStrategy(auto=False, alpha=alpha, lag=1, schedule=schedule, offload_dir=tmp_path / "off")
+    seen: dict[str, Any] = {}
+
+    class Disk(L.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            manager = trainer.strategy.tensor_manager
+            manager.drain()
+            seen["counted"] = manager.ssd_bytes().get("gradients", 0)
+            st = os.stat(tmp_path / "off" / "gradients.bin")
+            seen["allocated"] = st.st_blocks * 512
+            seen["written"] = sum(c.bytes_written for (kind, _), c in manager.stats.copy()._counters.items()
+                                  if kind == "gradients")
+            # (a unit's deferred part: from the alpha split to its region's end; none of unit 0's)
+            splits = [0 if whole else lay.numel if u == 0 else split_numel(lay, alpha, None, manager.state.split_align_numel)
+                      for u, lay in enumerate(manager.state.units)]
+            seen["expected"] = sum(manager.region_bytes(TensorKind.GRADIENTS, u) - 4 * split
+                                   for u, (lay, split) in enumerate(zip(manager.state.units, splits)) if split < lay.numel)
+
+    _fit(strategy, 4, callbacks=[snap, Disk()], gradient_clip_val=clip if isinstance(clip, float) else None)
+    assert seen["counted"] == seen["expected"]
+    full = sum(snap.region_bytes["gradients"])
+    if whole:
+        assert seen["counted"] == full and seen["allocated"] >= full
+        return
+    assert seen["allocated"] <= seen["counted"]  # (sparse: only the deferred ranges written have blocks)
+    if alpha:
+        assert 0 < seen["counted"] < full and seen["written"] > 0
+    else:
+        assert seen["counted"] == 0 and seen["written"] == 0

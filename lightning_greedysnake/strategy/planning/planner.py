@@ -23,7 +23,7 @@ from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
 from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidth, probe_numel, unit_costs, unit_times
 from lightning_greedysnake.planner.placement import PlacementPlan
-from lightning_greedysnake.planner.plan import merge
+from lightning_greedysnake.planner.plan import ALPHAS, merge
 from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size, table
 from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
@@ -243,7 +243,7 @@ class Planner:
                          if staging_budget_of(manager.state, manager.config, lag, device_tier).minimum_bytes
                          <= explicit_budget)
         options: dict[str, Any] = {
-            "alphas": tuple(a / 20 for a in range(11)) if "alpha" in unset else (config.alpha,),
+            "alphas": ALPHAS if "alpha" in unset else (config.alpha,),
             "lags": lags or (config.lag,),
             "recompute": (True, False) if "recompute" in unset else (config.recompute,),
             "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",),
