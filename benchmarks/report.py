@@ -57,6 +57,8 @@ SECTIONS: tuple[Section, ...] = (
                               "(`--host-budget-gb`, in the settings): how little RAM it needs."),
          Result("scale_rerun", "greedysnake's rows again, on later code (the commit is in `note`): the same sizes "
                                "train, at the same peak RSS."),
+         Result("scale_default_5p5b", "The defaults at 5.5B once the gradients' SSD file keeps only the deferred "
+                                      "parts that wait there: the size the ladder refused them for disk trains."),
          Result("scale_ab_7cf8384", "Five steps at two sizes, the ladder's code against the later code, alternating: "
                                     "the steady step (`steady_step_s`, after the warm-step plan) the ladder's three "
                                     "steps do not show.")),
@@ -391,7 +393,8 @@ HEADLINE_SYSTEMS = {
 """Per system: its label and the peer its ratio is taken against."""
 PEERS = {"deepspeed_cpu": "ZeRO-Offload", "deepspeed": "ZeRO-Infinity"}
 SCALE = (Result("scale", "The ladder: bf16-mixed, sequence 32, K=2, three optimizer steps"),
-         Result("scale_lean", "The largest size again with a small host budget (`--host-budget-gb`)"))
+         Result("scale_lean", "The largest size again with a small host budget (`--host-budget-gb`)"),
+         Result("scale_default_5p5b", "The defaults at the size the ladder refused them, on later code"))
 """The README's size table: the largest GPT each system trained on this machine."""
 
 
@@ -427,6 +430,8 @@ def scale_rows(result: Result) -> list[tuple[str, dict[str, Any] | None, dict[st
         failed = next((r for r in rows if r["status"] != "trained"
                        and (best is None or r["params"] > best["params"])), None)
         label = system if budget is None or system == "deepspeed" else f"{system}, host budget {cell(budget)} GiB"
+        if data["settings"].get("label"):
+            label = f"{label} ({data['settings']['label']})"
         out.append((label, best, failed))
     return out
 
