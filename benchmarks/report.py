@@ -57,8 +57,9 @@ SECTIONS: tuple[Section, ...] = (
                               "(`--host-budget-gb`, in the settings): how little RAM it needs."),
          Result("scale_rerun", "greedysnake's rows again, on later code (the commit is in `note`): the same sizes "
                                "train, at the same peak RSS."),
-         Result("scale_default_5p5b", "The defaults at 5.5B once the gradients' SSD file keeps only the deferred "
-                                      "parts that wait there: the size the ladder refused them for disk trains."),
+         Result("scale_default_5p5b", "The defaults at the ladder's largest size once the gradients' SSD file keeps "
+                                      "only the deferred parts that wait there: the size the ladder refused them "
+                                      "for disk trains."),
          Result("scale_ab_7cf8384", "Five steps at two sizes, the ladder's code against the later code, alternating: "
                                     "the steady step (`steady_step_s`, after the warm-step plan) the ladder's three "
                                     "steps do not show.")),
