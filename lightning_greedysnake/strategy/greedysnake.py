@@ -47,7 +47,7 @@ from lightning_greedysnake.planner import Choice
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.strategy import after_fit, checkpoints, checks, progress
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
-from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, tokens_in
+from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, read_ahead, tokens_in
 from lightning_greedysnake.strategy.planning import Planner
 from lightning_greedysnake.strategy.planning.placement import PlacementPlan
 from lightning_greedysnake.strategy.run import Run, SetupContext, cut_model, open_run
@@ -285,9 +285,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING or self._run is None or self._run.closed:
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        return self._run.inputs.wrap(dataloader, trainer.accumulate_grad_batches)
+        return read_ahead(dataloader, trainer.accumulate_grad_batches)  # (also before setup opens the run)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -301,7 +301,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         module = self.lightning_module
         trainer = module.trainer
         microbatch = inputs.open_window(engine, self._batch_idx, trainer.accumulate_grad_batches,
-                                        trainer.num_training_batches, self._warn_once)
+                                        trainer.num_training_batches, self._warn_once, trainer.train_dataloader)
         inputs.feed(engine, microbatch, module, args, kwargs, self.precision_plugin.train_step_context,
                     trainer.precision_plugin.convert_input, lambda b: self.batch_to_device(b, dataloader_idx=0))
         engine.run_until_fused(microbatch)

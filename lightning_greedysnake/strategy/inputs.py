@@ -77,22 +77,57 @@ def logging_muted(module: LightningModule) -> Iterator[None]:
         del module.log_dict
 
 
+def read_ahead(dataloader: Any, k: int) -> LookaheadLoader:
+    """The train dataloader, read ahead far enough for a window of ``k`` micro-batches: what the strategy's
+    ``process_dataloader`` returns while training, whether or not its run is set up yet (Lightning may set
+    the train dataloader up during the strategy's setup, e.g. for ``trainer.estimated_stepping_batches``
+    in ``configure_optimizers``, and keeps that one for the fit)."""
+    if isinstance(dataloader, LookaheadLoader):
+        dataloader = dataloader.loader
+    return LookaheadLoader(dataloader, keep=max(2 * k + 2, 4))
+
+
+def lookahead_of(data: Any) -> LookaheadLoader:
+    """The look-ahead wrapper of the train dataloader Lightning iterates (``trainer.train_dataloader``),
+    or the error that says why there is none and how to fix it."""
+    if isinstance(data, LookaheadLoader):
+        assert data.iterator is not None, "Lightning hands over batches before iterating its dataloader"
+        return data
+    if isinstance(data, (Mapping, list, tuple)):
+        raise ValueError(
+            "strategy='greedysnake' reads each accumulation window's micro-batches ahead of Lightning from "
+            f"a single train dataloader, not from a {type(data).__name__} of {len(data)}: several train "
+            "dataloaders (a list, a dict or a CombinedLoader of them) are not supported. Fix: return one "
+            "DataLoader, not wrapped in a list or dict, from train_dataloader() (or pass it to trainer.fit); "
+            "to combine datasets, make one Dataset that yields the batch training_step takes."
+        )
+    raise RuntimeError(
+        "greedysnake could not read the training data ahead: the train dataloader Lightning iterates (a "
+        f"{type(data).__name__}) was set up while the trainer was not in its training stage, so the "
+        "strategy could not wrap it. This happens when trainer.estimated_stepping_batches is first read in "
+        "a validation hook during the sanity check. Fix: read it in configure_optimizers() or a training "
+        "hook (setup, on_fit_start, on_train_start), or set Trainer(num_sanity_val_steps=0)."
+    )
+
+
 class WindowInputs:
     def __init__(self, layered: nn.Module, name: str) -> None:
         self.layered = layered
         self.name = name
         """The layered model as messages name it (the user's class and the path: ``MyModule.net``)."""
         self.loader: LookaheadLoader | None = None
+        """The train dataloader Lightning iterates, as of the last window opened."""
         self._seen_iterator: object | None = None
         self._iterator_offset = 0
         self._window_start = 0
         """Epoch-local position of the current window's first micro-batch."""
 
     def open_window(self, engine: WindowEngine, position: int, k: int, limit: float,
-                    warn: Callable[[str, str], None]) -> int:
+                    warn: Callable[[str, str], None], data: Any) -> int:
         """Begin the window the batch at epoch-local ``position`` belongs to, if it is not begun (after
-        forgetting one that Lightning cut short); returns the batch's micro-batch index in it."""
-        self._sync(position)
+        forgetting one that Lightning cut short); returns the batch's micro-batch index in it. ``data``:
+        the train dataloader Lightning iterates (``trainer.train_dataloader``)."""
+        self._sync(data, position)
         if engine.window_active and (position % k == 0 or position < self._window_start):
             # the previous window never reached its optimizer step (the epoch was cut short): Lightning
             # discards its gradients too; drop our state for it
@@ -118,31 +153,19 @@ class WindowInputs:
                 step_args, step_kwargs = self.step_args(module, self.raw_batch(at), at, convert, to_device), {}
             engine.set_inputs(needed, *self.capture(module, step_context, step_args, step_kwargs))
 
-    def wrap(self, dataloader: Any, k: int) -> LookaheadLoader:
-        """The training dataloader, read ahead far enough for a window of ``k`` micro-batches."""
-        if isinstance(dataloader, LookaheadLoader):
-            dataloader = dataloader.loader
-        self.loader = LookaheadLoader(dataloader, keep=max(2 * k + 2, 4))
-        return self.loader
-
-    def _sync(self, position: int) -> None:
-        """Lightning hands over the batch at epoch-local ``position``: a fresh iterator (a new epoch)
-        starts counting there."""
-        iterator = self.loader.iterator if self.loader is not None else None
+    def _sync(self, data: Any, position: int) -> None:
+        """Lightning hands over the batch at epoch-local ``position`` from ``data``: a fresh iterator (a
+        new epoch, or a reloaded dataloader) starts counting there."""
+        self.loader = loader = lookahead_of(data)
+        iterator = loader.iterator
         if iterator is not self._seen_iterator:
             self._seen_iterator = iterator
             self._iterator_offset = position
 
     def raw_batch(self, position: int) -> Any:
         """The raw batch at epoch-local ``position`` (None past the end of the data)."""
-        loader = self.loader
-        if loader is None or loader.iterator is None:
-            raise RuntimeError(
-                "greedysnake could not read the training data ahead: the train dataloader was not set up "
-                "through the strategy (several train dataloaders are not supported). Fix: return a single "
-                "DataLoader from train_dataloader()."
-            )
-        return loader.iterator.get(position - self._iterator_offset)
+        assert self.loader is not None and self.loader.iterator is not None, "no window opened"
+        return self.loader.iterator.get(position - self._iterator_offset)
 
     def window_size(self, start: int, position: int, k: int, limit: float) -> int:
         """Micro-batches in the window that ``position`` opens (Lightning's own windows: aligned to

@@ -204,11 +204,10 @@ def _fit_recipe(strategy: Any, checkpoint_dir: Any = None, empty_init: bool = Fa
     from lightning_greedysnake.recipes.litgpt_module import LitGPTModule
 
     L.seed_everything(0, verbose=False)
-    # (max_epochs=-1: with a max_epochs, GPTLightningModule's estimated_stepping_batches in
-    # configure_optimizers sets the dataloader up before greedysnake wraps it, and greedysnake then refuses
-    # to read ahead; a strategy bug, left for its own issue)
-    trainer = make_trainer(strategy, K, max_steps=NUM_BATCHES // K, max_epochs=-1, default_root_dir=root,
-                           callbacks=callbacks or [], enable_checkpointing=bool(callbacks))
+    # (one epoch: GPTLightningModule's configure_optimizers sizes its schedule from
+    # trainer.estimated_stepping_batches, which sets the train dataloader up during the strategy's setup)
+    trainer = make_trainer(strategy, K, max_epochs=1, default_root_dir=root, callbacks=callbacks or [],
+                           enable_checkpointing=bool(callbacks))
     with trainer.init_module(empty_init=empty_init):
         module = LitGPTModule(checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, name="Llama-3.2-1B",
                               overrides=None if checkpoint_dir else TINY, lr=LR, warmup_steps=2)
