@@ -43,7 +43,7 @@ both in host memory (ZeRO-Offload), the peer of greedysnake with its state in RA
 host budget holds the model's state)."""
 
 SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
-           "gs_auto_ssd_bf16_state", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
+           "gs_auto_ssd_bf16_state", "gs_vertical_whole", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_planned``: it with the planner's choice, planned
 from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
@@ -56,7 +56,9 @@ unit size, alpha, lag, recompute and the staging budget planned);
 optimizer state kept in bf16 (``offload.optimizer_state_dtype=bfloat16``; its SSD bytes and step time
 are given relative to ``gs_vertical``'s in the same round); ``gs_8bit_state``: ``gs_vertical`` with
 torchao's ``AdamW8bit`` (quantized state streamed as it is; likewise relative to ``gs_vertical``);
-``gs_auto_ssd_bf16_state``: ``gs_auto_ssd`` with bf16 optimizer state (relative to ``gs_auto_ssd``)."""
+``gs_auto_ssd_bf16_state``: ``gs_auto_ssd`` with bf16 optimizer state (relative to ``gs_auto_ssd``);
+``gs_vertical_whole``: ``gs_vertical`` with AdamW stepped on whole parameters (``optimizer_path=
+"whole_parameter"``, the path of Adafactor and Muon; relative to ``gs_vertical``, element-wise)."""
 
 
 def _ssd_bytes(trainer: Any) -> int:
@@ -147,6 +149,8 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
         offload.pop("buffer_budget_bytes")
     if system in ("gs_bf16_state", "gs_auto_ssd_bf16_state"):
         offload.update(optimizer_state_dtype="bfloat16")
+    if system == "gs_vertical_whole":
+        settings["optimizer_path"] = "whole_parameter"
     if system == "lightning_auto":
         strategy: Any = "auto"
     else:
@@ -262,7 +266,8 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str | None = None) -> None:
         if base is not None:
             row["vs_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
         vertical = same_k.get("gs_auto_ssd" if row["system"] == "gs_auto_ssd_bf16_state" else "gs_vertical")
-        if (row["system"] in ("gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state") and vertical is not None
+        if (row["system"] in ("gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state", "gs_vertical_whole")
+                and vertical is not None
                 and vertical.get("ssd_GB_per_step")):
             row["bytes_vs_vertical"] = round(row["ssd_GB_per_step"] / vertical["ssd_GB_per_step"], 3)
             row["time_vs_vertical"] = round(row["step_s"] / vertical["step_s"], 3)

@@ -349,6 +349,10 @@ unset ``layers_per_unit`` and ``schedule`` until (with ``auto=True``) setup plan
 for the run."""
 
 
+OPTIMIZER_PATHS = ("auto", "element_wise", "whole_parameter")
+"""``GreedySnakeConfig.optimizer_path``'s values."""
+
+
 @dataclass(frozen=True)
 class GreedySnakeConfig:
     """Settings of the greedysnake strategy (Hydra group ``strategy``)."""
@@ -429,6 +433,15 @@ class GreedySnakeConfig:
     stops the run with that error; ``"skip"`` drops a window whose loss is not finite (no unit is
     stepped; Lightning still counts the step and steps its LR schedulers) and warns."""
 
+    optimizer_path: str = "auto"
+    """How the optimizer steps each unit (:mod:`~lightning_greedysnake.optim.contract`). ``"auto"``: by what
+    the optimizer is: the element-wise ones ``torch.optim`` and torchao ship (Adam, AdamW, SGD, ...) on
+    flat slices cut at any element, the rest (Adafactor, Muon, your own) on whole parameters in their
+    own shapes where a probe on this run's parameter shapes shows no coupling between parameters, else
+    refused before training. ``"element_wise"`` / ``"whole_parameter"``: force one path (to compare
+    them, say); forcing element-wise on an optimizer outside the list warns, since it is exact only for
+    math that treats every element alone."""
+
     trace_steps: int = 0
     """Write a Chrome trace (open it in Perfetto) of the compute, SSD and optimizer lanes of the first
     ``trace_steps`` optimizer steps. 0: no trace."""
@@ -482,6 +495,11 @@ class GreedySnakeConfig:
             raise ValueError(
                 f"lag={self.lag!r} must be a non-negative integer (units the background optimizer may trail "
                 "backward by). Fix: e.g. lag=2, or lag=0 for synchronous steps."
+            )
+        if self.optimizer_path not in OPTIMIZER_PATHS:
+            raise ValueError(
+                f"optimizer_path={self.optimizer_path!r} is not valid. Fix: use one of "
+                f"{', '.join(repr(p) for p in OPTIMIZER_PATHS)} ('auto' decides by the optimizer)."
             )
         if self.on_nonfinite not in ("warn", "raise", "skip"):
             raise ValueError(

@@ -88,9 +88,61 @@ multiple of this many elements, so their bytes start on a 4 KiB boundary in ever
 weights, 4-byte master weights and state)."""
 
 
-def shard_bounds(layout: UnitLayout, rank: int, world: int) -> tuple[int, int]:
+def split_align_numel(state_codec: tuple[tuple[int, int], ...] = ()) -> int:
+    """:attr:`StateLayout.split_align_numel` for state of ``state_codec``'s components."""
+    align = SPLIT_ALIGN_NUMEL
+    for per, isz in state_codec:
+        need = per * (4096 // math.gcd(4096, isz))
+        align = align * need // math.gcd(align, need)
+    return align
+
+
+def parameter_starts(layout: UnitLayout, lo: int, hi: int) -> list[int]:
+    """The places ``[lo, hi)`` of a unit can be cut without cutting a parameter: its ends and every
+    parameter's start inside it (a parameter's padding belongs to it)."""
+    return [lo, *(s.offset_numel for s in layout.params if lo < s.offset_numel < hi), hi]
+
+
+def _nearest_cut(cuts: list[int], target: float) -> int:
+    return min(cuts, key=lambda c: (abs(c - target), c))
+
+
+def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None = None,
+                align: int = SPLIT_ALIGN_NUMEL, parameter_cuts: bool = False, min_piece_numel: int = 0) -> int:
+    """First element of the forward (alpha) part of a unit's flat buffers: ``[lo, split)`` is stepped when
+    the unit's gradient completes, ``[split, hi)`` is deferred into the next iteration's forward.
+    ``bounds``: the element range this process steps (its shard; default the whole unit); ``align``: the
+    split falls on a multiple of it (:attr:`StateLayout.split_align_numel`); ``parameter_cuts``: on the
+    parameter start nearest the share instead (:attr:`StateLayout.parameter_cuts`; such a layout puts
+    every parameter on ``align``); ``min_piece_numel``: an aligned cut leaving fewer of a parameter's
+    elements on one side moves to the nearest aligned cut that does not (none: nothing is deferred)."""
+    lo, hi = bounds if bounds is not None else (0, layout.numel)
+    if alpha <= 0.0:
+        return hi
+    if alpha >= 1.0:
+        return lo
+    if parameter_cuts:
+        return _nearest_cut(parameter_starts(layout, lo, hi), lo + (hi - lo) * (1.0 - alpha))
+    cut = lo + int((hi - lo) * (1.0 - alpha)) // align * align
+    cut = min(max(cut, lo), hi)
+    def whole_enough(c: int) -> bool:
+        return all(not s.offset_numel < c < s.offset_numel + s.numel
+                   or min(c - s.offset_numel, s.offset_numel + s.numel - c) >= min_piece_numel for s in layout.params)
+
+    if min_piece_numel and lo < cut < hi and not whole_enough(cut):
+        options = sorted(range(lo + align, hi, align), key=lambda c: (abs(c - cut), c))
+        return next((c for c in options if whole_enough(c)), hi)
+    return cut
+
+
+def shard_bounds(layout: UnitLayout, rank: int, world: int, parameter_cuts: bool = False) -> tuple[int, int]:
     """The element range of a unit that ``rank`` of ``world`` steps: equal chunks on a
-    ``SPLIT_ALIGN_NUMEL`` boundary (so every chunk's bytes start on 4 KiB), the last one shorter."""
+    ``SPLIT_ALIGN_NUMEL`` boundary (so every chunk's bytes start on 4 KiB), the last one shorter.
+    ``parameter_cuts``: each chunk boundary on the parameter start nearest the equal share instead (a
+    parameter is never cut, so chunks may differ in length and a rank's may be empty)."""
+    if parameter_cuts:
+        cuts = parameter_starts(layout, 0, layout.numel)
+        return (_nearest_cut(cuts, rank * layout.numel / world), _nearest_cut(cuts, (rank + 1) * layout.numel / world))
     chunk = -(-layout.numel // world)
     chunk = -(-chunk // SPLIT_ALIGN_NUMEL) * SPLIT_ALIGN_NUMEL
     return min(layout.numel, rank * chunk), min(layout.numel, (rank + 1) * chunk)
@@ -113,6 +165,13 @@ class StateLayout:
     """``(rank, world)`` with partitioned state: this rank keeps and steps only its chunk of every unit."""
     state_itemsize: int = 4
     """Bytes per element of every optimizer-state slot (``offload.optimizer_state_dtype``)."""
+    parameter_cuts: bool = False
+    """The step's split and the ranks' chunks fall on parameter starts (each on a ``split_align_numel``
+    boundary): the optimizer is stepped on whole parameters
+    (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.parameter_cuts`)."""
+    min_piece_numel: int = 0
+    """A split through a parameter leaves at least this many of its elements on either side
+    (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.min_piece_numel`)."""
     state_codec: tuple[tuple[int, int], ...] = ()
     """Quantized state (a tensor subclass, :mod:`~lightning_greedysnake.optim.subclass_state`): per
     component, ``(elements per entry, bytes per entry)``; each slot holds every component's entries for
@@ -140,11 +199,7 @@ class StateLayout:
         """Element ranges that split a unit start on a multiple of this: ``SPLIT_ALIGN_NUMEL``, or where
         quantized state has fewer bytes per element, enough elements that every component's bytes
         start on 4 KiB."""
-        align = SPLIT_ALIGN_NUMEL
-        for per, isz in self.state_codec:
-            need = per * (4096 // math.gcd(4096, isz))
-            align = align * need // math.gcd(align, need)
-        return align
+        return split_align_numel(self.state_codec)
 
     @property
     def num_units(self) -> int:
@@ -209,7 +264,14 @@ class StateLayout:
         """The element range of unit ``u`` that ``rank`` (default: this process) steps."""
         if self.shard is None:
             return 0, self.units[u].numel
-        return shard_bounds(self.units[u], self.shard[0] if rank is None else rank, self.shard[1])
+        return shard_bounds(self.units[u], self.shard[0] if rank is None else rank, self.shard[1],
+                            self.parameter_cuts)
+
+    def split(self, u: int, alpha: float, bounds: tuple[int, int] | None = None) -> int:
+        """Where a step of unit ``u``'s ``bounds`` (default this rank's) defers its last ``alpha`` share:
+        :func:`split_numel` on this layout's alignment, on a parameter start with ``parameter_cuts``."""
+        return split_numel(self.units[u], alpha, self.bounds(u) if bounds is None else bounds,
+                           self.split_align_numel, self.parameter_cuts, self.min_piece_numel)
 
     def sharded(self, kind: TensorKind) -> bool:
         """Kinds of which this rank keeps only its chunks (partitioned state)."""

@@ -25,6 +25,7 @@ threads complete transfers and give buffers back. Each component's docstring say
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,13 @@ from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import OffloadConfig, TensorKind
 from lightning_greedysnake.io import IOConfig, IOEngine, OffloadFile, default_engine
 from lightning_greedysnake.io.heap import trim_heap
-from lightning_greedysnake.layout import PARAM_ALIGN_NUMEL, StateLayout, UnitLayout, build_unit_layout
+from lightning_greedysnake.layout import (
+    PARAM_ALIGN_NUMEL,
+    StateLayout,
+    UnitLayout,
+    build_unit_layout,
+    split_align_numel,
+)
 from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload import unit_values
 from lightning_greedysnake.offload.activations import ActivationStore
@@ -48,7 +55,8 @@ from lightning_greedysnake.offload.pool import BufferPool
 from lightning_greedysnake.offload.residency import UpdateGate, WeightsResidency
 from lightning_greedysnake.offload.staging import StagingArena
 from lightning_greedysnake.offload.stats import IOStats
-from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper, discover_slots, split_numel
+from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper
+from lightning_greedysnake.optim.contract import OptimizerContract, optimizer_contract
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.optim.protocols import StepCollectives
 from lightning_greedysnake.optim.state_format import StateFormat, state_format_for
@@ -58,15 +66,19 @@ __all__ = ["ClipPolicy", "TieredTensorStore"]
 
 def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
                  config: OffloadConfig, compute_dtype: torch.dtype, shard: tuple[int, int] | None = None,
-                 slots: tuple[str, ...] | None = None, state_format: StateFormat | None = None) -> StateLayout:
+                 contract: OptimizerContract | None = None, state_format: StateFormat | None = None) -> StateLayout:
     """How :class:`TieredTensorStore` lays ``units`` out (every region's size), without building one: what
-    the placement plan is computed from. ``slots``/``state_format``: the optimizer's, if already known."""
-    if slots is None:
-        slots = discover_slots(optimizer) if optimizer is not None else ()
+    the placement plan is computed from. ``contract``/``state_format``: the optimizer's, if already known
+    (the contract decides the slots, and whether every parameter starts where a unit may be cut)."""
+    if contract is None:
+        contract = optimizer_contract(optimizer)
+    slots = contract.slots
     if state_format is None:
-        state_format = state_format_for(optimizer, slots, config.optimizer_state_dtype, shard)
+        state_format = state_format_for(optimizer, slots, config.optimizer_state_dtype, shard, contract.whole_parameters)
     codec = state_format.codec
     align = PARAM_ALIGN_NUMEL if codec is None else max(PARAM_ALIGN_NUMEL, codec.align_numel)
+    if contract.parameter_cuts:  # every parameter start a legal cut: 4 KiB-aligned bytes in every dtype
+        align = math.lcm(align, split_align_numel(codec.layout if codec else ()))
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
     layouts = [
         build_unit_layout(unit.index, [
@@ -78,6 +90,7 @@ def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torc
     ]
     return StateLayout(tuple(layouts), compute_dtype.itemsize, len(slots),
                        separate_master=compute_dtype != torch.float32, shard=shard,
+                       parameter_cuts=contract.parameter_cuts, min_piece_numel=contract.min_piece_numel,
                        state_itemsize=state_format.itemsize, state_codec=codec.layout if codec else ())
 
 
@@ -99,8 +112,7 @@ def gradients_from(state: StateLayout, alpha_max: float | None) -> list[int] | N
     None or each rank steps its own chunk (partitioned state: its deferred part is within its chunk)."""
     if alpha_max is None or state.shard is not None:
         return None
-    return [lay.numel if u == 0 else split_numel(lay, alpha_max, None, state.split_align_numel)
-            for u, lay in enumerate(state.units)]
+    return [lay.numel if u == 0 else state.split(u, alpha_max) for u, lay in enumerate(state.units)]
 
 
 class TieredTensorStore:
@@ -113,7 +125,7 @@ class TieredTensorStore:
                  data_parallel: DataParallelHooks | None = None,
                  gradient_observer: Callable[[int, Tensor], None] | None = None, optimizer_threads: int = 1,
                  checkpoint_plan: tuple[int, Callable[[str], None]] | None = None,
-                 deferred_gradients_only: float | None = None) -> None:
+                 deferred_gradients_only: float | None = None, contract: OptimizerContract | None = None) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
@@ -129,6 +141,8 @@ class TieredTensorStore:
         ``optimizer_threads``: the optimizer lane's intra-op threads (planned by the strategy).
         ``checkpoint_plan``: the activation checkpoints' tier, planned at their first save (see
         :class:`~lightning_greedysnake.offload.activations.ActivationStore`).
+        ``contract``: how the optimizer is stepped (:func:`~lightning_greedysnake.optim.contract.
+        optimizer_contract`, decided once per run; default: decided here, ``optimizer_path='auto'``).
         ``deferred_gradients_only``: the largest alpha any step of the run may take, where only the deferred
         parts of gradients ever wait on their tier (the vertical order, no clipping by the global norm):
         a gradients file on SSD holds only those (:class:`~lightning_greedysnake.offload.regions.RegionMap`);
@@ -145,9 +159,12 @@ class TieredTensorStore:
         """The offload directories, one per SSD (set by :meth:`open`; empty: none)."""
         self._closed = False
         self.params: list[list[nn.Parameter]] = [unit.parameters() for unit in units]
-        self.slots: tuple[str, ...] = discover_slots(optimizer) if optimizer is not None else ()
-        self.state_format = state_format_for(optimizer, self.slots, config.optimizer_state_dtype, shard)
-        self.state = state_layout(units, param_names, optimizer, config, compute_dtype, shard, self.slots,
+        self.contract = contract if contract is not None else optimizer_contract(optimizer)
+        """How the optimizer is stepped: element-wise on flat slices, or on whole parameters."""
+        self.slots: tuple[str, ...] = self.contract.slots
+        self.state_format = state_format_for(optimizer, self.slots, config.optimizer_state_dtype, shard,
+                                             self.contract.whole_parameters)
+        self.state = state_layout(units, param_names, optimizer, config, compute_dtype, shard, self.contract,
                                   self.state_format)
         self.speculative = loss_scaler is not None and not self.clip.defer
         self.copies = copies
@@ -174,7 +191,8 @@ class TieredTensorStore:
                                    keep_weights=self.weights.keep_as_prefetch,
                                    collectives=data_parallel.steps if data_parallel is not None else None,
                                    loss_scaler=loss_scaler, speculative=self.speculative,
-                                   gradient_observer=gradient_observer, trim_heap=self.trims_heap)
+                                   gradient_observer=gradient_observer, trim_heap=self.trims_heap,
+                                   contract=self.contract)
         self.grads = GradientAccumulator(self.arena, self.state, self.params, copies,
                                          data_parallel.device_reducer if data_parallel is not None else None)
         self.activations = ActivationStore(self.arena, config, self.stats, copies, checkpoint_plan)

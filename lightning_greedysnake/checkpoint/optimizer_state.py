@@ -102,7 +102,12 @@ def unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots: tup
             entry = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.param_scalar_state(j).items()
                      if k not in slots}
             if held is not None:
+                # a whole-parameter optimizer's streamed state differs by the parameter's shape (Adafactor: a
+                # vector's variance streams, a matrix's row and column variances are host state)
+                streamed = opt.param_streamed(j) if opt.whole_parameters else None
                 for k, name in enumerate(slots):
+                    if streamed is not None and name not in streamed:
+                        continue
                     slot = state.units[u].params[i]
                     if quantized is not None:
                         _read_quantized(quantized, opt, j, name, slot, entry)
@@ -139,7 +144,8 @@ def load_unit_optimizer_state(staging: Staging, opt: UnitOptimizer | None, slots
                     raw.setdefault(slot_name, {})[component] = value  # (the quantized state as saved)
                 else:
                     scalars[name] = value
-            opt.set_param_scalar_state(tindex[i], scalars)
+            opt.set_param_scalar_state(tindex[i], scalars,
+                                       streamed=tuple(per_element) if opt.whole_parameters else None)
             for name, value in per_element.items():
                 assert held is not None
                 if quantized is not None:

@@ -3,6 +3,7 @@ background lane, through the staging Protocols of :mod:`lightning_greedysnake.op
 package imports nothing of ``offload``)."""
 
 from lightning_greedysnake.layout import SPLIT_ALIGN_NUMEL
+from lightning_greedysnake.optim.contract import OptimizerContract, StepPath, optimizer_contract
 from lightning_greedysnake.optim.lane import OptimizerLaneError, StepLane
 from lightning_greedysnake.optim.stepper import ClipPolicy, UnitStepper
 from lightning_greedysnake.optim.unit_optimizer import (
@@ -15,11 +16,14 @@ from lightning_greedysnake.optim.unit_optimizer import (
 __all__ = [
     "SPLIT_ALIGN_NUMEL",
     "ClipPolicy",
+    "OptimizerContract",
     "OptimizerLaneError",
     "StepLane",
+    "StepPath",
     "UnitOptimizer",
     "UnitStepper",
     "UnsupportedOptimizerError",
     "discover_slots",
+    "optimizer_contract",
     "split_numel",
 ]

@@ -86,11 +86,12 @@ def stochastic_round_(src: Tensor, dst: Tensor, seed: int, start: int = 0) -> No
 
 
 def state_format_for(optimizer: torch.optim.Optimizer | None, slots: tuple[str, ...], dtype_name: str,
-                     shard: tuple[int, int] | None = None) -> StateFormat:
+                     shard: tuple[int, int] | None = None, whole_parameters: bool = False) -> StateFormat:
     """The state format for ``optimizer`` (its per-element ``slots`` known) under
     ``offload.optimizer_state_dtype=dtype_name``: plain or narrowed tensors, or the optimizer's own
-    quantized subclass. Raises a clear error for the combinations that cannot work."""
-    codec = subclass_codec(optimizer, slots) if optimizer is not None else None
+    quantized subclass (stepped element-wise only: ``whole_parameters`` state is plain, as the contract's
+    probe found it). Raises a clear error for the combinations that cannot work."""
+    codec = subclass_codec(optimizer, slots) if optimizer is not None and not whole_parameters else None
     if codec is not None:
         name = type(optimizer).__name__
         if dtype_name != "float32":

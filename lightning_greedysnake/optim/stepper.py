@@ -29,11 +29,12 @@ from torch import Tensor
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.optim.contract import OptimizerContract, StepPath
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.optim.part_step import PartStepper
 from lightning_greedysnake.optim.protocols import StagedBuffer, StepCollectives, Staging, UpdateGate
 from lightning_greedysnake.optim.state_format import StateFormat
-from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer, split_numel
+from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer
 
 
 @dataclass
@@ -86,7 +87,7 @@ class UnitStepper:
                  keep_weights: Callable[[int, StagedBuffer], bool] | None = None,
                  collectives: StepCollectives | None = None, loss_scaler: Any = None, speculative: bool = False,
                  gradient_observer: Callable[[int, Tensor], None] | None = None,
-                 trim_heap: bool = True) -> None:
+                 trim_heap: bool = True, contract: OptimizerContract | None = None) -> None:
         """``lane``: the optimizer lane the steps run on (its depth is the lag), the caller's to share
         (the pool asks it whether buffers are on their way back); this stepper closes it.
         ``keep_weights``: offered unit 0's new weights after its step: True when it kept them (and owns
@@ -97,8 +98,11 @@ class UnitStepper:
         (each step's :meth:`Staging.flip` at its end). ``gradient_observer``: told ``(unit, flat fp32
         gradient)`` once per window for every stepped unit: the complete gradient (averaged over the
         ranks, before clipping), on the thread running the step, valid only during the call.
-        ``trim_heap``: give the heap's free pages back to the OS after each part's step."""
+        ``trim_heap``: give the heap's free pages back to the OS after each part's step. ``contract``: how
+        the optimizer is stepped (flat slices or whole parameters; state made at construction), default
+        element-wise (:func:`~lightning_greedysnake.optim.contract.optimizer_contract`)."""
         self.optimizer = optimizer
+        self.contract = contract or OptimizerContract(StepPath.ELEMENT_WISE, slots)
         self.state = state
         self.slots = slots
         self.clip = clip
@@ -140,9 +144,9 @@ class UnitStepper:
         if self.optimizer is None:
             return None
         lay = self.state.units[u]
-        return UnitOptimizer(self.optimizer, lay, self.slots,
-                             split_numel(lay, self.alpha_of(u), self.state.bounds(u), self.state.split_align_numel),
-                             self.state.bounds(u))
+        return UnitOptimizer(self.optimizer, lay, self.slots, self.state.split(u, self.alpha_of(u)),
+                             self.state.bounds(u), whole_parameters=self.contract.whole_parameters,
+                             eager_state=self.contract.eager_state)
 
     # -- the split --------------------------------------------------------------------------------------
     def alpha_of(self, unit: int) -> float:
@@ -157,7 +161,7 @@ class UnitStepper:
         ranks = range(self.state.shard[1]) if self.state.shard is not None else [None]
         for r in ranks:
             lo, hi = self.state.bounds(unit, r)
-            if split_numel(self.state.units[unit], self.alpha_of(unit), (lo, hi), self.state.split_align_numel) < hi:
+            if self.state.split(unit, self.alpha_of(unit), (lo, hi)) < hi:
                 return True
         return False
 

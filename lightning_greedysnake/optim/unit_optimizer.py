@@ -6,16 +6,23 @@ views into the unit's flat master and gradient buffers, and its per-element stat
 momentum) to views into the unit's flat state buffers. So the numerics are torch's own, kernel for kernel
 (``fused=True`` included), and every hyperparameter, param group and LR-schedule change on the user's
 optimizer is copied over before each step.
+
+Which pieces a shadow optimizer sees is the optimizer's contract (:mod:`~lightning_greedysnake.optim.
+contract`): flat slices cut at any element for element-wise optimizers, or whole parameters viewed in
+their own shapes (``whole_parameters``), the unit's split and the ranks' chunks then on parameter starts.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_greedysnake.layout import SPLIT_ALIGN_NUMEL, ParamSlot, UnitLayout
+from lightning_greedysnake.layout import ParamSlot, UnitLayout, split_numel
+
+__all__ = ["FlatState", "PieceState", "UnitOptimizer", "UnsupportedOptimizerError", "discover_slots", "split_numel"]
 
 
 class UnsupportedOptimizerError(ValueError):
@@ -29,14 +36,22 @@ def _construct(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -
     return cls(groups)
 
 
+def _construct_as_given(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> torch.optim.Optimizer:
+    """``cls`` over one group, its hyperparameters also passed as the constructor's keywords: state made
+    at construction reads those (Adagrad's ``initial_accumulator_value``), not the group's."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls([group], **{k: v for k, v in group.items() if k != "params" and k in accepted})
+
+
 def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     """Names of the optimizer's per-element state, found by stepping a probe parameter once per group.
 
     Per-element state (a tensor shaped like the parameter, or a tensor subclass of that shape that
     flattens into inner tensors, as torchao's quantized state does: see
     :mod:`~lightning_greedysnake.optim.subclass_state`) is what streams through the state tier; scalar
-    state (step counters) stays in host memory. Anything else (factored second moments, say) cannot be
-    split per unit and is refused.
+    state (step counters) stays in host memory. Anything else cannot be cut per element and is refused.
+    A 1-D probe: it finds the slots of an optimizer already known to work element by element, never
+    whether it does (:func:`~lightning_greedysnake.optim.contract.optimizer_contract` decides that).
     """
     cls = type(optimizer)
     slots: list[str] = []
@@ -46,7 +61,6 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
         probe = torch.zeros(PROBE_NUMEL, dtype=torch.float32, requires_grad=True)
         try:
             shadow = _construct(cls, [{**hyper, "params": [probe]}])
-            eager_state = bool(shadow.state)
             probe.grad = torch.full_like(probe, 0.5)
             shadow.step()
         except Exception as e:  # noqa: BLE001 - reported with the optimizer's name
@@ -54,11 +68,6 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
                 f"greedysnake could not step {cls.__name__} per unit ({type(e).__name__}: {e}). It re-creates "
                 "the optimizer class per unit from its param groups. Fix: use torch.optim.AdamW, Adam or SGD."
             ) from e
-        if eager_state:
-            raise UnsupportedOptimizerError(
-                f"{cls.__name__} creates its state when constructed rather than on its first step, which "
-                "greedysnake's per-unit streaming does not support yet. Fix: use torch.optim.AdamW, Adam or SGD."
-            )
         for name, value in shadow.state[probe].items():
             if isinstance(value, Tensor) and type(value) is not Tensor:
                 if value.shape == probe.shape and hasattr(value, "__tensor_flatten__"):
@@ -88,31 +97,25 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return tuple(slots)
 
 
-def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None = None,
-                align: int = SPLIT_ALIGN_NUMEL) -> int:
-    """First element of the forward (alpha) part of a unit's flat buffers: ``[lo, split)`` is stepped when
-    the unit's gradient completes, ``[split, hi)`` is deferred into the next iteration's forward.
-    ``bounds``: the element range this process steps (its shard; default the whole unit); ``align``: the
-    split falls on a multiple of it (:attr:`StateLayout.split_align_numel`)."""
-    lo, hi = bounds if bounds is not None else (0, layout.numel)
-    if alpha <= 0.0:
-        return hi
-    if alpha >= 1.0:
-        return lo
-    cut = lo + int((hi - lo) * (1.0 - alpha)) // align * align
-    return min(max(cut, lo), hi)
+def _stand_in(shape: tuple[int, ...]) -> Tensor:
+    """A leaf of ``shape`` over one element (stride 0): what a shadow optimizer is built over, so a class
+    that checks its parameters' shapes at construction (Muon: 2-D only) sees the real ones, for no memory;
+    each step points its ``.data`` at the real values."""
+    return torch.zeros(1).as_strided(shape, (0,) * len(shape)).requires_grad_()
 
 
 class _Part:
     """One element range of a unit with its own shadow optimizer over the pieces of parameters in it.
 
-    Each piece is a flat slice of one parameter; optimizers that work element by element (Adam, AdamW,
-    SGD) compute on a slice exactly what they compute on the whole parameter, and every piece of a
-    parameter is stepped once per iteration, so their step counters agree."""
+    Each piece is a flat slice of one parameter (element-wise optimizers: Adam, AdamW, SGD compute on a
+    slice exactly what they compute on the whole parameter, and every piece of a parameter is stepped
+    once per iteration, so their step counters agree), or with ``whole_parameters`` one whole parameter,
+    stepped in its own shape."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, pieces: list[tuple[int, ParamSlot, int, int]]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, pieces: list[tuple[int, ParamSlot, int, int]],
+                 whole_parameters: bool = False) -> None:
         self.pieces = pieces  # (trainable index, slot, flat start, flat end)
-        self.shadow_params = [torch.zeros(1, requires_grad=True) for _ in pieces]
+        self.shadow_params = [_stand_in(slot.shape if whole_parameters else (1,)) for _, slot, _, _ in pieces]
         self.group_index: list[int] = []
         groups: list[dict[str, Any]] = []
         for gi, group in enumerate(optimizer.param_groups):
@@ -121,7 +124,12 @@ class _Part:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
                 self.group_index.append(gi)
         self.shadow = _construct(type(optimizer), groups) if groups else None
+        if self.shadow is not None:
+            self.shadow.state.clear()  # (state made at construction, Adagrad's, is the stand-ins': a piece's is made at its first step)
         self.scalar_state: list[dict[str, Any]] = [{} for _ in pieces]
+        self.streamed: list[tuple[str, ...] | None] = [None] * len(pieces)
+        """Per piece, the state names its step keeps in the streamed state buffers (None: every slot);
+        the rest of its state is in ``scalar_state``."""
         self.initialized: list[bool] = [False] * len(pieces)
         self.steps = 0
         """Steps of this part in this process (the step number where the optimizer keeps none)."""
@@ -133,9 +141,15 @@ class UnitOptimizer:
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, layout: UnitLayout, slots: tuple[str, ...], split: int | None = None,
-        bounds: tuple[int, int] | None = None,
+        bounds: tuple[int, int] | None = None, *, whole_parameters: bool = False, eager_state: bool = False,
     ) -> None:
+        """``whole_parameters``: every piece is a whole parameter (``split`` and ``bounds`` on parameter
+        starts), given to the optimizer in its own shape; ``eager_state``: the optimizer makes a
+        parameter's state when constructed (Adagrad's ``initial_accumulator_value``), so a piece's first
+        step starts from the state a construction over it makes."""
         self.user_optimizer = optimizer
+        self.whole_parameters = whole_parameters
+        self.eager_state = eager_state
         self.layout = layout
         self.slots = slots
         self.trainable: list[ParamSlot] = [p for p in layout.params if p.group is not None]
@@ -149,8 +163,10 @@ class UnitOptimizer:
             for j, slot in enumerate(self.trainable):
                 start, end = max(lo, slot.offset_numel), min(hi, slot.offset_numel + slot.numel)
                 if start < end:
+                    assert not whole_parameters or (start, end) == (slot.offset_numel, slot.offset_numel + slot.numel), (
+                        f"{slot.name} cut at [{start}, {end}) for an optimizer stepped on whole parameters")
                     pieces.append((j, slot, start, end))
-            self.parts.append(_Part(optimizer, pieces))
+            self.parts.append(_Part(optimizer, pieces, whole_parameters))
 
     @property
     def has_trainable(self) -> bool:
@@ -187,21 +203,31 @@ class UnitOptimizer:
         return [(part.scalar_state[k], lo, hi, slot.group or 0)
                 for part in self.parts for k, (pj, slot, lo, hi) in enumerate(part.pieces) if pj == j]
 
-    def set_param_scalar_state(self, j: int, scalars: dict[str, Any]) -> None:
+    def param_streamed(self, j: int) -> tuple[str, ...] | None:
+        """The state names trainable parameter j keeps in the streamed buffers (None: every slot)."""
+        for part in self.parts:
+            for (pj, *_), init, streamed in zip(part.pieces, part.initialized, part.streamed):
+                if pj == j and init:
+                    return streamed
+        return None
+
+    def set_param_scalar_state(self, j: int, scalars: dict[str, Any], streamed: tuple[str, ...] | None = None) -> None:
+        """Parameter j's state kept here (``streamed``: the names it keeps in the streamed buffers)."""
         for part in self.parts:
             for k, (pj, *_) in enumerate(part.pieces):
                 if pj == j:
                     part.scalar_state[k] = {n: (v.clone() if isinstance(v, Tensor) else v) for n, v in scalars.items()}
+                    part.streamed[k] = streamed
                     part.initialized[k] = True
 
-    def snapshot(self) -> list[tuple[list[dict[str, Any]], list[bool], int]]:
+    def snapshot(self) -> list[tuple[list[dict[str, Any]], list[bool], list[tuple[str, ...] | None], int]]:
         """The scalar state of every part (step counters), for :meth:`restore` (speculative steps)."""
         return [([{k: (v.clone() if isinstance(v, Tensor) else v) for k, v in sc.items()} for sc in p.scalar_state],
-                 list(p.initialized), p.steps) for p in self.parts]
+                 list(p.initialized), list(p.streamed), p.steps) for p in self.parts]
 
-    def restore(self, snapshot: list[tuple[list[dict[str, Any]], list[bool], int]]) -> None:
-        for part, (scalars, initialized, steps) in zip(self.parts, snapshot, strict=True):
-            part.scalar_state, part.initialized, part.steps = scalars, initialized, steps
+    def restore(self, snapshot: list[tuple[list[dict[str, Any]], list[bool], list[tuple[str, ...] | None], int]]) -> None:
+        for part, (scalars, initialized, streamed, steps) in zip(self.parts, snapshot, strict=True):
+            part.scalar_state, part.initialized, part.streamed, part.steps = scalars, initialized, streamed, steps
 
     # -- stepping -----------------------------------------------------------------------------------
     def step(
@@ -231,15 +257,17 @@ class UnitOptimizer:
         ]
         for shadow_group, gi in zip(shadow.param_groups, p.group_index):
             shadow_group.update(groups[gi])  # the LR in force at this step, as the LR scheduler left it
+        shaped = self._shaped
         for k, (sp, (j, slot, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
-            sp.data = master[lo:hi]
+            sp.data = shaped(master[lo:hi], slot)
             if p.initialized[k]:
                 kept = p.scalar_state[k]  # (and a slot the optimizer keeps in plain fp32 for this piece)
-                pieces = {name: state.piece(name, lo, hi, slot.group) for name in state.names if name not in kept}
-                shadow.state[sp] = {**kept, **{name: v for name, v in pieces.items() if v is not None}}
+                names = p.streamed[k] if p.streamed[k] is not None else state.names
+                pieces = {name: state.piece(name, lo, hi, slot.group) for name in names if name not in kept}
+                shadow.state[sp] = {**kept, **{name: shaped(v, slot) for name, v in pieces.items() if v is not None}}
         # a piece's first step creates its state as new tensors, copied into our buffers after it: stepped
         # one piece at a time, so no more than one parameter's new state exists beside the buffers at once
-        # (an element-wise optimizer computes each piece alike either way)
+        # (an optimizer on the contract's list computes each piece alike either way)
         stepped = [k for k, (j, *_) in enumerate(p.pieces) if has_grad[j]]
         fresh = [k for k in stepped if not p.initialized[k]]
         batches = [[k for k in stepped if p.initialized[k]], *([k] for k in fresh)]
@@ -248,8 +276,12 @@ class UnitOptimizer:
                 if not batch:
                     continue
                 members = set(batch)
-                for k, (sp, (_, _, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
-                    sp.grad = grad[lo:hi] if k in members else None
+                for k, (sp, (_, slot, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
+                    sp.grad = shaped(grad[lo:hi], slot) if k in members else None
+                    if k in members and not p.initialized[k] and self.eager_state:
+                        # the state its construction makes (Adagrad's sum at initial_accumulator_value)
+                        made = _construct_as_given(type(shadow), {**groups[slot.group or 0], "params": [sp]})
+                        shadow.state[sp] = dict(made.state.get(sp, {}))
                 shadow.step()
                 for k in batch:
                     self._keep(p, k, state)
@@ -262,21 +294,32 @@ class UnitOptimizer:
         p.steps += 1
         return bool(fresh)
 
-    @staticmethod
-    def _keep(p: _Part, k: int, state: PieceState) -> None:
-        """Piece ``k``'s state after its step into our buffers (what does not fit there: kept as scalars),
-        and out of the shadow optimizer (a first step's new tensors are freed once copied)."""
+    def _shaped(self, flat: Tensor, slot: ParamSlot) -> Tensor:
+        """A piece's flat view as the optimizer sees it: in its parameter's shape on the whole-parameter
+        path (the piece is the whole parameter), else as it is."""
+        return flat.view(slot.shape) if self.whole_parameters else flat
+
+    def _keep(self, p: _Part, k: int, state: PieceState) -> None:
+        """Piece ``k``'s state after its step into our buffers (what does not fit there, such as
+        Adafactor's row and column variances, is kept here in host memory), and out of the shadow
+        optimizer (a first step's new tensors are freed once copied)."""
         sp, (_, slot, lo, hi) = p.shadow_params[k], p.pieces[k]
         assert p.shadow is not None
         st = p.shadow.state.pop(sp, None)
         if not st:
             return
-        scalars = {}
+        scalars, streamed = {}, []
         for name, value in st.items():
-            # created on the first step, or replaced: keep it in our buffer where it fits there
-            if not (name in state.names and state.keep(name, lo, hi, value, slot.group)):
+            # created on the first step, or replaced: keep it in our buffer where it fits there (shaped
+            # like its parameter: per element)
+            fits = not self.whole_parameters or (isinstance(value, Tensor) and value.shape == slot.shape)
+            flat = value.reshape(-1) if self.whole_parameters and fits else value
+            if name in state.names and fits and state.keep(name, lo, hi, flat, slot.group):
+                streamed.append(name)
+            else:
                 scalars[name] = value
         p.scalar_state[k] = scalars
+        p.streamed[k] = tuple(streamed)
         p.initialized[k] = True
 
 
@@ -308,6 +351,6 @@ class FlatState:
 
     def keep(self, name: str, lo: int, hi: int, value: Tensor, group: int = 0) -> bool:
         view = self.piece(name, lo, hi)
-        if value is not view:  # created on the first step, or replaced by the optimizer
+        if value.data_ptr() != view.data_ptr():  # created on the first step, or replaced by the optimizer
             view.copy_(value)
         return True

@@ -156,14 +156,18 @@ def probe_numel(params: int) -> int:
     return min(1 << 20, max(1 << 16, params))
 
 
-def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None, threads: int | None = None) -> float:
+def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None, threads: int | None = None,
+                   shape: tuple[int, ...] | None = None) -> float:
     """Elements per second of one step of ``optimizer``'s class (with its first param group's settings)
     on the host, as the optimizer lane runs it: on a thread of its own with ``threads`` intra-op threads
     (the lane's planned count, :func:`lightning_greedysnake.planner.threads.optimizer_threads`; None:
     on the calling thread, with its threads). Default optimizer: fused AdamW. Rates differ by an order
-    of magnitude between optimizers (``benchmarks/optimizer_rate.py``): the plan must see the user's own."""
+    of magnitude between optimizers (``benchmarks/optimizer_rate.py``): the plan must see the user's own.
+    ``shape``: step one parameter of this shape, scaled to about ``numel`` elements with its proportions
+    kept (an optimizer stepped on whole parameters, Muon, costs more than linearly in a matrix's size);
+    None: a flat one."""
     if threads is None:
-        return _optimizer_rate(numel, repeats, optimizer)
+        return _optimizer_rate(numel, repeats, optimizer, shape)
     import threading
 
     import torch
@@ -174,7 +178,7 @@ def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None
     def measure() -> None:
         try:
             torch.set_num_threads(threads)  # (per thread, as the lane's: the caller keeps its own)
-            result.append(_optimizer_rate(numel, repeats, optimizer))
+            result.append(_optimizer_rate(numel, repeats, optimizer, shape))
         except BaseException as e:  # noqa: BLE001 - raised on the calling thread
             errors.append(e)
 
@@ -186,10 +190,14 @@ def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None
     return result[0]
 
 
-def _optimizer_rate(numel: int, repeats: int, optimizer: Any) -> float:
+def _optimizer_rate(numel: int, repeats: int, optimizer: Any, shape: tuple[int, ...] | None = None) -> float:
     import torch
 
-    p = torch.zeros(numel, requires_grad=True)
+    if shape:
+        factor = min(1.0, (numel / max(math.prod(shape), 1)) ** (1.0 / len(shape)))
+        shape = tuple(max(1, int(d * factor)) for d in shape)
+        numel = math.prod(shape)
+    p = torch.zeros(shape or numel, requires_grad=True)
     p.grad = torch.full_like(p, 1e-3)
     if optimizer is None:
         opt = torch.optim.AdamW([p], lr=1e-4, fused=True)

@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.optim import ClipPolicy, UnsupportedOptimizerError
+from lightning_greedysnake.optim.contract import refusal
 from lightning_greedysnake.precision import cpu_bf16_slowdown, slow_bf16_warning
 
 Warn = Callable[[str, str], None]
@@ -50,11 +51,9 @@ def check_optimizers(optimizers: list[Any]) -> None:
             f"strategy='greedysnake' needs exactly one optimizer from configure_optimizers (got "
             f"{len(optimizers)}). Fix: return one optimizer, with several param groups if needed."
         )
-    if isinstance(optimizers[0], torch.optim.LBFGS):
-        raise ValueError(
-            "torch.optim.LBFGS re-evaluates the closure several times per step, which strategy='greedysnake' "
-            "cannot do. Fix: use AdamW, Adam or SGD."
-        )
+    why = refusal(type(optimizers[0]))  # (on every placement: the engine runs one forward per micro-batch)
+    if why is not None:
+        raise UnsupportedOptimizerError(f"strategy='greedysnake' cannot step {why}")
 
 
 def clip_policy(trainer: Any, module: LightningModule, warn: Warn) -> ClipPolicy:

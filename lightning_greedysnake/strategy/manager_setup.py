@@ -21,6 +21,7 @@ from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_o
 from lightning_greedysnake.offload.device import device_copies_for
 from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner.plan import ALPHAS
 from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.lightning_api import record_module_device
@@ -97,7 +98,7 @@ def check_device(config: GreedySnakeConfig, device: torch.device, distributed: b
 
 
 def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
-                       optimizer: torch.optim.Optimizer | None, clip: ClipPolicy,
+                       optimizer: torch.optim.Optimizer | None, contract: OptimizerContract, clip: ClipPolicy,
                        shard: tuple[int, int] | None) -> TieredTensorStore:
     """The tensor manager for ``planned``'s units and settings, with the device tier ``ctx.device`` needs
     (CUDA copy streams, the simulated device, or none: the CPU computes in host memory), which it owns from
@@ -113,7 +114,7 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
             copies=copies, loss_scaler=ctx.precision.loss_scaler,
             data_parallel=ctx.data_parallel(copies, shard is not None), gradient_observer=ctx.gradient_observer,
             optimizer_threads=ctx.optimizer_threads, checkpoint_plan=planned.checkpoints,
-            deferred_gradients_only=deferred_gradients_only(ctx, config, clip))
+            deferred_gradients_only=deferred_gradients_only(ctx, config, clip), contract=contract)
     except BaseException:
         if copies is not None:
             copies.close()

@@ -36,6 +36,7 @@ from lightning_greedysnake.models import (
 from lightning_greedysnake.offload import InMemoryTensorStore
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.optim import ClipPolicy
+from lightning_greedysnake.optim.contract import optimizer_contract
 from lightning_greedysnake.planner.measure import available_cores
 from lightning_greedysnake.planner.threads import optimizer_threads
 from lightning_greedysnake.precision import GreedySnakePrecision
@@ -227,11 +228,13 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
         return Run(cut, engine, guard, planner, directories)
     shard = (ctx.global_rank, ctx.world_size) if ctx.is_distributed and cut.config.shard_state else None
     dtype, scaler = ctx.precision.compute_dtype, ctx.precision.loss_scaler
-    planned = planner.plan_setup(cut.chain, optimizer, dtype, shard, speculative=scaler is not None and not clip.defer,
-                                 clip_norm=clip.defer)
+    # how the optimizer is stepped, decided once, before any work (an optimizer no path steps exactly is refused)
+    contract = optimizer_contract(optimizer, ctx.settings.optimizer_path, ctx.warn)
+    planned = planner.plan_setup(cut.chain, optimizer, contract, dtype, shard,
+                                 speculative=scaler is not None and not clip.defer, clip_norm=clip.defer)
     config = planned.config
     built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
-    manager = new_tensor_manager(ctx, planned, module, optimizer, clip, shard)
+    manager = new_tensor_manager(ctx, planned, module, optimizer, contract, clip, shard)
     try:
         memory = HostMemory.of(planner.host_budget_bytes, built_bytes, manager, bounded=config.auto)
         if config.auto:  # (a host budget was planned within: say what it covers, and what comes back)

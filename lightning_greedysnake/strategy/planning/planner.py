@@ -20,6 +20,7 @@ from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Split,
 from lightning_greedysnake.models import LayerChain, Unit, make_units
 from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
+from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
 from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidth, probe_numel, unit_costs, unit_times
 from lightning_greedysnake.planner.placement import PlacementPlan
@@ -57,11 +58,12 @@ def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Ma
     a disk cannot be measured."""
     params = sum(lay.trainable_numel for lay in manager.layouts)
     numel = probe_numel(params)
-    rate = optimizer_rate(numel=numel, optimizer=manager.optimizer,
-                          threads=manager.optimizer_threads)  # (at the threads the lane really gets)
+    shape = manager.contract.probe_shape
+    rate = optimizer_rate(numel=numel, optimizer=manager.optimizer, threads=manager.optimizer_threads,
+                          shape=shape)  # (at the threads the lane really gets)
     shared = manager.copies is None  # the model computes on the host: the lane shares its cores
     # a synchronous step (lag 0) runs here, on the training thread, with its threads
-    inline = optimizer_rate(numel=numel, optimizer=manager.optimizer) if shared else None
+    inline = optimizer_rate(numel=numel, optimizer=manager.optimizer, shape=shape) if shared else None
     if not manager.config.uses_ssd:
         return Machine(math.inf, math.inf, rate, inline, shared), "no SSD tier"
     dirs = manager.offload_dirs or [default_root]
@@ -128,26 +130,27 @@ class Planner:
         self.unit_seconds: tuple[list[float], list[float]] | None = None
 
     # -- at setup -------------------------------------------------------------------------------------
-    def plan_setup(self, chain: LayerChain, optimizer: Any, dtype: torch.dtype, shard: tuple[int, int] | None, *,
-                   speculative: bool, clip_norm: bool) -> SetupPlan:
+    def plan_setup(self, chain: LayerChain, optimizer: Any, contract: OptimizerContract, dtype: torch.dtype,
+                   shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool) -> SetupPlan:
         """``layers_per_unit``, then the placement of the unset kinds for units of that size (every rank
         applies rank 0's, printed as a table), and the checkpoints' share. ``speculative``: fp16's two slots
-        of the kinds a step rewrites."""
+        of the kinds a step rewrites; ``contract``: how ``optimizer`` is stepped (its state slots, its
+        layout's cuts)."""
         ctx, settings, budget = self.ctx, self.ctx.settings, self.host_budget_bytes
         # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
         # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
         planned_weights = ctx.device_tier and settings.auto and settings.offload.weights is None
         device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
                                           if planned_weights else None))
-        lpu = self.unit_size(chain, optimizer, dtype, shard, speculative=speculative, clip_norm=clip_norm,
-                             device=device)
+        lpu = self.unit_size(chain, optimizer, contract, dtype, shard, speculative=speculative,
+                             clip_norm=clip_norm, device=device)
         units = make_units(chain, lpu)
         settings = dataclasses.replace(settings, layers_per_unit=lpu)
         checkpoints = ((budget // CHECKPOINT_SHARE, ctx.report)
                        if settings.auto and settings.offload.checkpoints is None else None)
         if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
             return SetupPlan(self.scheduled(settings.resolved()), None, units, checkpoints)
-        state = state_layout(units, {}, optimizer, settings.offload.placed(), dtype, shard)
+        state = state_layout(units, {}, optimizer, settings.offload.placed(), dtype, shard, contract)
         lag, placement = place_kinds(settings, state, ctx.accumulate, budget, speculative=speculative,
                                      clip_norm=clip_norm, device=device)
         placement = ctx.broadcast(placement)  # every rank runs rank 0's (the same: the same budget and sizes)
@@ -172,8 +175,8 @@ class Planner:
                         "set schedule=vertical to fix it)")
         return dataclasses.replace(config, schedule=ScheduleKind.HORIZONTAL)
 
-    def unit_size(self, chain: LayerChain, optimizer: Any, dtype: torch.dtype, shard: tuple[int, int] | None, *,
-                  speculative: bool, clip_norm: bool, device: DeviceSide) -> int:
+    def unit_size(self, chain: LayerChain, optimizer: Any, contract: OptimizerContract, dtype: torch.dtype,
+                  shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool, device: DeviceSide) -> int:
         """``layers_per_unit`` for this run: the user's, 1 with ``auto=False``, else rank 0's choice
         (:mod:`~lightning_greedysnake.planner.unit_size`) among the candidates whose staging fits the host
         budget; where none can be measured, 1 (and the report says why)."""
@@ -185,10 +188,10 @@ class Planner:
         result: int | str = 1
         if ctx.is_global_zero:
             try:
-                scores = score_sizes(settings, candidate_layouts(settings, chain, optimizer, dtype, shard), optimizer,
-                                     ctx.accumulate, self.host_budget_bytes, speculative=speculative,
+                scores = score_sizes(settings, candidate_layouts(settings, chain, optimizer, contract, dtype, shard),
+                                     optimizer, ctx.accumulate, self.host_budget_bytes, speculative=speculative,
                                      clip_norm=clip_norm, default_root=ctx.default_root, device=device,
-                                     optimizer_threads=ctx.optimizer_threads)
+                                     optimizer_threads=ctx.optimizer_threads, shape=contract.probe_shape)
                 if scores.plans:
                     result = choose_unit_size(scores.plans)
                     ctx.report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up "

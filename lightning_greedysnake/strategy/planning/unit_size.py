@@ -19,7 +19,8 @@ from lightning_greedysnake.planner.roofline import Machine, traffic
 from lightning_greedysnake.planner.unit_size import CANDIDATES, Bandwidth, machine_at, plans_by_size, requests
 from lightning_greedysnake.strategy.planning.device import DeviceSide
 from lightning_greedysnake.strategy.planning.placement import place_kinds, placed_config, planned_costs
-from lightning_greedysnake.tensor_manager import discover_slots, state_format_for, state_layout
+from lightning_greedysnake.optim.contract import OptimizerContract
+from lightning_greedysnake.tensor_manager import state_format_for, state_layout
 
 
 def probe_directory(setting: str | None, default_root: Path) -> Path:
@@ -33,12 +34,13 @@ def probe_directory(setting: str | None, default_root: Path) -> Path:
 
 
 def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer: torch.optim.Optimizer | None,
-                      dtype: torch.dtype, shard: tuple[int, int] | None) -> dict[int, StateLayout]:
-    """Each candidate's state layout (the optimizer's slots and state format found once)."""
-    slots = discover_slots(optimizer) if optimizer is not None else ()
-    fmt = state_format_for(optimizer, slots, settings.offload.optimizer_state_dtype, shard)
+                      contract: OptimizerContract, dtype: torch.dtype, shard: tuple[int, int] | None
+                      ) -> dict[int, StateLayout]:
+    """Each candidate's state layout (the optimizer's state format found once)."""
+    fmt = state_format_for(optimizer, contract.slots, settings.offload.optimizer_state_dtype, shard,
+                           contract.whole_parameters)
     sizes = [c for c in CANDIDATES if c <= len(chain.blocks)]
-    return {c: state_layout(make_units(chain, c), {}, optimizer, settings.offload, dtype, shard, slots, fmt)
+    return {c: state_layout(make_units(chain, c), {}, optimizer, settings.offload, dtype, shard, contract, fmt)
             for c in sizes}
 
 
@@ -52,10 +54,11 @@ class UnitSizeScores(NamedTuple):
 
 def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any, k: int, budget: int,
                 *, speculative: bool, clip_norm: bool, default_root: Path, device: DeviceSide,
-                optimizer_threads: int) -> UnitSizeScores:
+                optimizer_threads: int, shape: tuple[int, ...] | None = None) -> UnitSizeScores:
     """Place each candidate within ``budget`` (one whose staging alone exceeds it is left out, by the
     placement or the roofline's plan), measure the disks at their request sizes and the optimizer, and
-    score them (:func:`score_candidates`)."""
+    score them (:func:`score_candidates`). ``shape``: the optimizer's rate measured on a parameter of
+    this shape (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.probe_shape`)."""
     placed: dict[int, tuple[list, Any, int, int, GreedySnakeConfig]] = {}
     for lpu, state in layouts.items():
         try:
@@ -79,7 +82,7 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
     moved = any(t.read_bytes + t.write_bytes for _, t, *_ in placed.values())  # (else nothing to measure)
     bandwidth = interpolate(paths_bandwidth(dirs, sizes, settings.offload) if moved else {1: (math.inf, math.inf)})
     params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
-    rate = optimizer_rate(numel=probe_numel(params), optimizer=optimizer, threads=optimizer_threads)
+    rate = optimizer_rate(numel=probe_numel(params), optimizer=optimizer, threads=optimizer_threads, shape=shape)
     return score_candidates(placed, bandwidth, rate, k)
 
 

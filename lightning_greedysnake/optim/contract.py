@@ -1,0 +1,291 @@
+"""The optimizer contract: how the user's optimizer is stepped per unit, decided once per run, before
+any work, from what the optimizer is and what a probe on the run's own parameter shapes shows.
+
+greedysnake re-creates the user's optimizer class over pieces of each unit's flat buffers
+(:class:`~lightning_greedysnake.optim.unit_optimizer.UnitOptimizer`). Two ways to cut them:
+
+- **element-wise** (:attr:`StepPath.ELEMENT_WISE`): flat slices cut at any element, which the alpha split
+  and the ranks' chunks (partitioned state) need at their own sizes. Exact only for an optimizer that
+  computes every element from that element alone, so it is an allow-list (:data:`ELEMENT_WISE`), each
+  member proven against Lightning by ``tests/integration/test_optimizer_contract.py``.
+- **whole parameters** (:attr:`StepPath.WHOLE_PARAMETER`): each parameter whole, in its own shape; the
+  split, the ranks' chunks and the gradients file's deferred ranges fall on parameter starts. For
+  optimizers that look across a parameter's elements (Adafactor's factored second moment, Muon's
+  orthogonalization, a LAMB-style trust ratio) but not across parameters: the known ones
+  (:data:`WHOLE_PARAMETER`), and any other whose separability probe passes (stepping the run's
+  parameter shapes together, state included, equals stepping each alone). State shaped like its
+  parameter streams through the state tier; other state (Adafactor's row and column variances: a
+  vector per matrix) stays in host memory beside the step counters.
+
+Refused, naming the class and the fix: closures that re-evaluate the loss (LBFGS), sparse-gradient
+optimizers (SparseAdam), any optimizer whose probe couples parameters. Never decided by a 1-D probe
+alone: a 1-D probe only finds the slots of an optimizer already known to be element-wise.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_greedysnake.optim.unit_optimizer import UnsupportedOptimizerError, discover_slots
+
+
+class StepPath(str, enum.Enum):
+    ELEMENT_WISE = "element_wise"
+    WHOLE_PARAMETER = "whole_parameter"
+
+
+ELEMENT_WISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
+)
+"""``torch.optim`` classes that compute each element from that element alone (their ``foreach`` and
+``fused`` variants too): stepped on flat slices. Exactly these classes: a subclass may override
+``step`` and goes through the probe instead."""
+
+TORCHAO_ELEMENT_WISE = ("AdamW8bit", "AdamW4bit")
+"""torchao's low-bit AdamW (``torchao.optim``): element-wise math over blocks of 256 (8-bit) or 128
+(4-bit) elements; a unit is laid out and cut on block boundaries (:mod:`~lightning_greedysnake.optim.
+subclass_state`). Named, so that torchao is not imported to check."""
+
+WHOLE_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls for cls in (getattr(torch.optim, "Adafactor", None), getattr(torch.optim, "Muon", None)) if cls is not None)
+"""Known to look across a parameter's elements and never across parameters: stepped whole, no probe."""
+
+REFUSED: dict[str, str] = {
+    "LBFGS": "re-evaluates the loss through the closure several times a step, which greedysnake's one "
+             "forward and backward per micro-batch cannot do. Fix: use AdamW, Adam or SGD.",
+    "SparseAdam": "steps sparse gradients only, and greedysnake accumulates every gradient densely. Fix: use "
+                  "torch.optim.Adam (or AdamW).",
+}
+"""``torch.optim`` classes no path can step, by name, with the reason and the fix."""
+
+QUANTIZED_MIN_NUMEL = 4096
+"""torchao's low-bit optimizers keep a parameter's state in fp32 below this many elements."""
+
+PROBE_MAX_NUMEL = 1 << 14
+"""The separability probe steps the run's parameter shapes, each scaled down to at most this many
+elements with its rank and proportions kept (what a shape-dependent optimizer decides by)."""
+
+PROBE_MAX_SHAPES = 6
+"""Distinct shapes probed per param group (the largest first)."""
+
+PROBE_STEPS = 3
+
+
+@dataclass(frozen=True)
+class OptimizerContract:
+    """How the run steps its optimizer (:func:`optimizer_contract`)."""
+
+    path: StepPath
+    slots: tuple[str, ...] = ()
+    """Per-element state streamed through the state tier, one slot each (Adam: ``exp_avg``,
+    ``exp_avg_sq``); a whole-parameter optimizer's state of another shape stays in host memory."""
+    eager_state: bool = False
+    """The optimizer makes a parameter's state when constructed (Adagrad), not at its first step."""
+    probe_shape: tuple[int, ...] | None = None
+    """The shape the optimizer's rate is measured on (:func:`~lightning_greedysnake.planner.measure.
+    optimizer_rate`): the run's largest parameter's on the whole-parameter path (Muon's cost is not
+    linear in the elements), None (flat) on the element-wise path."""
+    reason: str = ""
+    """Why this path, for the setup report."""
+
+    min_piece_numel: int = 0
+    """A cut through a parameter leaves at least this many of its elements on either side: torchao's
+    low-bit AdamW quantizes a parameter's state only from 4096 elements on (:data:`QUANTIZED_MIN_NUMEL`),
+    so a smaller slice of a quantized parameter would keep fp32 state and step differently."""
+
+    @property
+    def whole_parameters(self) -> bool:
+        """Each piece the optimizer steps is a whole parameter in its own shape."""
+        return self.path is StepPath.WHOLE_PARAMETER
+
+    @property
+    def parameter_cuts(self) -> bool:
+        """The unit's split and the ranks' chunks fall on parameter starts."""
+        return self.whole_parameters
+
+
+NO_OPTIMIZER = OptimizerContract(StepPath.ELEMENT_WISE, reason="no optimizer")
+
+
+def refusal(cls: type) -> str | None:
+    """Why no path can step ``cls`` (None: one may)."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch.optim") and klass.__name__ in REFUSED:
+            return f"{cls.__name__} {REFUSED[klass.__name__]}"
+    return None
+
+
+def element_wise_listed(cls: type) -> bool:
+    """Whether ``cls`` itself (not a subclass) is on the element-wise list."""
+    if cls in ELEMENT_WISE:
+        return True
+    return cls.__module__.startswith("torchao.optim") and cls.__name__ in TORCHAO_ELEMENT_WISE
+
+
+def optimizer_contract(optimizer: torch.optim.Optimizer | None, path: str = "auto",
+                       warn: Callable[[str, str], None] | None = None) -> OptimizerContract:
+    """The run's contract for ``optimizer`` under ``optimizer_path=path``; raises
+    :class:`UnsupportedOptimizerError` (a ``ValueError``) naming the class and the fix where no path
+    steps it exactly. ``warn(key, message)``: told once when ``element_wise`` is forced on a class
+    outside the list."""
+    if optimizer is None:
+        return NO_OPTIMIZER
+    cls = type(optimizer)
+    why = refusal(cls)
+    if why is not None:
+        raise UnsupportedOptimizerError(f"strategy='greedysnake' cannot step {why}")
+    listed = element_wise_listed(cls)
+    if path == StepPath.ELEMENT_WISE.value or (path == "auto" and listed):
+        if not listed and warn is not None:
+            warn("optimizer_path", f"optimizer_path='element_wise' with {cls.__name__}, which is not on greedysnake's "
+                 "list of element-wise optimizers: it is stepped on flat slices of parameters cut at any element, "
+                 "exact only if it computes every element from that element alone. Fix: leave optimizer_path='auto' "
+                 "(whole parameters, where the separability probe passes).")
+        return OptimizerContract(StepPath.ELEMENT_WISE, discover_slots(optimizer), _eager(optimizer),
+                                 reason="forced by optimizer_path" if not listed else "element-wise (listed)",
+                                 min_piece_numel=QUANTIZED_MIN_NUMEL if cls.__module__.startswith("torchao.optim") else 0)
+    shapes = _shapes_by_group(optimizer)
+    probed = not listed and cls not in WHOLE_PARAMETER
+    if probed:
+        for gi, group_shapes in shapes.items():
+            _check_separable(optimizer, gi, group_shapes)
+    slots = _whole_parameter_slots(optimizer, shapes)
+    largest = max((s for group in shapes.values() for s in group), key=math.prod, default=None)
+    reason = ("forced by optimizer_path" if path == StepPath.WHOLE_PARAMETER.value else
+              "separability probe passed on this run's shapes" if probed else "whole parameters (listed)")
+    return OptimizerContract(StepPath.WHOLE_PARAMETER, slots, _eager(optimizer), largest, reason)
+
+
+# -- probes ---------------------------------------------------------------------------------------------
+def _hyper(optimizer: torch.optim.Optimizer, gi: int) -> dict[str, Any]:
+    return {k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}
+
+
+def _eager(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether constructing the optimizer makes state (over a probe of its first parameter's shape)."""
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    probe = torch.zeros(_scaled(tuple(first.shape)) if first is not None else (4,), requires_grad=True)
+    return bool(type(optimizer)([{**_hyper(optimizer, 0), "params": [probe]}]).state)
+
+
+def _scaled(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with at most :data:`PROBE_MAX_NUMEL` elements, its rank and proportions kept."""
+    numel = math.prod(shape)
+    if numel <= PROBE_MAX_NUMEL or not shape:
+        return shape
+    factor = (PROBE_MAX_NUMEL / numel) ** (1.0 / len(shape))
+    return tuple(max(1, int(d * factor)) for d in shape)
+
+
+def _shapes_by_group(optimizer: torch.optim.Optimizer) -> dict[int, list[tuple[int, ...]]]:
+    """Per param group, the distinct shapes of its trainable parameters, the largest first (at most
+    :data:`PROBE_MAX_SHAPES`)."""
+    out: dict[int, list[tuple[int, ...]]] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        shapes = sorted({tuple(p.shape) for p in group["params"] if p.requires_grad}, key=lambda s: (-math.prod(s), s))
+        if shapes:
+            out[gi] = shapes[:PROBE_MAX_SHAPES]
+    return out
+
+
+def _run(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], params: list[Tensor], grads: list[list[Tensor]],
+         together: bool) -> list[tuple[Tensor, dict[str, Any]]]:
+    """``params`` (probe leaves) stepped with ``grads`` (per step, per parameter), in one optimizer or one each."""
+    optimizers = [cls([{**hyper, "params": params}])] if together else [cls([{**hyper, "params": [p]}]) for p in params]
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        for opt in optimizers:
+            opt.step()
+    states: dict[int, dict[str, Any]] = {}
+    for opt in optimizers:
+        states.update({id(p): st for p, st in opt.state.items()})
+    return [(p.detach(), states.get(id(p), {})) for p in params]
+
+
+def _probe_failed(cls: type, e: Exception, shapes: list[tuple[int, ...]]) -> UnsupportedOptimizerError:
+    return UnsupportedOptimizerError(
+        f"greedysnake could not step {cls.__name__} on this run's parameter shapes {shapes} ({type(e).__name__}: "
+        f"{e}). It re-creates the optimizer class per unit from its param groups. Fix: freeze or regroup the "
+        "parameters it cannot take, or use torch.optim.AdamW.")
+
+
+def _check_separable(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tuple[int, ...]]) -> None:
+    """Raise unless stepping group ``gi``'s shapes together equals stepping each alone (state included)."""
+    cls = type(optimizer)
+    probe_shapes = [_scaled(s) for s in shapes]
+    if len(probe_shapes) == 1:
+        probe_shapes.append(probe_shapes[0])  # two parameters, even of one shape
+    gen = torch.Generator().manual_seed(0x5E9A)
+    start = [torch.randn(s, generator=gen) for s in probe_shapes]
+    grads = [[torch.randn(s, generator=gen) * (k + 1) for k, s in enumerate(probe_shapes)] for _ in range(PROBE_STEPS)]
+    try:
+        together = _run(cls, _hyper(optimizer, gi), [t.clone().requires_grad_() for t in start], grads, True)
+        alone = _run(cls, _hyper(optimizer, gi), [t.clone().requires_grad_() for t in start], grads, False)
+    except Exception as e:  # noqa: BLE001 - reported with the optimizer's name
+        raise _probe_failed(cls, e, shapes) from e
+    for k, ((pa, sa), (pb, sb)) in enumerate(zip(together, alone, strict=True)):
+        differs = [name for name in sorted(set(sa) | set(sb)) if not _same(sa.get(name), sb.get(name))]
+        if not _same(pa, pb):
+            differs.insert(0, "the parameter")
+        if differs:
+            raise UnsupportedOptimizerError(
+                f"{cls.__name__} couples parameters: stepping a parameter of shape {probe_shapes[k]} beside others "
+                f"changes {', '.join(differs)} (greedysnake's separability probe on this run's shapes, param group "
+                f"{gi}), so stepping it unit by unit would not be exact. Fix: use an optimizer that updates each "
+                "parameter from its own gradient and state (AdamW, Adafactor, Muon), or move the cross-parameter "
+                "part (a global norm, say) into gradient clipping: Trainer(gradient_clip_val=...).")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        if a.shape != b.shape:
+            return False
+        return bool(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7, equal_nan=True))
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-6))
+
+
+def _whole_parameter_slots(optimizer: torch.optim.Optimizer, shapes: dict[int, list[tuple[int, ...]]]) -> tuple[str, ...]:
+    """The state names shaped like their parameter (fp32) on the run's shapes: the slots that stream."""
+    cls = type(optimizer)
+    slots: list[str] = []
+    for gi, group_shapes in shapes.items():
+        probe_shapes = [_scaled(s) for s in group_shapes]
+        params = [torch.zeros(s, requires_grad=True) for s in probe_shapes]
+        try:
+            stepped = _run(cls, _hyper(optimizer, gi), params, [[torch.full(s, 0.5) for s in probe_shapes]] * 2, True)
+        except Exception as e:  # noqa: BLE001 - reported with the optimizer's name
+            raise _probe_failed(cls, e, group_shapes) from e
+        for p, state in stepped:
+            for name, value in state.items():
+                if not isinstance(value, Tensor) or value.shape != p.shape or value.dim() == 0:
+                    continue  # kept in host memory with the step counters (Adafactor's row/column variances)
+                if type(value) is not Tensor:
+                    kind = type(value).__name__
+                    raise UnsupportedOptimizerError(
+                        f"{cls.__name__} keeps state {name!r} as a {kind}, a tensor subclass greedysnake cannot flatten "
+                        "per element, so it cannot be streamed per unit. Fix: use torch.optim.AdamW (offload."
+                        "optimizer_state_dtype=bfloat16 halves the state bytes) or torchao's AdamW8bit/AdamW4bit."
+                        if not hasattr(value, "__tensor_flatten__") else
+                        f"{cls.__name__} keeps state {name!r} as a {kind}, a tensor subclass greedysnake streams only "
+                        f"for the element-wise optimizers it lists, and {cls.__name__} is not one. Fix: use "
+                        "torch.optim.AdamW (offload.optimizer_state_dtype=bfloat16 halves the state bytes), torchao's "
+                        f"AdamW8bit/AdamW4bit, or optimizer_path='element_wise' if {cls.__name__} computes every "
+                        "element from that element alone.")
+                if value.dtype != torch.float32:
+                    raise UnsupportedOptimizerError(
+                        f"{cls.__name__} keeps state {name!r} in {value.dtype}; greedysnake streams fp32 per-element "
+                        "state. Fix: use torch.optim.AdamW, or an optimizer keeping fp32 state.")
+                if name not in slots:
+                    slots.append(name)
+    return tuple(slots)

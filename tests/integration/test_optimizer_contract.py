@@ -1,0 +1,447 @@
+"""The optimizer contract (:mod:`lightning_greedysnake.optim.contract`): every ``torch.optim`` class and
+torchao's low-bit AdamW either stepped exactly (against Lightning's own strategy with the same optimizer
+and ``accumulate_grad_batches``, weights and every window's gradients to 1e-5 in fp32) or refused before
+any work, naming the class and the fix; never silently wrong.
+
+Paths per optimizer: the vertical order with every kind on SSD (``auto=False``: alpha 0.25, a background
+lane), the planned defaults, the horizontal order, alpha 0.5; partitioned state over two processes is in
+``test_distributed.py`` (one launch for every optimizer).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.config import OffloadConfig
+from lightning_greedysnake.optim.contract import StepPath, optimizer_contract
+from lightning_greedysnake.optim.unit_optimizer import UnsupportedOptimizerError
+from tests.helpers import RecordingLogger, make_trainer, max_abs_diff, regression_loader
+from tests.integration.test_equivalence import GradRecorder
+
+K = 3
+NUM_BATCHES = 8  # windows of 3, 3, 2 per epoch, two epochs: six steps
+WIDTH = 48  # a unit of a 48x48 or 48x96 matrix is cut by alpha (splits fall on 2048-element boundaries)
+
+
+class LAMB(torch.optim.Optimizer):
+    """A LAMB-style optimizer: Adam's direction scaled by a trust ratio per parameter (its norm over its
+    update's norm): not element-wise, separable per parameter."""
+
+    def __init__(self, params: Any, lr: float = 1e-2, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones(()))
+                p.add_(update * trust, alpha=-group["lr"])
+        return loss
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """Couples parameters: every step is scaled by the norm of all gradients together."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            total = torch.sqrt(sum((g * g).sum() for g in grads))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (total + 1e-6), alpha=-group["lr"])
+        return loss
+
+
+def _torchao(name: str) -> Callable[..., torch.optim.Optimizer]:
+    def make(params: Any, **kw: Any) -> torch.optim.Optimizer:
+        optim = pytest.importorskip("torchao.optim")
+        return getattr(optim, name)(params, **kw)
+
+    return make
+
+
+# name -> (factory over param groups, its path under optimizer_path="auto", layer width)
+OPTIMIZERS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], StepPath, int]] = {
+    "SGD-momentum": (lambda g: torch.optim.SGD(g, lr=3e-2, momentum=0.9), StepPath.ELEMENT_WISE, WIDTH),
+    "SGD-nesterov": (lambda g: torch.optim.SGD(g, lr=3e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+                     StepPath.ELEMENT_WISE, WIDTH),
+    "Adam": (lambda g: torch.optim.Adam(g, lr=3e-3), StepPath.ELEMENT_WISE, WIDTH),
+    "AdamW-amsgrad": (lambda g: torch.optim.AdamW(g, lr=3e-3, amsgrad=True), StepPath.ELEMENT_WISE, WIDTH),
+    "AdamW-foreach": (lambda g: torch.optim.AdamW(g, lr=3e-3, foreach=True), StepPath.ELEMENT_WISE, WIDTH),
+    "AdamW-fused": (lambda g: torch.optim.AdamW(g, lr=3e-3, fused=True), StepPath.ELEMENT_WISE, WIDTH),
+    "Adamax": (lambda g: torch.optim.Adamax(g, lr=3e-3), StepPath.ELEMENT_WISE, WIDTH),
+    "NAdam": (lambda g: torch.optim.NAdam(g, lr=3e-3), StepPath.ELEMENT_WISE, WIDTH),
+    "RAdam-decoupled": (lambda g: torch.optim.RAdam(g, lr=3e-3, weight_decay=0.1, decoupled_weight_decay=True),
+                        StepPath.ELEMENT_WISE, WIDTH),
+    "RMSprop-centered": (lambda g: torch.optim.RMSprop(g, lr=1e-3, momentum=0.5, centered=True),
+                         StepPath.ELEMENT_WISE, WIDTH),
+    "Adagrad": (lambda g: torch.optim.Adagrad(g, lr=3e-2, initial_accumulator_value=0.1, lr_decay=0.01),
+                StepPath.ELEMENT_WISE, WIDTH),
+    "Adadelta": (lambda g: torch.optim.Adadelta(g, lr=1.0), StepPath.ELEMENT_WISE, WIDTH),
+    "Rprop": (lambda g: torch.optim.Rprop(g, lr=1e-3), StepPath.ELEMENT_WISE, WIDTH),
+    "ASGD": (lambda g: torch.optim.ASGD(g, lr=3e-2, t0=2), StepPath.ELEMENT_WISE, WIDTH),
+    "AdamW8bit": (lambda g: _torchao("AdamW8bit")(g, lr=3e-3), StepPath.ELEMENT_WISE, 64),
+    "AdamW4bit": (lambda g: _torchao("AdamW4bit")(g, lr=3e-3), StepPath.ELEMENT_WISE, 64),
+    "Adafactor": (lambda g: torch.optim.Adafactor(g, lr=1e-2), StepPath.WHOLE_PARAMETER, WIDTH),
+    "Muon": (lambda g: torch.optim.Muon(g, lr=2e-2), StepPath.WHOLE_PARAMETER, WIDTH),
+    "LAMB": (lambda g: LAMB(g, lr=1e-2, weight_decay=0.01), StepPath.WHOLE_PARAMETER, WIDTH),
+}
+
+
+class MLP(L.LightningModule):
+    """A small MLP as an ``nn.Sequential`` (the strategy's built-in adapter splits it into units):
+    matrices of several shapes, biases and a LayerNorm. ``matrices_only``: everything but the 2-D weights
+    frozen (Muon takes matrices only)."""
+
+    def __init__(self, optimizer: str, width: int = WIDTH) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.net = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                 nn.Linear(width, 2 * width), nn.LayerNorm(2 * width), nn.Linear(2 * width, 3))
+        if optimizer == "Muon":
+            for p in self.net.parameters():
+                p.requires_grad_(p.dim() == 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        matrices = [p for p in trainable if p.dim() >= 2]
+        rest = [p for p in trainable if p.dim() < 2]
+        groups = [{"params": matrices}] + ([{"params": rest}] if rest else [])  # two groups: both honoured
+        opt = OPTIMIZERS[self.optimizer_name][0](groups)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Contract(GradRecorder):
+    """Also: the contract the run was built with (None: no tensor manager) and each unit's element range
+    this rank steps, with the unit's size."""
+
+    contract = None
+    chunks: list[tuple[int, int, int]] = []
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        super().on_train_start(trainer, module)
+        manager = getattr(trainer.strategy, "tensor_manager", None)
+        self.contract = manager.contract if manager is not None else None
+        self.chunks = ([(*manager.state.bounds(u), manager.state.units[u].numel) for u in range(manager.num_units)]
+                       if manager is not None else [])
+
+
+def fit(strategy: Any, optimizer: str, width: int | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    module = MLP(optimizer, width or OPTIMIZERS[optimizer][2])
+    grads, logger = Contract(), RecordingLogger()
+    trainer = make_trainer(strategy, K, logger=logger, callbacks=[grads], **trainer_kwargs)
+    trainer.fit(module, regression_loader(NUM_BATCHES))
+    return {"params": {n: p.detach().clone() for n, p in module.named_parameters()}, "grads": grads,
+            "steps": trainer.global_step, "contract": grads.contract, "optimizer": optimizer, "chunks": grads.chunks}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(optimizer: str) -> dict[str, Any]:
+    return fit("auto", optimizer)
+
+
+QUANTIZED_WEIGHT_ATOL = 1e-4
+"""torchao's 8-bit state turns the vertical order's last-bit gradient differences (the snake sums some
+units' micro-batches in reverse; gradients agree to 1e-7) into a moment one code apart, a weight
+difference of about lr/127 = 2.4e-5 a step: weights are compared to this there, gradients to 1e-5 as
+everywhere, and the horizontal order (Lightning's summation order) is bit-identical."""
+
+
+def assert_exact(got: dict[str, Any], ref: dict[str, Any], atol: float = 1e-5, weight_atol: float | None = None) -> None:
+    assert got["steps"] == ref["steps"] == 6
+    weight_atol = weight_atol or atol
+    moved = max_abs_diff(ref["params"], fit_start_params(got))
+    assert moved > 100 * weight_atol, "the optimizer must move the weights for the comparison to mean anything"
+    assert max_abs_diff(got["params"], ref["params"]) <= weight_atol
+    got_grads, ref_grads = got["grads"].grads, ref["grads"].grads
+    assert len(got_grads) == len(ref_grads) == got["steps"]
+    for step, (g, r) in enumerate(zip(got_grads, ref_grads, strict=True)):
+        r = {n: v for n, v in r.items() if n in g}
+        assert g.keys() == r.keys(), step
+        assert max_abs_diff(g, r) <= (1e-6 if step == 0 else atol), step
+
+
+@functools.lru_cache(maxsize=None)
+def _start(optimizer: str) -> tuple[tuple[str, torch.Tensor], ...]:
+    L.seed_everything(0, verbose=False)
+    return tuple((n, p.detach().clone()) for n, p in MLP(optimizer, OPTIMIZERS[optimizer][2]).named_parameters())
+
+
+def fit_start_params(got: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return dict(_start(got["optimizer"]))
+
+
+PATHS: dict[str, Callable[[], Any]] = {
+    "vertical-ssd": lambda: GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("ssd")),
+    "planned": lambda: GreedySnakeStrategy(),
+    "horizontal": lambda: GreedySnakeStrategy(auto=False, schedule="horizontal"),
+    "alpha-half": lambda: GreedySnakeStrategy(auto=False, alpha=0.5, lag=1, offload=OffloadConfig.everywhere("ssd")),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_every_optimizer_is_exact_on_its_path(optimizer, path):
+    ref = reference(optimizer)
+    got = fit(PATHS[path](), optimizer)
+    assert got["contract"] is not None and got["contract"].path is OPTIMIZERS[optimizer][1]
+    quantized = optimizer in ("AdamW8bit", "AdamW4bit")
+    if quantized and path == "horizontal":
+        assert max_abs_diff(got["params"], ref["params"]) == 0
+    assert_exact(got, ref, weight_atol=QUANTIZED_WEIGHT_ATOL if quantized else None)
+
+
+@pytest.mark.parametrize("optimizer", ["Adafactor", "LAMB"])
+def test_a_cross_element_optimizer_forced_element_wise_is_warned_and_wrong(optimizer):
+    """The dispatch matters: the same optimizer forced onto flat slices is told, and is not exact (the
+    case the contract exists for: Adafactor stepped unfactored; a trust ratio per slice where alpha cuts
+    a 64x64 matrix at its 2048th element)."""
+    ref = fit("auto", optimizer, 64)
+    with pytest.warns(UserWarning, match=r"optimizer_path='element_wise' with " + optimizer):
+        got = fit(GreedySnakeStrategy(auto=False, optimizer_path="element_wise", alpha=0.5,
+                                      offload=OffloadConfig.everywhere("ssd")), optimizer, 64)
+    assert got["contract"].path is StepPath.ELEMENT_WISE
+    assert max_abs_diff(got["params"], ref["params"]) > 1e-4
+
+
+def test_whole_parameter_forced_on_adamw_is_exact():
+    """An element-wise optimizer is separable too: forced onto whole parameters it stays exact (what the
+    speed comparison of the two paths relies on)."""
+    ref = reference("AdamW-foreach")
+    got = fit(GreedySnakeStrategy(auto=False, optimizer_path="whole_parameter", alpha=0.5,
+                                  offload=OffloadConfig.everywhere("ssd")), "AdamW-foreach")
+    assert got["contract"].path is StepPath.WHOLE_PARAMETER
+    assert_exact(got, ref)
+
+
+class _Refused(MLP):
+    def __init__(self, make: Callable[[Any], torch.optim.Optimizer]) -> None:
+        super().__init__("Adam")
+        self.make = make
+
+    def configure_optimizers(self) -> Any:
+        return self.make(self.parameters())
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: torch.optim.LBFGS(p, lr=0.1), "LBFGS re-evaluates the loss"),
+    (lambda p: torch.optim.SparseAdam(list(p), lr=0.1), "SparseAdam steps sparse gradients"),
+    (lambda p: GlobalNormSGD(p, lr=0.1), "GlobalNormSGD couples parameters"),
+])
+@pytest.mark.parametrize("placement", ["ssd", "device"])
+def test_an_optimizer_no_path_steps_exactly_is_refused_before_any_work(tmp_path, make, words, placement):
+    module = _Refused(make)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    offload = OffloadConfig.everywhere(placement)
+    if placement == "device" and "couples" in words:
+        pytest.skip("everything resident: Lightning steps the user's own optimizer, whole, as it is")
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, offload=offload), K, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=words) as info:
+        trainer.fit(module, regression_loader(NUM_BATCHES))
+    assert "Fix:" in str(info.value)
+    assert trainer.global_step == 0
+    assert max_abs_diff({n: p.detach() for n, p in module.named_parameters()}, before) == 0
+
+
+def _params(*shapes: tuple[int, ...]) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.randn(s)) for s in shapes]
+
+
+def test_the_contract_is_decided_by_the_class_and_the_real_shapes():
+    shapes = [(16, 6), (16,), (32, 16)]
+    assert optimizer_contract(torch.optim.AdamW(_params(*shapes))).path is StepPath.ELEMENT_WISE
+    adafactor = optimizer_contract(torch.optim.Adafactor(_params(*shapes)))
+    # row/column variances of the matrices stay in host memory; the vectors' variance streams
+    assert (adafactor.path, adafactor.slots) == (StepPath.WHOLE_PARAMETER, ("variance",))
+    assert optimizer_contract(torch.optim.Adafactor(_params((16, 6), (32, 16)))).slots == ()
+    muon = optimizer_contract(torch.optim.Muon(_params((16, 6), (32, 16))))
+    assert (muon.path, muon.slots, muon.probe_shape) == (StepPath.WHOLE_PARAMETER, ("momentum_buffer",), (32, 16))
+    lamb = optimizer_contract(LAMB(_params(*shapes)))
+    assert (lamb.path, lamb.slots) == (StepPath.WHOLE_PARAMETER, ("exp_avg", "exp_avg_sq"))
+    assert optimizer_contract(torch.optim.Adagrad(_params(*shapes))).eager_state
+    with pytest.raises(UnsupportedOptimizerError, match="couples parameters"):
+        optimizer_contract(GlobalNormSGD(_params(*shapes)))
+
+    class MyAdamW(torch.optim.AdamW):
+        """A subclass may change the math: probed, not listed."""
+
+    assert optimizer_contract(MyAdamW(_params(*shapes))).path is StepPath.WHOLE_PARAMETER
+    seen: list[str] = []
+    assert optimizer_contract(MyAdamW(_params(*shapes)), "element_wise",
+                              lambda key, message: seen.append(message)).path is StepPath.ELEMENT_WISE
+    assert seen and "MyAdamW" in seen[0]
+
+
+def test_whole_parameter_cuts_fall_on_parameter_starts():
+    """The alpha split, the ranks' chunks and the gradients file's deferred ranges of a whole-parameter
+    layout are parameter starts (each a 4 KiB boundary in every dtype)."""
+    from lightning_greedysnake.layout import SPLIT_ALIGN_NUMEL
+    from lightning_greedysnake.models import make_units
+    from lightning_greedysnake.models.adapters import sequential_chain
+    from lightning_greedysnake.tensor_manager import gradients_from, state_layout
+
+    net = nn.Sequential(nn.Linear(6, 100), nn.Linear(100, 300), nn.Linear(300, 7))
+    opt = torch.optim.Adafactor(net.parameters())
+    contract = optimizer_contract(opt)
+    units = make_units(sequential_chain(net), 3)
+    for shard in (None, (0, 2), (1, 2), (2, 3)):
+        state = state_layout(units, {}, opt, OffloadConfig.everywhere("ssd").placed(), torch.float32, shard, contract)
+        starts = {s.offset_numel for s in state.units[0].params} | {state.units[0].numel}
+        assert all(s % SPLIT_ALIGN_NUMEL == 0 for s in starts)
+        lo, hi = state.bounds(0)
+        assert lo in starts and hi in starts
+        for alpha in (0.1, 0.25, 0.5, 0.9):
+            assert state.split(0, alpha) in starts
+        if shard is None:
+            assert gradients_from(state, 0.5) == [state.units[0].numel]  # (unit 0 is never deferred)
+    flat = state_layout(units, {}, torch.optim.AdamW(net.parameters()), OffloadConfig.everywhere("ssd").placed(),
+                        torch.float32)
+    assert flat.split(0, 0.5) not in {s.offset_numel for s in flat.units[0].params}  # element-wise: anywhere
+    assert math.isclose(flat.split(0, 0.5), flat.units[0].numel / 2, rel_tol=0.1)
+
+
+PARTITIONED_CHILD = """
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.config import OffloadConfig
+from tests.integration.test_optimizer_contract import fit
+
+out, names = sys.argv[1], sys.argv[2].split(",")
+results = {}
+for name in names:  # every optimizer in these two processes: DDP's run, then greedysnake's partitioned one
+    ddp = fit("ddp", name, devices=2)
+    gs = fit(GreedySnakeStrategy(auto=False, shard_state=True, offload=OffloadConfig.everywhere("ssd")), name,
+             devices=2)
+    results[name] = {"ddp": ddp, "gs": gs}
+if int(os.environ["RANK"]) == 0:
+    torch.save({n: {k: {"params": r["params"], "grads": r["grads"].grads, "steps": r["steps"],
+                        "path": r["contract"].path.value if r["contract"] else None,
+                        "chunks": r["chunks"]} for k, r in v.items()} for n, v in results.items()}, out)
+sys.stdout.flush()
+os._exit(0)  # (gloo's finalization aborts now and then after everything is written: test_distributed.py)
+"""
+
+
+def test_partitioned_state_over_two_processes_is_exact_for_every_optimizer(tmp_path):
+    """Each rank keeps and steps its chunk of every unit (whole parameters on the whole-parameter path):
+    every optimizer equals Lightning's DDP with the same optimizer, weights and every window's averaged
+    gradient. Two processes launched here (the environment torchrun would set), every optimizer's two
+    runs in them one after the other."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    names = [n for n in OPTIMIZERS if n not in ("AdamW8bit", "AdamW4bit")]  # (quantized state is not partitioned)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script, out = tmp_path / "child.py", tmp_path / "out.pt"
+    script.write_text(PARTITIONED_CHILD)
+    repo = Path(__file__).resolve().parents[2]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONPATH": str(repo), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+        procs.append(subprocess.Popen([sys.executable, str(script), str(out), ",".join(names)], env=env,
+                                      cwd=tmp_path / ".." if rank else tmp_path, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
+    results = torch.load(out, weights_only=False)
+    cut = []
+    for name in names:
+        ddp, gs = results[name]["ddp"], results[name]["gs"]
+        assert gs["path"] == OPTIMIZERS[name][1].value, name
+        assert gs["steps"] == ddp["steps"] == 4, name  # (each rank gets half the batches: windows of 3 and 1)
+        assert max_abs_diff(gs["params"], ddp["params"]) <= 1e-5, name
+        assert len(gs["grads"]) == len(ddp["grads"]) == 4, name
+        for step, (g, r) in enumerate(zip(gs["grads"], ddp["grads"], strict=True)):
+            assert max_abs_diff(g, {n: v for n, v in r.items() if n in g}) <= 1e-5, (name, step)
+        cut.append(gs["chunks"])
+    for name, chunks in zip(names, cut, strict=True):  # (rank 0's chunk of each unit; rank 1 steps the rest)
+        assert any(0 < hi < numel for lo, hi, numel in chunks), f"{name}: some unit must be split between the ranks"
+
+
+@pytest.mark.parametrize("optimizer", ["Adafactor", "Muon"])
+def test_a_whole_parameter_optimizer_resumes_bit_for_bit(tmp_path, optimizer):
+    """Its state in its own shapes round-trips a checkpoint: Adafactor's row and column variances (host
+    state) and a vector's variance (streamed), Muon's momentum: the resumed run lands where the
+    uninterrupted one does, and that is Lightning's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(root: Any, epochs: int, ckpt: str | None = None) -> dict[str, torch.Tensor]:
+        L.seed_everything(0, verbose=False)
+        module = MLP(optimizer)
+        trainer = make_trainer(GreedySnakeStrategy(auto=False, alpha=0.5, offload=OffloadConfig.everywhere("ssd")), K,
+                               max_epochs=epochs, enable_checkpointing=True, default_root_dir=root,
+                               callbacks=[ModelCheckpoint(dirpath=root, save_last=True)])
+        trainer.fit(module, regression_loader(NUM_BATCHES), ckpt_path=ckpt)
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    uninterrupted = run(tmp_path / "a", 2)
+    run(tmp_path / "b", 1)
+    resumed = run(tmp_path / "b", 2, ckpt=str(tmp_path / "b" / "last.ckpt"))
+    assert max_abs_diff(resumed, uninterrupted) == 0
+    assert max_abs_diff(uninterrupted, reference(optimizer)["params"]) <= 1e-5
+
+
+def test_a_quantized_parameter_is_never_cut_into_a_slice_it_would_not_quantize():
+    """torchao keeps fp32 state for fewer than 4096 elements: the alpha split moves to the nearest aligned
+    cut that leaves a quantized parameter at least that many elements on either side."""
+    from lightning_greedysnake.layout import build_unit_layout, split_numel
+
+    lay = build_unit_layout(0, [("w", (2048 * 5 + 1024,), 0), ("b", (64,), 0)], 256)
+    assert split_numel(lay, 0.5, None, 2048) == 4096  # (plain: anywhere aligned)
+    assert split_numel(lay, 0.5, None, 2048, min_piece_numel=4096) == 4096  # 4096 | 7168: both whole enough
+    assert split_numel(lay, 0.1, None, 2048) == 10240  # a 1024-element tail of w
+    assert split_numel(lay, 0.1, None, 2048, min_piece_numel=4096) == 6144  # moved: 6144 | 5120
+    tiny = build_unit_layout(0, [("w", (6144,), 0)], 256)
+    assert split_numel(tiny, 0.5, None, 2048, min_piece_numel=4096) == tiny.numel  # no cut fits: nothing deferred
