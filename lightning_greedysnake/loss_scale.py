@@ -26,10 +26,6 @@ class LossScaler:
     """Windows in a row without an inf or NaN gradient since the scale last changed."""
     skipped_steps: list[int] = field(default_factory=list)
     """Optimizer steps (1-based, as ``global_step`` after them) skipped for a non-finite gradient."""
-    window_dropped: bool = False
-    """The window was dropped for a non-finite loss (``on_nonfinite='skip'``) before any gradient
-    existed: an overflow too, as GradScaler would see it (set by the non-finite guard, taken by
-    :meth:`update`)."""
 
     def __post_init__(self) -> None:
         checks = (("scale", lambda v: v > 0, "> 0", "65536"), ("growth_factor", lambda v: v > 1, "> 1", "2"),
@@ -63,8 +59,8 @@ class LossScaler:
 
     def update(self, found_inf: bool, step: int) -> bool:
         """After optimizer step ``step`` (1-based): back off where a gradient was not finite (or the window
-        was dropped), else count toward growth. Returns whether the step counts as skipped."""
-        found_inf, self.window_dropped = found_inf or self.window_dropped, False
+        was dropped for a non-finite loss before any gradient existed: an overflow too, as GradScaler would
+        see it), else count toward growth. Returns whether the step counts as skipped."""
         if found_inf:
             self.scale *= self.backoff_factor
             self.growth_tracker = 0

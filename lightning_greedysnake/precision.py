@@ -1,24 +1,21 @@
-"""The precision plugin: the dtype policy, and the hooks that complete a window's backward before
-Lightning's ``on_before_optimizer_step`` and gradient clipping run, and route clipping and the optimizer
-step to the tensor manager when it owns the gradients."""
+"""The precision plugin: the dtype policy (autocast, fp16 loss scaling), and gradient clipping routed to
+the tensor manager when it owns the gradients. The optimizer step itself is the strategy's
+(``GreedySnakeStrategy.optimizer_step``): this plugin runs Lightning's own part of it, unchanged."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Generator, Iterable
 from typing import Any, Protocol
 
 import torch
-from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_greedysnake.loss_scale import LossScaler
-from lightning_greedysnake.steps import step_running
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")
 
@@ -74,10 +71,6 @@ class GradientOwner(Protocol):
 
     def clip_by_value(self, value: float) -> None: ...
 
-    def finish_step(self, inv_scale: float | None = None) -> bool:
-        """Step what waits; under loss scaling (``inv_scale``) unscale first, or, where a gradient is not
-        finite, step nothing: False."""
-
 
 class GreedySnakePrecision(Precision):
     """The dtype policy.
@@ -92,7 +85,7 @@ class GreedySnakePrecision(Precision):
       semantics; ``scaler``: a ``torch.amp.GradScaler`` whose settings to take). Units are stepped
       speculatively as their gradients complete and undone if the window had an inf or NaN anywhere
       (with norm clipping the steps wait for the whole backward instead), so such a window is skipped
-      whole, exactly (see :meth:`TieredTensorStore.finish_step`). On a CPU
+      whole, exactly (see :mod:`~lightning_greedysnake.step_modes`). On a CPU
       Lightning turns ``Trainer(precision="16-mixed")`` into bf16-mixed; pass
       ``plugins=[GreedySnakePrecision("16-mixed")]`` to run fp16 there (to test the path).
 
@@ -109,9 +102,9 @@ class GreedySnakePrecision(Precision):
         """The autocast device type; None until :meth:`on_device` (the accelerator's)."""
         self.loss_scaler = LossScaler.from_grad_scaler(scaler) if precision == "16-mixed" else None
         """Under ``16-mixed``: the loss scale and its history (saved in checkpoints with this plugin)."""
-        self._before_optimizer_step: Callable[[], None] | None = None
-        self._gradient_owner: GradientOwner | None = None
-        self._after_step: Callable[[], None] | None = None
+        self.gradient_owner: GradientOwner | None = None
+        """What clipping acts on when ``param.grad`` is not where the gradients are: the tensor manager, set
+        by the strategy for the run it builds (None: Lightning's own clipping of ``param.grad``)."""
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -149,56 +142,18 @@ class GreedySnakePrecision(Precision):
         if self.loss_scaler is not None and state_dict:
             self.loss_scaler.load_state_dict(state_dict)
 
-    def attach(
-        self,
-        before_optimizer_step: Callable[[], None] | None,
-        gradient_owner: GradientOwner | None = None,
-        after_step: Callable[[], None] | None = None,
-    ) -> None:
-        """The strategy passes the callback that finishes the window's remaining backward ops, the
-        tensor manager when it owns gradients and the optimizer step, and a callback for the step's end."""
-        self._before_optimizer_step = before_optimizer_step
-        self._gradient_owner = gradient_owner
-        self._after_step = after_step
-
-    @override
-    def optimizer_step(self, optimizer: Steppable, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        def closure_then_finish_backward() -> Any:
-            result = closure()
-            # The closure ran the last micro-batch's training_step and backward. Whatever the schedule
-            # left for after that (the vertical order's unit-by-unit backward) must finish here: Lightning
-            # runs on_before_optimizer_step and gradient clipping right after the closure returns.
-            if self._before_optimizer_step is not None:
-                self._before_optimizer_step()
-            return result
-
-        output = super().optimizer_step(optimizer, model, closure_then_finish_backward, **kwargs)
-        if self._gradient_owner is not None:
-            # units whose step had to wait for clipping are stepped now; the user's optimizer.step() just
-            # run found no gradients on the (offloaded) parameters and changed nothing
-            scaler = self.loss_scaler
-            stepped = self._gradient_owner.finish_step(scaler.inv_scale if scaler is not None else None)
-            if scaler is not None:
-                before, done = scaler.scale, int(model.trainer.global_step)
-                if scaler.update(found_inf=not stepped, step=done + 1):  # (normal with loss scaling; as DeepSpeed)
-                    rank_zero_info(f"greedysnake: fp16 gradients overflowed in {step_running(done)}: step "
-                                   f"skipped, loss scale {before:g} -> {scaler.scale:g}")
-        if self._after_step is not None:
-            self._after_step()
-        return output
-
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self._gradient_owner is None:
+        if self.gradient_owner is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
-        self._gradient_owner.clip_by_norm(float(clip_val), self.main_params(optimizer),
-                                          self.loss_scaler.inv_scale if self.loss_scaler is not None else None)
+        self.gradient_owner.clip_by_norm(float(clip_val), self.main_params(optimizer),
+                                         self.loss_scaler.inv_scale if self.loss_scaler is not None else None)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self._gradient_owner is None:
+        if self.gradient_owner is None:
             return super().clip_grad_by_value(optimizer, clip_val)
-        self._gradient_owner.clip_by_value(float(clip_val))
+        self.gradient_owner.clip_by_value(float(clip_val))
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> GreedySnakePrecision:

@@ -14,6 +14,8 @@ routes the :class:`~lightning_greedysnake.offload.TensorStore` protocol to them)
 - :class:`~lightning_greedysnake.offload.activations.ActivationStore`: activation checkpoints;
 - :class:`~lightning_greedysnake.optim.UnitStepper`: each unit's optimizer step on the lane, through
   the staging Protocols;
+- :class:`~lightning_greedysnake.step_modes.StepMode`: how a window's units are stepped (in line,
+  deferred for clipping, speculative for fp16), chosen once at construction;
 - :mod:`~lightning_greedysnake.offload.unit_values` and :mod:`~lightning_greedysnake.checkpoint.optimizer_state`:
   weights and optimizer state in and out of the tiers between windows (initialization, checkpoints, the
   end of a run), which this store routes there itself.
@@ -60,6 +62,7 @@ from lightning_greedysnake.optim.contract import OptimizerContract, optimizer_co
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.optim.protocols import StepCollectives
 from lightning_greedysnake.optim.state_format import StateFormat, state_format_for
+from lightning_greedysnake.step_modes import StepMode, step_mode
 
 __all__ = ["ClipPolicy", "TieredTensorStore"]
 
@@ -166,7 +169,8 @@ class TieredTensorStore:
                                              self.contract.whole_parameters)
         self.state = state_layout(units, param_names, optimizer, config, compute_dtype, shard, self.contract,
                                   self.state_format)
-        self.speculative = loss_scaler is not None and not self.clip.defer
+        mode = step_mode(self.clip, loss_scaled=loss_scaler is not None)
+        self.speculative = mode.speculative
         self.copies = copies
         self.trims_heap = config.uses_ssd or copies is not None
         """Whether each optimizer part's step gives the heap's free pages back to the OS (a part's first
@@ -196,6 +200,8 @@ class TieredTensorStore:
         self.grads = GradientAccumulator(self.arena, self.state, self.params, copies,
                                          data_parallel.device_reducer if data_parallel is not None else None)
         self.activations = ActivationStore(self.arena, config, self.stats, copies, checkpoint_plan)
+        self.steps: StepMode = mode(self.stepper, self.grads, self.weights, self.host_group)
+        """How the window's units are stepped (in line, deferred for clipping, speculative): chosen here, once."""
 
     # -- views of the components (read-only) ------------------------------------------------------------
     @property
@@ -487,26 +493,12 @@ class TieredTensorStore:
         return self.activations.num_checkpoints
 
     def gradient_ready(self, unit: int) -> None:
-        """``unit``'s gradient for this window is complete: hand its step to the stepper, or (deferred
-        mode) record its norms and let the gradient wait on its tier until :meth:`finish_step`."""
+        """``unit``'s gradient for this window is complete: to the step mode (stepped now, or waiting on its
+        tier for clipping until :meth:`finish_step`)."""
         self.stepper.check()
         if not self.stepper.trains(unit) or not self.grads.has(unit):
             return  # (no gradient reached this unit in this window: torch skips such parameters too)
-        if self.clip.defer:
-            reducer = self.grads.reducer
-            self.grads.record_norms(unit, reducer.average if reducer is not None else (
-                self.stepper.collectives.average_gradient if self.stepper.collectives is not None else None))
-            self.stepper.wait_for_clipping(unit)
-            if not self.weights.is_held(unit):
-                self.grads.spill(unit)  # wait on the gradients tier until finish_step (else: at release)
-            return
-        if self.speculative:
-            self.grads.note_finiteness(unit)
-        grad = self.grads.take(unit)
-        weights = self.weights.donate(unit)  # released by the engine soon; the job gives it back
-        has_grad = self.grads.pop_has_grad(unit)
-        self.weights.drop_prefetch(unit)
-        self.stepper.submit_backward_part(unit, grad, weights, has_grad, averaged=self.grads.reducer is not None)
+        self.steps.gradient_ready(unit)
 
     def clip_by_norm(self, max_norm: float, order: Iterable[nn.Parameter],
                      inv_scale: float | None = None) -> Tensor:
@@ -524,43 +516,13 @@ class TieredTensorStore:
         self.stepper.clip_by_value(value)
 
     def finish_step(self, inv_scale: float | None = None) -> bool:
-        """After clipping (Lightning's order): hand the forward parts of this window's steps to the lane
-        (they overlap the next forward); in deferred mode, every unit's whole step, in unit order. Under
-        loss scaling (``inv_scale``, deferred mode) each gradient is unscaled first, and a window with a
-        non-finite gradient anywhere steps nothing: False (its gradients go)."""
+        """After clipping (Lightning's order): the window's remaining steps, as :attr:`steps` runs them (the
+        forward parts, which overlap the next forward; deferred, every unit's whole step; speculative, the
+        window's verdict). False: the window stepped nothing (under loss scaling, ``inv_scale``, a gradient
+        was not finite) and its gradients went."""
         self.stepper.check()
         self.stepper.backward_done()
-        if self.speculative:
-            return self._settle_speculation()
-        if not self.clip.defer:
-            self.stepper.submit_forward_parts()
-            return True
-        if inv_scale is not None and not self.grads.norms_finite():
-            self.discard_gradients()
-            return False
-        values, coef = self.stepper.take_clipping()
-        for unit in self.stepper.take_waiting():
-            grad = self.grads.take_waiting(unit)
-            self.weights.drop_prefetch(unit)
-            self.stepper.submit_whole_step(unit, grad, self.grads.pop_has_grad(unit), values, coef, inv_scale)
-        self.grads.clear_norms()
-        return True
-
-    def _settle_speculation(self) -> bool:
-        """The window's verdict (one read of every unit's finiteness flag, agreed over the ranks): finite,
-        the forward parts follow and the speculative steps stand; else every step of the window is
-        waited for and undone, its gradients dropped: False."""
-        bad = torch.tensor(0.0 if self.grads.take_finiteness() else 1.0)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(bad, torch.distributed.ReduceOp.MAX, group=self.host_group)
-        if not bool(bad):
-            self.stepper.commit()
-            self.stepper.submit_forward_parts()
-            return True
-        for unit in self.stepper.roll_back():
-            self.weights.drop_prefetch(unit)  # (unit 0's new weights, kept for the next forward)
-        self.grads.discard()
-        return False
+        return self.steps.finish(inv_scale)
 
     def end_window(self, completed: bool = True) -> None:
         """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its

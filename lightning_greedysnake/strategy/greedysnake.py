@@ -9,9 +9,11 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
   checkpoint. The user's loss and ``self.log`` calls are real.
 - micro-batch m's ``backward`` -> the loss is back-propagated through the fused op; the engine then runs
   the backward ops that follow (vertically after the last micro-batch: unit by unit, recomputing).
-- the optimizer step -> the precision plugin makes sure the window's backward is complete, then
-  Lightning's own path runs: ``on_before_optimizer_step``, gradient clipping, ``optimizer.step()``,
-  LR schedulers, ``global_step``.
+- the optimizer step -> :meth:`GreedySnakeStrategy.optimizer_step`, Lightning's own seam, runs the whole
+  sequence in one place: the closure and the rest of the window's backward, Lightning's part through the
+  precision plugin (``on_before_optimizer_step``, gradient clipping, ``optimizer.step()``), the window's
+  remaining steps, the loss scale, telemetry and the warm-step plan. LR schedulers and ``global_step``
+  stay Lightning's.
 
 Each concern beside the routing lives in its own module of this package: a run's parts, built at setup
 and closed at teardown (``run``), data-parallel plumbing
@@ -34,6 +36,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
@@ -45,6 +48,7 @@ from lightning_greedysnake.offload.device import simulate_device_enabled
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.planner import Choice
 from lightning_greedysnake.precision import GreedySnakePrecision
+from lightning_greedysnake.steps import step_running
 from lightning_greedysnake.strategy import after_fit, checkpoints, checks, progress
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, read_ahead, tokens_in
@@ -236,8 +240,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
         clip = checks.clip_policy(trainer, module, self._warn_once) if fitting and uses_manager else ClipPolicy()
         self._run = run = open_run(ctx, planner, module, cut, optimizer, clip)
-        manager = run.tensor_manager
-        self.precision_plugin.attach(self._finish_window, manager, self._after_step if manager else None)
+        self.precision_plugin.gradient_owner = run.tensor_manager  # (clipping acts on its buffers)
 
     @contextlib.contextmanager
     @override
@@ -265,7 +268,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             if run is not None:
                 run.close(lambda manager: self._hand_back(run, manager, failed))
         finally:
-            self.precision_plugin.attach(None)
+            self.precision_plugin.gradient_owner = None
             super().teardown()
 
     def _hand_back(self, run: Run, manager: TieredTensorStore, failed: bool) -> None:
@@ -325,7 +328,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        engine = self.engine
+        run = self._open_run()
+        engine = run.engine
         microbatch = engine.fused_pending
         assert microbatch is not None, "backward called without a fused forward"
         module = self.lightning_module
@@ -333,16 +337,69 @@ class GreedySnakeStrategy(DataParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with self._timed(f"L{engine.units[-1].index}.{microbatch} backward"):
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self._open_run().guard.after_backward(engine, module, closure_loss, microbatch)
+        plan = engine.plan
+        last = plan is None or microbatch == plan.num_microbatches - 1
+        if run.guard.drops_window(closure_loss, microbatch, last=last, step=int(module.trainer.global_step)):
+            engine.abort_window()  # no unit of the window was stepped yet: its gradients go
+            module.zero_grad(set_to_none=True)  # (everything resident: Lightning's own step finds none)
+        else:
+            engine.fused_backward_done(microbatch)  # the ops that follow (vertically, after the last: backward)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _finish_window(self) -> None:
-        if not self._open_run().guard.end_window(self.lightning_module.trainer.global_step):
-            self.engine.finish_window()
-        if self.is_distributed and self.tensor_manager is None:
-            self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        """The window's optimizer step, the whole sequence (Lightning calls it at the window's last
+        micro-batch, ``closure`` running that one's ``training_step`` and backward):
+
+        1. the closure, then what the schedule left after it (vertically: the unit by unit backward, whose
+           units are stepped as their gradients complete), unless the non-finite guard dropped the window;
+        2. Lightning's own part, through the precision plugin: ``on_before_optimizer_step``, clipping (which
+           the plugin routes to the tensor manager) and the user's ``optimizer.step()``: without a tensor
+           manager that is the step; with one the parameters hold no gradient and it changes nothing;
+        3. with the tensor manager: the window's remaining steps, as its step mode (chosen at setup) runs
+           them; the loss scale's update; the step's telemetry and the gradients the lane found not
+           finite; after the warm step, the warm-step plan.
+        """
+        run = self._open_run()
+        trainer = self.lightning_module.trainer
+        step = int(trainer.global_step)  # (Lightning counts this step once it returns)
+        dropped = False
+
+        def closure_then_finish_window() -> Any:
+            nonlocal dropped
+            output = closure()
+            # before the hooks and clipping that Lightning runs as this returns, which read the gradients
+            dropped = run.guard.end_window(step)
+            if not dropped:
+                run.engine.finish_window()
+            if self.is_distributed and run.tensor_manager is None:
+                self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
+            return output
+
+        output = super().optimizer_step(optimizer, closure_then_finish_window, model, **kwargs)
+        manager = run.tensor_manager
+        if manager is None:
+            return output
+        scaler = self.precision_plugin.loss_scaler
+        stepped = manager.finish_step(scaler.inv_scale if scaler is not None else None)
+        if scaler is not None:  # (a dropped window counts as an overflow, as GradScaler would see it)
+            before = scaler.scale
+            if scaler.update(found_inf=dropped or not stepped, step=step + 1):  # (normal with fp16; as DeepSpeed)
+                rank_zero_info(f"greedysnake: fp16 gradients overflowed in {step_running(step)}: step skipped, "
+                               f"loss scale {before:g} -> {scaler.scale:g}")
+        assert run.telemetry is not None  # (built with the tensor manager)
+        plan_due = run.planner.step_ended()
+        if run.timer is not None:  # once per window: the compute spans the device finished (all, for the plan)
+            run.timer.collect(wait=plan_due)
+        entry = run.telemetry.record()
+        run.guard.check_gradients(manager.stepper.take_nonfinite(), step)
+        if plan_due:  # between windows: the engine reads its settings op by op
+            run.replan(run.planner.plan_warm_step(manager, run.engine.activation_bytes, run.config))
+        progress.log_step(trainer, entry)
+        return output
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:
@@ -352,21 +409,6 @@ class GreedySnakeStrategy(DataParallelStrategy):
         yield
         if timer is not None:
             timer.stop(mark, name)
-
-    def _after_step(self) -> None:
-        """The step's telemetry to the loggers; the auto plan after the warm step (tensor manager only)."""
-        run = self._open_run()
-        manager, planner = run.tensor_manager, run.planner
-        assert manager is not None and run.telemetry is not None
-        plan_due = planner.step_ended()
-        if run.timer is not None:  # once per window: the compute spans the device finished (all, for the plan)
-            run.timer.collect(wait=plan_due)
-        entry = run.telemetry.record()
-        trainer = self.lightning_module.trainer
-        run.guard.check_gradients(manager.stepper.take_nonfinite(), trainer.global_step)
-        if plan_due:  # between windows: the engine reads its settings op by op
-            run.replan(planner.plan_warm_step(manager, run.engine.activation_bytes, run.config))
-        progress.log_step(trainer, entry)
 
     # -- state dicts and checkpoints (the tensor manager holds the real values) -------------------------
     @property

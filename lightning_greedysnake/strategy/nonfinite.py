@@ -6,7 +6,9 @@ last micro-batch (one host sync per window, not one per micro-batch); every unit
 optimizer lane (the stepper's ``check_finite``). ``"skip"`` works on losses: every loss of a window is
 known before any unit of it is stepped (the vertical and the horizontal order step units only once the
 window's last micro-batch is back-propagated), so a window with a non-finite loss is dropped whole.
-Training thread only.
+
+The guard answers (:meth:`NonFiniteGuard.drops_window`, :meth:`NonFiniteGuard.end_window`) and warns or
+raises; the strategy acts on the engine. Training thread only.
 """
 
 from __future__ import annotations
@@ -15,10 +17,8 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_greedysnake.engine import WindowEngine
-from lightning_greedysnake.loss_scale import LossScaler
 from lightning_greedysnake.steps import step_running
 from lightning_greedysnake.offload.device import named_sync
 
@@ -28,13 +28,11 @@ class NonFiniteError(FloatingPointError):
 
 
 class NonFiniteGuard:
-    def __init__(self, mode: str, warn: Callable[[str, str], None],
-                 loss_scaler: LossScaler | None = None) -> None:
+    def __init__(self, mode: str, warn: Callable[[str, str], None], loss_scaled: bool = False) -> None:
         self.mode = mode
         self._warn = warn
-        self._loss_scaler = loss_scaler
-        """16-mixed: a non-finite loss makes non-finite gradients, and the loss scaler skips that step
-        (told here when ``"skip"`` drops the window before any gradient exists)."""
+        self._loss_scaled = loss_scaled
+        """16-mixed: a non-finite loss makes non-finite gradients, and the loss scaler skips that step."""
         self._window: str | None = None
         """The first non-finite loss of the window in progress, described."""
         self._skipping = False
@@ -61,37 +59,33 @@ class NonFiniteGuard:
         if self._window is None:
             self._window = what
 
-    def after_backward(self, engine: WindowEngine, module: nn.Module, loss: Tensor, microbatch: int) -> None:
-        """Micro-batch ``microbatch`` was back-propagated: check its loss, then run the engine's ops that
-        follow it, or, after the window's last micro-batch, drop the window (``"skip"`` and a loss of it
-        not finite): no unit of it was stepped yet, its gradients go."""
-        step = int(getattr(getattr(module, "trainer", None), "global_step", 0))
+    def drops_window(self, loss: Tensor, microbatch: int, *, last: bool, step: int) -> bool:
+        """Micro-batch ``microbatch`` was back-propagated (``last``: the window's last; ``step``: the
+        ``global_step`` during it): keep its loss, check the window's at its last micro-batch, and answer
+        whether to drop the window there (``"skip"`` and a loss of it not finite): no unit of it was stepped
+        yet, so its gradients can go whole."""
         if microbatch == 0:  # a new window (one Lightning cut short left its losses unchecked: forget them)
             self._losses, self._window = [], None
         self._losses.append((microbatch, loss.detach().float().reshape(())))
-        plan = engine.plan
-        last = plan is None or microbatch == plan.num_microbatches - 1
-        if last:
-            self._check_losses(step)  # before the window's units are stepped (they are, from here on)
-        if last and self.mode == "skip" and self._window is not None:
-            engine.abort_window()
-            module.zero_grad(set_to_none=True)  # (everything resident: Lightning's own step finds none)
-            self._skipping = True
-        else:
-            engine.fused_backward_done(microbatch)
+        if not last:
+            return False
+        self._check_losses(step)  # before the window's units are stepped (they are, from here on)
+        if self.mode != "skip" or self._window is None:
+            return False
+        self._skipping = True
+        return True
 
     def end_window(self, step: int) -> bool:
-        """The window is over; True when it was dropped (the engine has nothing left to finish)."""
+        """The window is over: True when it was dropped (nothing of it is left to finish or step; under
+        loss scaling that counts as an overflow, as GradScaler would see its gradients)."""
         self._check_losses(step)  # (a window cut short by the end of the data)
         what, self._window = self._window, None
         skipped, self._skipping = self._skipping, False
         if skipped:
             self.skipped_steps.append(step + 1)
-            if self._loss_scaler is not None:
-                self._loss_scaler.window_dropped = True
             self._warn(f"nonfinite_skip_{step}", f"greedysnake: {what}; on_nonfinite='skip' dropped that step's "
                        "update (no unit was stepped).")
-        elif what is not None and self._loss_scaler is not None:
+        elif what is not None and self._loss_scaled:
             self._warn("nonfinite", f"greedysnake: {what}; under 16-mixed its gradients are not finite either, so "
                        "the loss scaler skips that step and backs off (on_nonfinite='warn'). (Reported once.)")
         elif what is not None:

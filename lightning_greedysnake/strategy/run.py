@@ -40,6 +40,7 @@ from lightning_greedysnake.optim.contract import optimizer_contract
 from lightning_greedysnake.planner.measure import available_cores
 from lightning_greedysnake.planner.threads import optimizer_threads
 from lightning_greedysnake.precision import GreedySnakePrecision
+from lightning_greedysnake.step_modes import step_mode
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.checkpoints import LIGHTNING, CheckpointSeam, StreamedCheckpoints
 from lightning_greedysnake.strategy.host_memory import HandBack, HostMemory
@@ -211,7 +212,7 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
     and the placement planned, the manager made, connected to the ranks and opened in its prepared
     directories with the model's initial weights; otherwise the units stay on the device with rank 0's
     weights."""
-    guard = NonFiniteGuard(cut.config.on_nonfinite, ctx.warn, ctx.precision.loss_scaler)
+    guard = NonFiniteGuard(cut.config.on_nonfinite, ctx.warn, loss_scaled=ctx.precision.loss_scaler is not None)
     if not cut.config.offload.uses_tensor_manager:
         directories = OffloadDirectories(cut.config.offload)
         if directories.given:  # (checked and reported all the same, though nothing goes there)
@@ -228,10 +229,11 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
         return Run(cut, engine, guard, planner, directories)
     shard = (ctx.global_rank, ctx.world_size) if ctx.is_distributed and cut.config.shard_state else None
     dtype, scaler = ctx.precision.compute_dtype, ctx.precision.loss_scaler
+    speculative = step_mode(clip, loss_scaled=scaler is not None).speculative  # (fp16's second slots, planned)
     # how the optimizer is stepped, decided once, before any work (an optimizer no path steps exactly is refused)
     contract = optimizer_contract(optimizer, ctx.settings.optimizer_path, ctx.warn)
-    planned = planner.plan_setup(cut.chain, optimizer, contract, dtype, shard,
-                                 speculative=scaler is not None and not clip.defer, clip_norm=clip.defer)
+    planned = planner.plan_setup(cut.chain, optimizer, contract, dtype, shard, speculative=speculative,
+                                 clip_norm=clip.defer)
     config = planned.config
     built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
     manager = new_tensor_manager(ctx, planned, module, optimizer, contract, clip, shard)

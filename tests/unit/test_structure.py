@@ -147,3 +147,16 @@ def test_consumers_of_the_tensor_manager_read_no_private_member():
                    and n.attr.startswith("_") and not n.attr.startswith("__")
                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
         assert not private, (rel, private)
+
+
+def test_the_optimizer_step_has_one_owner():
+    """The strategy's optimizer_step (Lightning's seam) runs the window's step; the precision plugin keeps
+    the dtype policy and routes clipping, and holds no callback into the strategy."""
+    import inspect
+
+    from lightning_greedysnake import GreedySnakePrecision, GreedySnakeStrategy
+
+    assert "optimizer_step" in GreedySnakeStrategy.__dict__
+    assert "optimizer_step" not in GreedySnakePrecision.__dict__ and not hasattr(GreedySnakePrecision, "attach")
+    source = inspect.getsource(inspect.getmodule(GreedySnakePrecision))
+    assert "Callable" not in source  # (no callback field of any kind)
