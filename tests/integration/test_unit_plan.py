@@ -13,6 +13,7 @@ import torch
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.models import find_layered_model
+from lightning_greedysnake.optim.contract import optimizer_contract
 from lightning_greedysnake.planner import measure
 from lightning_greedysnake.strategy.planning import unit_size
 from lightning_greedysnake.strategy.planning.placement import staging_estimate
@@ -98,7 +99,7 @@ def test_sizes_whose_staging_exceeds_the_budget_are_not_candidates(monkeypatch, 
     _, _, chain = find_layered_model(module, None)
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    layouts = unit_size.candidate_layouts(settings, chain, optimizer, torch.float32, None)
+    layouts = unit_size.candidate_layouts(settings, chain, optimizer, optimizer_contract(optimizer), torch.float32, None)
     staging = {lpu: staging_estimate(state, settings.resolved().offload, 2) for lpu, state in layouts.items()}
     budget = (staging[1] + staging[2]) // 2  # one block per unit fits (at the fixed lag, 2), two do not
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=budget, offload=ON_SSD)
