@@ -256,6 +256,16 @@ SECTIONS: tuple[Section, ...] = (
          Result("compare_readahead_seq32_k2", "Reading each step's state ahead, where the disk binds."),
          Result("compare_issue33", "Issue 33's consolidation, 750aae0 against 0170bae (before it began); "
                                    "`gs_default` also has the planned horizontal order and in-line step here."),
+         Result("compare_issue52_seq32", "Issue 52 (the optimizer step owned by the strategy, the optimizer "
+                                         "contract, the estimate of stepping batches) at 6f69ce3 "
+                                         "against 07d2d42 (before it), bf16-mixed, sequence 32, three rounds "
+                                         "alternating."),
+         Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
+                                                 "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
+                                                 "Muon) against the element-wise path (`gs_vertical`), every kind "
+                                                 "on SSD, bf16-mixed, sequence 32, three rounds alternating: "
+                                                 "`time_vs_vertical` and `bytes_vs_vertical` (every parameter "
+                                                 "starts on a 2048-element boundary there)."),
          Result("compare_planned_schedule", "The schedule planned at setup (horizontal with every kind in RAM) "
                                             "and the lag planned for shared cores (in line: 0), 750aae0, against "
                                             "the tree before both (4a3865c: the vertical order, a background step)."),
