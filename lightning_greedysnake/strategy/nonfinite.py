@@ -39,8 +39,6 @@ class NonFiniteGuard:
         """The window in progress was dropped (its remaining ops will not run)."""
         self._losses: list[tuple[int, Tensor]] = []
         """(micro-batch, loss) of the window so far, checked at its last micro-batch."""
-        self.skipped_steps: list[int] = []
-        """Optimizer steps dropped for a non-finite loss (``on_nonfinite='skip'``), since construction."""
 
     def _check_losses(self, step: int) -> None:
         """The window's losses so far, checked with one host sync (every loss is kept until then as a
@@ -82,7 +80,6 @@ class NonFiniteGuard:
         what, self._window = self._window, None
         skipped, self._skipping = self._skipping, False
         if skipped:
-            self.skipped_steps.append(step + 1)
             self._warn(f"nonfinite_skip_{step}", f"greedysnake: {what}; on_nonfinite='skip' dropped that step's "
                        "update (no unit was stepped).")
         elif what is not None and self._loss_scaled:
