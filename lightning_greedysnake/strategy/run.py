@@ -214,6 +214,11 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
     weights."""
     guard = NonFiniteGuard(cut.config.on_nonfinite, ctx.warn, loss_scaled=ctx.precision.loss_scaler is not None)
     if not cut.config.offload.uses_tensor_manager:
+        if ctx.fitting and ctx.settings.optimizer_path != "auto":
+            ctx.warn("optimizer_path", f"optimizer_path={ctx.settings.optimizer_path!r} is ignored: every kind of "
+                     "tensor is on the device, so Lightning steps your optimizer as it is, on whole parameters (no "
+                     "per-unit step). Fix: offload a kind (offload.optimizer_states='host', say) to use it, or leave "
+                     "optimizer_path='auto'.")
         directories = OffloadDirectories(cut.config.offload)
         if directories.given:  # (checked and reported all the same, though nothing goes there)
             reports = directories.prepare(ctx.default_root, [{} for _ in directories.dirs], ctx.global_rank,

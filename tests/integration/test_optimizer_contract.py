@@ -448,3 +448,12 @@ def test_a_quantized_parameter_is_never_cut_into_a_slice_it_would_not_quantize()
     assert split_numel(lay, 0.1, None, 2048, min_piece_numel=4096) == 6144  # moved: 6144 | 5120
     tiny = build_unit_layout(0, [("w", (6144,), 0)], 256)
     assert split_numel(tiny, 0.5, None, 2048, min_piece_numel=4096) == tiny.numel  # no cut fits: nothing deferred
+
+
+def test_optimizer_path_with_everything_on_the_device_is_said_to_be_ignored():
+    """No tensor manager, no per-unit step: Lightning steps the optimizer as it is, and a forced path is
+    said to have no effect rather than dropped silently."""
+    with pytest.warns(UserWarning, match=r"optimizer_path='element_wise' is ignored.*Fix:"):
+        got = fit(GreedySnakeStrategy(auto=False, optimizer_path="element_wise",
+                                      offload=OffloadConfig.everywhere("device")), "Adafactor")
+    assert max_abs_diff(got["params"], reference("Adafactor")["params"]) <= 1e-5
