@@ -13,6 +13,7 @@ from lightning_greedysnake.models import GPT, GPTConfig, LayerChain, LayeredMode
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.schedule import ScheduleKind, build_horizontal_plan, build_vertical_plan
 from lightning_greedysnake.strategy import GreedySnakeCheckpointIO, GreedySnakeStrategy
+from lightning_greedysnake.strategy.rng_callback import MicrobatchRNG
 
 GreedySnakeStrategy.register_strategies(StrategyRegistry)
 
@@ -27,6 +28,7 @@ __all__ = [
     "GreedySnakeStrategy",
     "LayerChain",
     "LayeredModel",
+    "MicrobatchRNG",
     "OffloadConfig",
     "ScheduleKind",
     "TensorKind",

@@ -3,7 +3,7 @@
 The engine is driven from outside in segments, because the fused ops belong to the caller (Lightning's
 ``training_step`` and ``backward``):
 
-    begin_window(M)
+    begin_window(M, step)
     for m in 0..M-1:
         set_inputs(...) for every micro-batch in inputs_needed_until_fused(m)
         run_until_fused(m)          # F ops (and, horizontally, nothing else)
@@ -31,35 +31,12 @@ from torch import Tensor
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import LayerChain, Unit
 from lightning_greedysnake.offload import TensorStore
+from lightning_greedysnake.engine.buffers import BufferWriters
 from lightning_greedysnake.engine.inputs import input_mismatch, same_inputs
 from lightning_greedysnake.engine.timing import ComputeTimer
 from lightning_greedysnake.offload.device import named_sync
+from lightning_greedysnake.rng import GeneratorState, MicrobatchStreams, TrainingRng
 from lightning_greedysnake.schedule import Op, OpKind, Plan, build_plan
-
-
-@dataclass
-class _RngState:
-    """Global RNG state before a unit's forward, so its recomputation draws the same dropout masks."""
-
-    cpu: Tensor
-    cuda: Tensor | None
-    device: torch.device
-
-    @classmethod
-    def capture(cls, device: torch.device) -> _RngState:
-        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        return cls(torch.get_rng_state(), cuda, device)
-
-    @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        """Run the body with this state, then put the current global state back: recomputation must not
-        change what later code draws."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
-                torch.cuda.set_rng_state(self.cuda, self.device)
-            yield
 
 
 @dataclass
@@ -76,8 +53,11 @@ class _Microbatch:
 class _Window:
     plan: Plan
     microbatches: list[_Microbatch | None]
+    streams: MicrobatchStreams
+    """Each micro-batch's RNG stream: every forward on micro-batch m runs on m's (:mod:`lightning_greedysnake.rng`)."""
     cursor: int = 0
-    rng: dict[tuple[int, int], _RngState] = field(default_factory=dict)
+    rng: dict[tuple[int, int], GeneratorState] = field(default_factory=dict)
+    """recompute: the state F u.m's forward started from, which B u.m's recomputation replays."""
     graphs: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = field(default_factory=dict)
     kept_inputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     """recompute=False: each unit's input per micro-batch, as the autograd leaf the next unit's graph
@@ -213,15 +193,22 @@ class WindowEngine:
         device: torch.device,
         forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
         timer: ComputeTimer | None = None,
+        rng: TrainingRng | None = None,
     ) -> None:
         """``config``: resolved (every setting in effect: :meth:`GreedySnakeConfig.resolved`).
         ``forward_context``: entered around every forward the engine runs itself (the precision plugin's
         autocast), as Lightning enters it around ``training_step``. ``timer``: times every forward and
-        backward op the engine runs, where the compute runs (the plan's compute times, telemetry)."""
+        backward op the engine runs, where the compute runs (the plan's compute times, telemetry).
+        ``rng``: the run's RNG policy (each micro-batch's forwards on its own stream; None: one that says
+        nothing, for a window driven without a Trainer)."""
         self.forward_context = forward_context
         self.timer = timer
+        self.rng = rng if rng is not None else TrainingRng(device)
         self.chain = chain
         self.units = units
+        self.buffer_writers = BufferWriters(chain, units)
+        """The units whose forward updates buffers (found by their first forward): a recomputation puts
+        them back, and a plan running such a unit out of micro-batch order is refused."""
         self._window: _Window | None = None
         self.replan(config)
         self.store = store
@@ -251,10 +238,13 @@ class WindowEngine:
     def plan(self) -> Plan | None:
         return self._window.plan if self._window is not None else None
 
-    def begin_window(self, num_microbatches: int) -> Plan:
+    def begin_window(self, num_microbatches: int, step: int = 0) -> Plan:
+        """Begin the window whose optimizer step is ``step`` (``trainer.global_step``: it seeds the
+        micro-batches' RNG streams)."""
         assert self._window is None, "begin_window while another window is active"
         plan = build_plan(self.config.schedule, self.num_units, num_microbatches)
-        self._window = _Window(plan, [None] * num_microbatches)
+        self.buffer_writers.check_order(plan)
+        self._window = _Window(plan, [None] * num_microbatches, self.rng.window(step))
         self.store.begin_window(num_microbatches)
         return plan
 
@@ -335,7 +325,7 @@ class WindowEngine:
         unit = self.units[op.unit]
         self._ensure_unit(op.unit)
         self._hint_next_step()  # (the fused unit's own step: its reads overlap the fused ops)
-        with torch.enable_grad():
+        with w.streams.forward_of(microbatch), torch.enable_grad():
             hidden, leaf = self._unit_input(op.unit, mb, microbatch)
             hidden = self._blocks(unit, hidden, mb.ctx)
             out = self.chain.post(hidden, mb.ctx)
@@ -418,15 +408,16 @@ class WindowEngine:
         unit = self.units[u]
         self._ensure_unit(u)
         recompute = self.config.recompute
-        if recompute:
-            w.rng[(u, m)] = _RngState.capture(self.device)
         # Recompute mode: no graph now, backward rebuilds it. Otherwise keep the graph until B u.m, with
         # its saved views of the unit's weights held as references (the weights leave memory meanwhile).
         grad_mode = torch.no_grad() if recompute else torch.enable_grad()
         hooks = contextlib.nullcontext() if recompute else _weight_refs(unit)
-        with grad_mode, hooks, self.forward_context():
-            hidden, leaf = self._unit_input(u, mb, m, for_grad=not recompute)
-            out = self._blocks(unit, hidden, mb.ctx)
+        with w.streams.forward_of(m), self._first_forward(u, w.plan):
+            if recompute:
+                w.rng[(u, m)] = GeneratorState.capture(self.device)
+            with grad_mode, hooks, self.forward_context():
+                hidden, leaf = self._unit_input(u, mb, m, for_grad=not recompute)
+                out = self._blocks(unit, hidden, mb.ctx)
         if recompute:
             self.store.save_activation(u + 1, m, out)
             if u > 0 and (u, m) not in w.kept_inputs:
@@ -476,7 +467,8 @@ class WindowEngine:
         else:
             counter = SavedBytes(unit.parameters()) if u not in self.activation_bytes else None
             measure = counter.hooks() if counter is not None else contextlib.nullcontext()
-            with w.rng.pop((u, m)).replay(), torch.enable_grad(), measure, self.forward_context():
+            with w.rng.pop((u, m)).replay(), self.buffer_writers.recomputing(u), torch.enable_grad(), measure, \
+                    self.forward_context():
                 hidden, leaf = self._unit_input(u, mb, m, keep_ctx=False)  # (the forward's ctx stays)
                 out = self._blocks(unit, hidden, mb.ctx)
             if counter is not None:
@@ -493,6 +485,17 @@ class WindowEngine:
         return hidden
 
     # -- helpers ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _first_forward(self, u: int, plan: Plan) -> Iterator[None]:
+        """Run the body (a forward of unit ``u``); the first time, find the buffers it updates, and refuse
+        ``plan`` if it runs such a unit out of micro-batch order (at the first window: nothing stepped)."""
+        if self.buffer_writers.checked(u):
+            yield
+            return
+        with self.buffer_writers.first_forward(u):
+            yield
+        self.buffer_writers.check_order(plan)
+
     def _ensure_unit(self, u: int) -> None:
         """Consecutive ops on one unit share one acquisition of its weights."""
         if self._held_unit == u:

@@ -293,6 +293,11 @@ class GreedySnakeStrategy(DataParallelStrategy):
         return read_ahead(dataloader, trainer.accumulate_grad_batches)  # (also before setup opens the run)
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._open_run().engine.rng.start()  # (the RNG policy's base seed: as MicrobatchRNG draws it, here)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
 
@@ -304,7 +309,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         module = self.lightning_module
         trainer = module.trainer
         microbatch = inputs.open_window(engine, self._batch_idx, trainer.accumulate_grad_batches,
-                                        trainer.num_training_batches, self._warn_once, trainer.train_dataloader)
+                                        trainer.num_training_batches, self._warn_once, trainer.train_dataloader,
+                                        trainer.global_step)
         inputs.feed(engine, microbatch, module, args, kwargs, self.precision_plugin.train_step_context,
                     trainer.precision_plugin.convert_input, lambda b: self.batch_to_device(b, dataloader_idx=0))
         engine.run_until_fused(microbatch)

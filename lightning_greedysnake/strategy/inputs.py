@@ -123,10 +123,11 @@ class WindowInputs:
         """Epoch-local position of the current window's first micro-batch."""
 
     def open_window(self, engine: WindowEngine, position: int, k: int, limit: float,
-                    warn: Callable[[str, str], None], data: Any) -> int:
+                    warn: Callable[[str, str], None], data: Any, step: int) -> int:
         """Begin the window the batch at epoch-local ``position`` belongs to, if it is not begun (after
         forgetting one that Lightning cut short); returns the batch's micro-batch index in it. ``data``:
-        the train dataloader Lightning iterates (``trainer.train_dataloader``)."""
+        the train dataloader Lightning iterates (``trainer.train_dataloader``); ``step``: the optimizer step
+        the window ends in (``trainer.global_step``)."""
         self._sync(data, position)
         if engine.window_active and (position % k == 0 or position < self._window_start):
             # the previous window never reached its optimizer step (the epoch was cut short): Lightning
@@ -135,7 +136,7 @@ class WindowInputs:
             engine.abort_window()
         if not engine.window_active:
             self._window_start = position
-            engine.begin_window(self.window_size(position - position % k, position, k, limit))
+            engine.begin_window(self.window_size(position - position % k, position, k, limit), step)
         return position - self._window_start
 
     def feed(self, engine: WindowEngine, microbatch: int, module: LightningModule, args: tuple[Any, ...],

@@ -40,6 +40,7 @@ from lightning_greedysnake.optim.contract import optimizer_contract
 from lightning_greedysnake.planner.measure import available_cores
 from lightning_greedysnake.planner.threads import optimizer_threads
 from lightning_greedysnake.precision import GreedySnakePrecision
+from lightning_greedysnake.rng import TrainingRng
 from lightning_greedysnake.step_modes import step_mode
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.checkpoints import LIGHTNING, CheckpointSeam, StreamedCheckpoints
@@ -227,7 +228,7 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
         try:
             ctx.broadcast_parameters([p for unit in cut.units for p in unit.parameters()])
             engine = WindowEngine(cut.chain, cut.units, cut.config, InMemoryTensorStore(), ctx.device,
-                                  ctx.precision.forward_context)
+                                  ctx.precision.forward_context, rng=TrainingRng(ctx.device, ctx.report))
         except BaseException:
             directories.cleanup([])
             raise
@@ -259,7 +260,7 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
     lanes = manager.stats.lanes
     timer = compute_timer_for(ctx.device, lambda name, a, b: lanes.add("compute", a, b, name))
     engine = WindowEngine(cut.chain, planned.units, config, manager, ctx.device, ctx.precision.forward_context,
-                          timer=timer)
+                          timer=timer, rng=TrainingRng(ctx.device, ctx.report))
     checkpoints = StreamedCheckpoints(manager, rank=ctx.global_rank, world=ctx.world_size,
                                       layered_prefix=f"{cut.path}." if cut.path else "",
                                       precision=str(ctx.precision.precision))
