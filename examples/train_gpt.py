@@ -8,7 +8,9 @@
 
 The default strategy is ``conf/strategy/greedysnake_ssd.yaml``: the model's weights, master weights and
 optimizer state live in the offload directory (``<run dir>/greedysnake_offload``; ``strategy.offload.path``
-to put it on an NVMe), and the closing summary prints the SSD traffic per optimizer step.
+to put it on an NVMe), and the closing summary prints the SSD traffic: the strategy's own end-of-fit summary
+(what moved where, per kind of tensor, in all and per optimizer step; any LightningModule gets it), then
+the losses.
 """
 
 from __future__ import annotations
@@ -40,27 +42,6 @@ class LossHistory(L.Callback):
             self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
 
 
-class OffloadSummary(L.Callback):
-    """What the tensor manager moved, for the closing summary (read before teardown)."""
-
-    def __init__(self) -> None:
-        self.line = ""
-
-    def on_train_end(self, trainer: Any, module: Any) -> None:
-        manager = getattr(trainer.strategy, "tensor_manager", None)
-        if manager is None or not trainer.global_step:
-            return
-        manager.flush()
-        counters = [c for (kind, tier), c in manager.stats.snapshot().items() if tier == "ssd"]
-        read = sum(c.bytes_read for c in counters)
-        written = sum(c.bytes_written for c in counters)
-        steps = trainer.global_step
-        self.line = (
-            f"\nSSD traffic: {read / 1e6:.1f} MB read, {written / 1e6:.1f} MB written "
-            f"({read / steps / 1e6:.2f} / {written / steps / 1e6:.2f} MB per optimizer step)"
-        )
-
-
 def build_strategy(cfg: DictConfig) -> Any:
     if "_target_" in cfg:
         return instantiate(cfg)
@@ -78,7 +59,6 @@ def main(cfg: DictConfig) -> dict[str, float]:
     datamodule = instantiate(cfg.data)
     out_dir = HydraConfig.get().runtime.output_dir
     history = LossHistory()
-    summary = OffloadSummary()
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     if trainer_args.get("precision") == "machine":
         # bf16-mixed where this CPU computes bf16 natively, 32-true where it would be ~100x slower
@@ -91,7 +71,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         strategy=strategy,
         default_root_dir=out_dir,
         logger=CSVLogger(out_dir, name="logs"),
-        callbacks=[history, summary],
+        callbacks=[history],
     )
     trainer.fit(module, datamodule)
     losses = history.losses
@@ -105,7 +85,6 @@ def main(cfg: DictConfig) -> dict[str, float]:
         f"\ntrained {trainer.global_step} optimizer steps with strategy={type(trainer.strategy).__name__}: "
         f"train loss {first:.3f} -> {last:.3f} (mean of first/last {n} micro-batches)"
         + (f", validation perplexity {result['val_ppl']:.2f}" if "val_ppl" in result else "")
-        + summary.line
         + f"\nlogs: {os.path.join(out_dir, 'logs')}"
     )
     return result

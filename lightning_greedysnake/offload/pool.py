@@ -169,8 +169,6 @@ class BufferPool:
         self._free_bytes = 0
         self._in_use: dict[int, AlignedBuffer] = {}
         self.in_use_bytes = 0
-        self.peak_bytes = 0
-        """Most bytes held at once (in use plus cached), since construction."""
         self._closed = False
         self._returning = 0
         """Buffers whose owners released them but that wait for I/O to finish before coming back."""
@@ -281,8 +279,6 @@ class BufferPool:
             if self.debug:
                 self._owner[id(buf)] = what
             self.in_use_bytes += nbytes
-            held = self._arena.capacity_bytes if self._arena is not None else self.in_use_bytes + self._free_bytes
-            self.peak_bytes = max(self.peak_bytes, held)
             return buf
 
     def wait_returned(self) -> None:

@@ -63,6 +63,8 @@ class IOStats:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, str], IOCounter] = defaultdict(IOCounter)
         self._by_directory: dict[str, IOCounter] = defaultdict(IOCounter)
+        self._directories: dict[tuple[str, str], set[str]] = defaultdict(set)
+        """Per (kind, tier), the offload directories its transfers went to (the end-of-fit summary's "where")."""
         self.lanes = LaneClock()
 
     def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float, start: float | None = None,
@@ -72,6 +74,7 @@ class IOStats:
             self.lanes.add("ssd_read" if op == "read" else "ssd_write", start, start + seconds, f"{op} {kind}")
         with self._lock:
             if directory is not None:
+                self._directories[(kind, tier)].add(directory)
                 d = self._by_directory[directory]
                 if op == "read":
                     d.bytes_read += nbytes
@@ -93,6 +96,7 @@ class IOStats:
         out._counters.update(self.snapshot())
         with self._lock:
             out._by_directory.update({d: IOCounter(**vars(c)) for d, c in self._by_directory.items()})
+            out._directories.update({k: set(v) for k, v in self._directories.items()})
         out.lanes = self.lanes
         return out
 
@@ -110,6 +114,11 @@ class IOStats:
         """Per offload directory: (bytes read, bytes written) so far."""
         with self._lock:
             return {d: (c.bytes_read, c.bytes_written) for d, c in self._by_directory.items()}
+
+    def directories(self, kind: str, tier: str = "ssd") -> list[str]:
+        """The offload directories ``kind``'s transfers on ``tier`` went to so far, sorted."""
+        with self._lock:
+            return sorted(self._directories.get((kind, tier), ()))
 
     def bytes_read(self, kind: str, tier: str = "ssd") -> int:
         with self._lock:

@@ -194,8 +194,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     def io_stats(self) -> dict[str, float]:
         """The tensor manager's I/O counters so far: ``{"ssd/weights/bytes_read": ..., ...}`` (bytes,
-        busy seconds and the seconds training waited, per kind and tier); empty without offload."""
-        manager = self.tensor_manager
+        busy seconds and the seconds training waited, per kind and tier); after fit, the whole fit's (the
+        end-of-fit summary's numbers); empty without offload."""
+        manager = self._run.tensor_manager if self._run is not None else None  # (closed too: final counters)
         return manager.stats.flat() if manager is not None else {}
 
     @property
@@ -265,8 +266,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
         failed, self._failed = self._failed, False
         run = self._run
         try:
-            if run is not None:
+            if run is not None and not run.closed:  # (closed: a second teardown, nothing to say again)
                 run.close(lambda manager: self._hand_back(run, manager, failed))
+                progress.end_of_fit(run.tensor_manager, self.lightning_module.trainer, failed, rank_zero_info)
         finally:
             self.precision_plugin.gradient_owner = None
             super().teardown()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
+from typing import Any
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_greedysnake import GreedySnakeStrategy
 from tests.helpers import TinyGPTModule, make_trainer, token_loader
@@ -47,3 +50,68 @@ def test_trace_of_the_first_steps_is_a_chrome_trace(tmp_path):
 def test_bad_trace_steps(value):
     with pytest.raises(ValueError, match=r"trace_steps=.*Fix"):
         GreedySnakeStrategy(auto=False, trace_steps=value)
+
+
+class OwnModule(L.LightningModule):
+    """A user's own module, written as for any strategy: no greedysnake callback, nothing to read the
+    counters with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                       torch.nn.Tanh(), torch.nn.Linear(64, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_the_end_of_fit_summary_says_what_moved_where_for_a_users_own_module(tmp_path, caplog):
+    """``fit_summary`` (``progress.end_of_fit``, from teardown): printed once by the strategy itself at the
+    end of fit, a line per kind with the bytes read and written and where (the tier, the offload
+    directory), then the SSD traffic in all and per step; the numbers are ``io_stats()``'s, final after fit.
+    Not after an evaluation."""
+    from lightning_greedysnake.offload.preflight import human_bytes
+    from tests.helpers import regression_loader
+
+    offload = tmp_path / "offload"
+    strategy = GreedySnakeStrategy(auto=False, offload_dir=str(offload),
+                                   offload={"weights": "ssd", "master_weights": "ssd", "optimizer_states": "ssd",
+                                            "gradients": "host", "checkpoints": "host"})
+    L.seed_everything(0, verbose=False)
+    module = OwnModule()
+    trainer = make_trainer(strategy, 2, max_epochs=1, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, regression_loader(6))
+    said = [r.getMessage() for r in caplog.records if "what moved where" in r.getMessage()]
+    assert len(said) == 1, said
+    text = said[0]
+    stats = strategy.io_stats()  # (after fit: the whole fit's, as the summary says)
+    assert trainer.global_step == 3 and f"in this fit (3 optimizer steps" in text
+    lines = {line.split()[0]: line for line in text.splitlines()[1:-1]}
+    read_total = written_total = 0
+    for kind in ("weights", "master_weights", "optimizer_states"):
+        read, written = int(stats[f"ssd/{kind}/bytes_read"]), int(stats[f"ssd/{kind}/bytes_written"])
+        assert read > 0 and (written > 0 or kind == "master_weights")
+        master = " (the weights' region: under 32-true the weights are the master copy)"
+        assert lines[kind] == (f"  {kind:<17} {human_bytes(read)} read, {human_bytes(written)} written, "
+                               f"ssd in {offload}" + (master if kind == "master_weights" else ""))
+        read_total += read
+        written_total += written
+    assert lines["gradients"] == f"  {'gradients':<17} host: used in place, no I/O"
+    assert lines["checkpoints"] == f"  {'checkpoints':<17} host: used in place, no I/O"
+    assert read_total == sum(v for k, v in stats.items() if k.startswith("ssd/") and k.endswith("/bytes_read"))
+    assert text.splitlines()[-1] == (
+        f"SSD traffic: {read_total / 1e6:.1f} MB read, {written_total / 1e6:.1f} MB written "
+        f"({read_total / 3 / 1e6:.2f} / {written_total / 3 / 1e6:.2f} MB per optimizer step)")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        trainer.validate(module, regression_loader(2), verbose=False)
+    assert not [r for r in caplog.records if "what moved where" in r.getMessage()]

@@ -159,18 +159,31 @@ def test_devices_the_tensor_manager_does_not_run_on_are_refused_with_the_fix(mon
 
 
 def test_the_byte_counters_are_exact_under_concurrent_copy_issuers():
-    """The training thread and the optimizer lane (a step's new resident weights) both issue copies:
-    the counters add every copy's bytes, whichever threads issue them at once (an unlocked ``+=`` loses
-    some when a thread switch lands between its read and its write: switching is made frequent here, and
-    the tensors' ``numel`` is Python code, where CPython may switch threads)."""
+    """``CopyCounts.add``: the training thread and the optimizer lane (a step's new resident weights) both
+    issue copies, and the counters add every copy's bytes whichever threads issue them at once. An unlocked
+    ``+=`` loses some when a thread switch lands between its read and its write; on CPython a bare
+    ``int += int`` never switches there (nothing in it yields), so here the byte counts are an ``int``
+    whose addition gives the GIL away (as any Python-level ``__add__`` may), with switching made frequent:
+    without the lock, updates are lost."""
     import sys
+    import time
+
+    class Yielding(int):
+        """A byte count whose arithmetic yields the GIL between the counter's read and its write."""
+
+        def __mul__(self, other: object) -> Yielding:
+            return Yielding(int(self) * int(other))  # type: ignore[call-overload]
+
+        def __radd__(self, other: object) -> int:
+            time.sleep(0)  # (releases the GIL: another issuer's whole += may run here)
+            return int(other) + int(self)  # type: ignore[call-overload]
 
     class Tensor(torch.Tensor):
         def numel(self) -> int:
-            return super().numel()
+            return Yielding(super().numel())
 
     copies = SimulatedCopies(max_delay_s=0.0, seed=0)
-    threads, per_thread = 8, 400
+    threads, per_thread = 8, 200
     src = host(copies, torch.ones(4)).as_subclass(Tensor)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)

@@ -282,3 +282,23 @@ def test_the_optimizer_rate_is_measured_on_the_users_own_optimizer():
     user = Counting([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
     assert optimizer_rate(1 << 12, repeats=2, optimizer=user) > 0
     assert stepped == [0.9] * 3  # its class, its settings: one step to create the state, two timed
+
+
+def test_the_end_of_fit_hand_back_counts_the_staging_of_the_unit_in_flight():
+    """``HostMemory.hand_back_peak``: the trained state comes back unit by unit in place of the tensor
+    manager's RAM regions, while the unit in flight holds staging (its regions off the host, read back
+    through the pool). A budget the regions and what came back fit in, but not with that staging, must
+    not be planned to take it all back: teardown would go over the host budget (the OOM the plan guards)."""
+    from lightning_greedysnake.strategy.host_memory import HostMemory, UnitBytes
+
+    units = [UnitBytes(weights=100, state=200, gradient_regions=400, weight_regions=600, state_regions=800)] * 2
+
+    def memory(budget: int) -> HostMemory:
+        return HostMemory(budget, built_bytes=0, units=units, staging_bytes=300, return_weights=True, bounded=True)
+
+    # the first unit's weights back, its gradients freed: 3200 held + 100 back; then its staging, 300, and
+    # a transient copy of its weights, 100
+    assert memory(0).hand_back_peak(True) == 3200 + 100 + 300 + 100
+    assert memory(3700).hand_back.complete
+    short = memory(3650).hand_back  # (room for all of it but the staging)
+    assert not short.weights and not short.state and "3,700 bytes" in short.why
