@@ -108,8 +108,21 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
             if manager is None or system == "gs_horizontal":
                 return
             steady = trainer.strategy.step_telemetry[WARMUP_STEPS:]  # lane seconds per steady step: which lane binds
-            for name in ("ssd_read_busy_s", "ssd_write_busy_s", "optimizer_busy_s", "io_wait_s", "optimizer_unhidden_s"):
+            for name in ("ssd_read_busy_s", "ssd_write_busy_s", "optimizer_busy_s", "io_wait_s", "optimizer_unhidden_s",
+                         "optimizer_cpu_s", "optimizer_read_wait_s", "disk_busy_fraction", "queue_depth"):
                 extra[name] = round(sum(getattr(t, name) for t in steady) / max(1, len(steady)), 3)
+            # where the step waits: the disk's busy fraction and what it achieved while busy, against the probe
+            n = max(1, len(steady))
+            read_b, write_b = (sum(t.request_bytes_read for t in steady) / n, sum(t.request_bytes_written for t in steady) / n)
+            read_busy, write_busy = (sum(t.disk_read_busy_s for t in steady) / n, sum(t.disk_write_busy_s for t in steady) / n)
+            extra["read_GBps_busy"] = round(read_b / 1e9 / read_busy, 3) if read_busy else 0.0
+            extra["write_GBps_busy"] = round(write_b / 1e9 / write_busy, 3) if write_busy else 0.0
+            requests = sum(t.read_requests + t.write_requests for t in steady)
+            extra["request_MiB"] = round((read_b + write_b) * n / requests / 2**20, 2) if requests else 0.0
+            # the roofline's physical terms: the disk at its probed speeds (reads and writes one after the other)
+            # and the optimizer's kernel rate over every element; compute is the gs_default row of the same round
+            extra["disk_s"] = round(read_b / args.read_bps + write_b / args.write_bps, 3)
+            extra["optimizer_s"] = round(sum(p.numel() for p in module.parameters()) / args.opt_rate, 3)
             if trainer.strategy.plan_choice is not None:
                 extra["plan"] = dataclasses.asdict(trainer.strategy.plan_choice)
             if trainer.strategy.placement_plan is not None:  # units of each kind in RAM / all units
@@ -217,8 +230,10 @@ def _medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"system": key[0], "k": key[1], "round": "median", "step_s": round(step_s, 3),
                     "tokens_per_s": round(key[1] * runs[0]["seq"] / step_s, 1), "seq": runs[0]["seq"],
                     "runs": len(runs)})
-        if all(r.get("ssd_GB_per_step") is not None for r in runs):
-            out[-1]["ssd_GB_per_step"] = statistics.median(r["ssd_GB_per_step"] for r in runs)
+        for name in ("ssd_GB_per_step", "disk_s", "optimizer_s", "disk_busy_fraction", "read_GBps_busy",
+                     "write_GBps_busy", "queue_depth", "optimizer_cpu_s", "optimizer_read_wait_s"):
+            if all(r.get(name) is not None for r in runs):
+                out[-1][name] = statistics.median(r[name] for r in runs)
     return out
 
 
@@ -276,6 +291,15 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str | None = None) -> None:
             row["time_vs_cpu"] = round(row["step_s"] / cpu["step_s"], 3)
         if row.get("roofline_s"):
             row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
+        in_ram = same_k.get("gs_default")
+        if row.get("disk_s") and in_ram is not None and row is not in_ram:
+            # the physical limit: max(compute measured with every kind in RAM, the disk at its probed speeds,
+            # the optimizer's kernel rate); the step's multiple of it, and the term that binds
+            terms = {"compute": in_ram["step_s"], "disk": row["disk_s"], "optimizer": row.get("optimizer_s", 0.0)}
+            binds = max(terms, key=lambda t: terms[t])
+            row["limit_s"] = round(terms[binds], 3)
+            row["vs_limit"] = round(row["step_s"] / terms[binds], 3)
+            row["binds"] = binds
 
 
 def main() -> None:
@@ -352,7 +376,8 @@ def main() -> None:
         rows = _medians(rows) + rows
     add_ratios(rows, args.baseline)
     print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_deepspeed_cpu",
-                       "vs_lightning_auto", "vs_baseline",
+                       "vs_lightning_auto", "vs_baseline", "vs_limit", "binds", "disk_busy_fraction", "read_GBps_busy",
+                       "write_GBps_busy", "queue_depth", "optimizer_cpu_s", "optimizer_read_wait_s",
                        "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from lightning_greedysnake.offload.stats import IOStats
+from lightning_greedysnake.offload.stats import IOStats, RequestCounter
 
 
 @dataclass
@@ -36,6 +36,22 @@ class StepTelemetry:
     host_registrations: int = 0
     """Page-lock registrations of host memory (``cudaHostRegister``) in this step: the staging pool's
     segments and the host tiers' regions, in the first steps; none in the steady state."""
+    optimizer_cpu_s: float = 0.0
+    """CPU seconds of the optimizer's jobs (their threads' own): ``optimizer_busy_s`` is wall time, waits
+    included."""
+    optimizer_read_wait_s: float = 0.0
+    """Wall seconds an optimizer job on the lane waited for its reads (master weights, state) to land."""
+    disk_busy_s: float = 0.0
+    """Wall seconds in which the disk had at least one request in flight (reads or writes); the rest of
+    ``wall_s`` it idled."""
+    disk_read_busy_s: float = 0.0
+    disk_write_busy_s: float = 0.0
+    read_requests: int = 0
+    write_requests: int = 0
+    request_bytes_read: int = 0
+    request_bytes_written: int = 0
+    request_seconds: float = 0.0
+    """The requests' durations added (reads and writes): over ``disk_busy_s``, the mean queue depth."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,9 +62,35 @@ class StepTelemetry:
         moved = sum(self.bytes_read.values()) + sum(self.bytes_written.values())
         return moved / 1e9 / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def disk_busy_fraction(self) -> float:
+        """The fraction of the step in which the disk had a request in flight."""
+        return self.disk_busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def read_gb_per_s_busy(self) -> float:
+        """The read bandwidth achieved while reads were in flight (to set against the probe's)."""
+        return self.request_bytes_read / 1e9 / self.disk_read_busy_s if self.disk_read_busy_s > 0 else 0.0
+
+    @property
+    def write_gb_per_s_busy(self) -> float:
+        return self.request_bytes_written / 1e9 / self.disk_write_busy_s if self.disk_write_busy_s > 0 else 0.0
+
+    @property
+    def queue_depth(self) -> float:
+        """Requests in flight on average while any was."""
+        return self.request_seconds / self.disk_busy_s if self.disk_busy_s > 0 else 0.0
+
+    @property
+    def mean_request_bytes(self) -> float:
+        n = self.read_requests + self.write_requests
+        return (self.request_bytes_read + self.request_bytes_written) / n if n else 0.0
+
     def as_metrics(self) -> dict[str, float]:
         names = ("tokens_per_s", "ssd_gb_per_s", "wall_s", "compute_s", "ssd_read_busy_s", "ssd_write_busy_s",
-                 "optimizer_busy_s", "io_wait_s", "optimizer_unhidden_s", "host_registrations")
+                 "optimizer_busy_s", "io_wait_s", "optimizer_unhidden_s", "host_registrations", "optimizer_cpu_s",
+                 "optimizer_read_wait_s", "disk_busy_s", "disk_busy_fraction", "read_gb_per_s_busy",
+                 "write_gb_per_s_busy", "queue_depth", "mean_request_bytes")
         out: dict[str, float] = {name: float(getattr(self, name)) for name in names}
         out.update({f"read_bytes/{k}": float(v) for k, v in self.bytes_read.items()})
         out.update({f"written_bytes/{k}": float(v) for k, v in self.bytes_written.items()})
@@ -81,6 +123,8 @@ class StepRecorder:
         self._counters = manager.stats.snapshot()
         self._lane_wait = manager.optimizer_wait_seconds
         self._registrations = manager.host_registrations
+        self._requests = manager.stats.requests()
+        self._job_cpu = manager.stats.job_cpu_seconds
         self._step = 0
         self.tokens = 0
         """Tokens fed to the model since the last step (the strategy adds them as it sees inputs)."""
@@ -112,6 +156,11 @@ class StepRecorder:
         io_wait = sum(c.wait_seconds for c in counters.values()) - sum(c.wait_seconds for c in self._counters.values())
         unhidden = self.manager.optimizer_wait_seconds - self._lane_wait
         wall = now - self._t
+        requests, job_cpu = stats.requests(), stats.job_cpu_seconds
+        none = RequestCounter()
+
+        def moved(op: str, attr: str) -> Any:
+            return getattr(requests.get(op, none), attr) - getattr(self._requests.get(op, none), attr)
         self._step += 1
         entry = StepTelemetry(
             step=self._step,
@@ -126,7 +175,18 @@ class StepRecorder:
             bytes_written=delta("bytes_written"),
             tokens=self.tokens,
             host_registrations=self.manager.host_registrations - self._registrations,
+            optimizer_cpu_s=job_cpu - self._job_cpu,
+            optimizer_read_wait_s=lanes.busy("optimizer_wait", self._t, now),
+            disk_busy_s=lanes.busy(("disk_read", "disk_write"), self._t, now),
+            disk_read_busy_s=lanes.busy("disk_read", self._t, now),
+            disk_write_busy_s=lanes.busy("disk_write", self._t, now),
+            read_requests=moved("read", "count"),
+            write_requests=moved("write", "count"),
+            request_bytes_read=moved("read", "nbytes"),
+            request_bytes_written=moved("write", "nbytes"),
+            request_seconds=moved("read", "seconds") + moved("write", "seconds"),
         )
+        self._requests, self._job_cpu = requests, job_cpu
         self.tokens = 0
         self._t, self._counters, self._lane_wait = now, counters, self.manager.optimizer_wait_seconds
         self._registrations += entry.host_registrations
@@ -140,7 +200,7 @@ class StepRecorder:
         return entry
 
 
-LANE_ORDER = ("compute", "wait", "optimizer", "ssd_read", "ssd_write")
+LANE_ORDER = ("compute", "wait", "optimizer", "optimizer_wait", "ssd_read", "ssd_write", "disk_read", "disk_write")
 
 
 def write_chrome_trace(spans: dict[str, list[tuple[float, float, str]]], origin: float, path: Path) -> None:

@@ -183,7 +183,7 @@ class TieredTensorStore:
         """Data parallel: the process group for host tensors (gloo beside NCCL; None: the default group)."""
         # built in dependency order, each complete: the lane first (the pool asks it whether buffers are
         # on their way back; the weights wait on it), then the staging, the weights, the stepper
-        lane = StepLane(lag, on_busy=lambda a, b: self.stats.lanes.add("optimizer", a, b), threads=optimizer_threads)
+        lane = StepLane(lag, on_busy=self.stats.record_job, threads=optimizer_threads)
         self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1,
                                   copies=copies, others_active=lane.others_will_release,
                                   gradients_from=gradients_from(self.state, deferred_gradients_only))
@@ -354,7 +354,7 @@ class TieredTensorStore:
         assert dirs or not config.uses_ssd, "an SSD tier needs an offload directory"
         if dirs:  # (with nothing else there, a directory the user named may still take the checkpoints)
             io = IOConfig(config.io_threads, config.io_chunk_bytes, config.direct_io)
-            engines = [io_engine or default_engine(io) for _ in dirs]
+            engines = [io_engine or default_engine(io, on_request=self.stats.record_request) for _ in dirs]
             self._engines = list({id(e): e for e in engines}.values())  # (a given engine serves every one)
         try:
             self.arena.regions.stripe(max(1, len(dirs)))

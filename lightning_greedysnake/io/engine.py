@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -170,8 +171,12 @@ def _error(op: str, path: Path, offset: int, nbytes: int, cause: OSError) -> Off
 class ThreadedIOEngine:
     """preadv/pwritev from a thread pool, in chunks of ``config.chunk_bytes``."""
 
-    def __init__(self, config: IOConfig | None = None) -> None:
+    def __init__(self, config: IOConfig | None = None,
+                 on_request: Callable[[str, float, float, int], None] | None = None) -> None:
+        """``on_request(op, start, end, nbytes)``: after every request that completed (one chunk's
+        ``preadv``/``pwritev``, on the I/O thread that ran it): what the disk was asked for and when."""
         self.config = config or IOConfig()
+        self._on_request = on_request
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=self.config.num_threads, thread_name_prefix="greedysnake-io"
         )
@@ -234,13 +239,19 @@ class ThreadedIOEngine:
 
     def _read_piece(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
                     nbytes: int) -> None:
+        t0 = time.perf_counter()
         self._transfer("read", os.preadv, file, offset, buffer.memoryview(buffer_offset, nbytes))
+        if self._on_request is not None:
+            self._on_request("read", t0, time.perf_counter(), nbytes)
         with self._lock:
             self.bytes_read += nbytes
 
     def _write_piece(self, file: OffloadFile, offset: int, buffer: AlignedBuffer, buffer_offset: int,
                      nbytes: int) -> None:
+        t0 = time.perf_counter()
         self._transfer("write", os.pwritev, file, offset, buffer.memoryview(buffer_offset, nbytes))
+        if self._on_request is not None:
+            self._on_request("write", t0, time.perf_counter(), nbytes)
         with self._lock:
             self.bytes_written += nbytes
 
@@ -310,12 +321,13 @@ class InlineIOEngine(ThreadedIOEngine):
 DEBUG_IO_ENV = "GREEDYSNAKE_DEBUG_IO"
 
 
-def default_engine(config: IOConfig) -> ThreadedIOEngine:
+def default_engine(config: IOConfig,
+                   on_request: Callable[[str, float, float, int], None] | None = None) -> ThreadedIOEngine:
     """The backend for ``config``: the threaded O_DIRECT engine, or :class:`InlineIOEngine` when
-    ``GREEDYSNAKE_DEBUG_IO=inline``."""
+    ``GREEDYSNAKE_DEBUG_IO=inline``; ``on_request``: :class:`ThreadedIOEngine`'s."""
     mode = os.environ.get(DEBUG_IO_ENV, "").strip().lower()
     if mode in ("", "0", "threaded"):
-        return ThreadedIOEngine(config)
+        return ThreadedIOEngine(config, on_request)
     if mode == "inline":
-        return InlineIOEngine(config)
+        return InlineIOEngine(config, on_request)
     raise ValueError(f"{DEBUG_IO_ENV}={mode!r} is not a known I/O mode. Fix: unset it, or set it to 'inline'.")

@@ -404,6 +404,8 @@ class StagingArena:
             raise
         if reading and threading.current_thread() is threading.main_thread():  # (a synchronous step's)
             self.stats.record_wait(label, "ssd", time.perf_counter() - t0)
+        elif reading:  # an optimizer job waiting: its lane's time, apart from its CPU
+            self.stats.lanes.add("optimizer_wait", t0, time.perf_counter(), label)
 
     def put_back(self, kind: TensorKind, u: int, held: Staged, ranges: list[tuple[int, int]] | None = None, *,
                  release: bool = True, label: str | None = None, next_slot: bool = False) -> None:

@@ -20,9 +20,22 @@ class IOCounter:
     """Time the training thread spent blocked on this kind's reads (what prefetch did not hide)."""
 
 
+@dataclass
+class RequestCounter:
+    """The requests the disk was asked for (one ``preadv``/``pwritev`` each), in one direction."""
+
+    count: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    """Their durations added: over the time any was in flight, the mean queue depth."""
+
+
 class LaneClock:
-    """Busy intervals per lane (``ssd_read``, ``ssd_write``, ``optimizer``, ``wait``), to report how long
-    each lane was busy in a span of wall time (overlapping requests count once)."""
+    """Busy intervals per lane, to report how long each lane was busy in a span of wall time (overlapping
+    intervals count once). Lanes: ``ssd_read``/``ssd_write`` (transfers, submission to completion),
+    ``disk_read``/``disk_write`` (the requests in flight at the disk), ``optimizer`` (the lane's jobs),
+    ``optimizer_wait`` (a job waiting on its reads), ``wait`` (the training thread waiting on reads),
+    ``compute``."""
 
     def __init__(self, keep_seconds: float = 600.0) -> None:
         self._lock = threading.Lock()
@@ -44,10 +57,12 @@ class LaneClock:
             return {lane: [s for s in spans if s[1] > since and s[0] < until]
                     for lane, spans in self._intervals.items()}
 
-    def busy(self, lane: str, since: float, until: float) -> float:
+    def busy(self, lane: str | tuple[str, ...], since: float, until: float) -> float:
+        """Seconds of ``[since, until]`` in which ``lane`` (any of several lanes) had an interval."""
+        lanes = (lane,) if isinstance(lane, str) else lane
         with self._lock:
-            spans = sorted((max(a, since), min(b, until)) for a, b, _ in self._intervals.get(lane, []) if b > since
-                           and a < until)
+            spans = sorted((max(a, since), min(b, until)) for name in lanes
+                           for a, b, _ in self._intervals.get(name, []) if b > since and a < until)
         total, covered = 0.0, since  # (spans by start: each adds what it covers past those before it)
         for a, b in spans:
             if b > covered:
@@ -66,6 +81,34 @@ class IOStats:
         self._directories: dict[tuple[str, str], set[str]] = defaultdict(set)
         """Per (kind, tier), the offload directories its transfers went to (the end-of-fit summary's "where")."""
         self.lanes = LaneClock()
+        self._requests: dict[str, RequestCounter] = defaultdict(RequestCounter)
+        self._job_cpu_seconds = 0.0
+
+    def record_request(self, op: str, start: float, end: float, nbytes: int) -> None:
+        """One request the disk completed (the I/O engine's ``on_request``, on an I/O thread)."""
+        self.lanes.add(f"disk_{op}", start, end)
+        with self._lock:
+            r = self._requests[op]
+            r.count += 1
+            r.nbytes += nbytes
+            r.seconds += end - start
+
+    def record_job(self, start: float, end: float, cpu_seconds: float) -> None:
+        """One optimizer job (the lane's ``on_busy``): its wall interval and its thread's CPU seconds."""
+        self.lanes.add("optimizer", start, end)
+        with self._lock:
+            self._job_cpu_seconds += cpu_seconds
+
+    def requests(self) -> dict[str, RequestCounter]:
+        """Per direction (``read``, ``write``), the disk's requests so far."""
+        with self._lock:
+            return {op: RequestCounter(**vars(r)) for op, r in self._requests.items()}
+
+    @property
+    def job_cpu_seconds(self) -> float:
+        """The optimizer jobs' CPU seconds so far (their threads' own)."""
+        with self._lock:
+            return self._job_cpu_seconds
 
     def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float, start: float | None = None,
                directory: str | None = None) -> None:
@@ -97,6 +140,8 @@ class IOStats:
         with self._lock:
             out._by_directory.update({d: IOCounter(**vars(c)) for d, c in self._by_directory.items()})
             out._directories.update({k: set(v) for k, v in self._directories.items()})
+            out._requests.update({op: RequestCounter(**vars(r)) for op, r in self._requests.items()})
+            out._job_cpu_seconds = self._job_cpu_seconds
         out.lanes = self.lanes
         return out
 

@@ -31,8 +31,11 @@ class OptimizerLaneError(RuntimeError):
 
 
 class StepLane:
-    def __init__(self, lag: int, on_busy: Callable[[float, float], None] | None = None, threads: int = 1) -> None:
-        """``threads``: the intra-op threads of the lane's kernels (planned,
+    def __init__(self, lag: int, on_busy: Callable[[float, float, float], None] | None = None,
+                 threads: int = 1) -> None:
+        """``on_busy(start, end, cpu_s)``: after every job, its wall interval and the CPU seconds the thread
+        that ran it used meanwhile (its own: the kernels' other intra-op threads aside), so that a job's time
+        waiting on reads does not read as CPU cost. ``threads``: the intra-op threads of the lane's kernels (planned,
         :func:`lightning_greedysnake.planner.threads.optimizer_threads`); a synchronous lane's jobs run on
         the training thread, with its own."""
         assert threads >= 1, threads
@@ -174,12 +177,12 @@ class StepLane:
             raise OptimizerLaneError(f"a background optimizer step failed: {self._error}") from self._error
 
     def _run(self, job: Job) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             job()
         finally:
             if self._on_busy is not None:
-                self._on_busy(t0, time.perf_counter())
+                self._on_busy(t0, time.perf_counter(), time.thread_time() - cpu0)
 
     def _loop(self) -> None:
         # the planned intra-op threads for the optimizer's kernels: one on a CPU run (the training
