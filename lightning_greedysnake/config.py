@@ -224,8 +224,10 @@ class OffloadConfig:
     """Bypass the page cache (O_DIRECT), so weights really come from the SSD every step."""
 
     keep_files: bool = False
-    """Leave the offload files in place at the end of the run (or after a crash), for inspection. A later
-    run in the same directory refuses to start while they are there (it would overwrite them)."""
+    """Leave the offload files in place at the end of the run (or after a crash), for inspection, with the
+    lock file (``.greedysnake.lock``) beside them naming them and the run. Another run in the same directory
+    refuses to start while they are there (it would overwrite them); the same Trainer's later validate or
+    test uses them as its own."""
 
     return_weights: bool = True
     """At the end of fit/validate/test (or after an error the caller catches), copy the final weights

@@ -15,6 +15,11 @@ on POSIX) and only then removes the previous payload: a process killed at any po
 naming a complete payload (the previous one until the switch). This is LevelDB's CURRENT-file pattern;
 it keeps the checkpoint one ordinary directory that ``cp -r``, ``mv`` and ``rsync`` handle.
 
+A process killed during the *first* save of a name leaves a directory with a payload and no ``CURRENT``
+(:func:`~lightning_greedysnake.checkpoint.directory.is_incomplete_checkpoint_dir`). Every published save
+removes such directories beside it, and unpublished payloads in complete ones (``directory.remove_partial``);
+a writer holds a lock on its payload until it is published or dropped, so none being written is removed.
+
 Loading checks every file's size up front (missing or truncated files fail before any state changes)
 and each file's SHA-256 as it is read; nothing is unpickled but plain containers and tensors.
 """
@@ -38,16 +43,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_greedysnake.checkpoint.directory import (  # the names: re-exported, as they were defined here
+    CURRENT,
+    CURRENT_TMP,
+    MANIFEST,
+    TRAINER_STATE,  # noqa: F401
+    remove_partial,
+    try_lock,
+)
 from lightning_greedysnake.checkpoint.safetensors_stream import NAMES as ST_NAMES
 from lightning_greedysnake.checkpoint.safetensors_stream import header as st_header
 from lightning_greedysnake.io.aligned import AlignedBuffer
 
 FORMAT = "lightning-greedysnake-checkpoint"
 VERSION = 1
-CURRENT = "CURRENT"
-MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest-sha256"
-TRAINER_STATE = "trainer_state.pt"
 
 
 class CheckpointError(RuntimeError):
@@ -182,17 +192,49 @@ class CheckpointWriter:
         self.root = self.path.parent / f".{self.path.name}.gs-tmp" if self._replace_link else self.path
         self._created_root = not self.root.exists()
         """This save created the checkpoint's directory: a failed save removes it again."""
-        self.payload_name = f"v-{uuid.uuid4().hex[:12]}"
-        self.payload = self.root / self.payload_name
+        self._lock: int | None = None
+        self._published = False
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.payload.mkdir()
+            self._create_payload()
         except OSError as e:
             self.abort()
             raise save_error(self.path, self.payload, e) from e
         self.files: dict[str, dict[str, Any]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[tuple[str, Future[Any]]] = []
+
+    def _create_payload(self) -> None:
+        """Create a fresh payload directory and hold its lock (see the module docstring). A sweep by another
+        process's save may remove the new directory (or the checkpoint's, still empty) before the lock is
+        taken: then again, under a new name."""
+        for attempt in range(4):
+            self.payload_name = f"v-{uuid.uuid4().hex[:12]}"
+            self.payload = self.root / self.payload_name
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.payload.mkdir()
+            except FileNotFoundError:
+                if attempt == 3:
+                    raise
+                continue
+            fd, busy = try_lock(self.payload)
+            if (busy or (fd is None and not self.payload.exists())) and attempt < 3:
+                continue  # a sweep holds it or removed it before the lock: again
+            if fd is not None:
+                try:
+                    same = os.stat(self.payload).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if not same and attempt < 3:
+                    os.close(fd)
+                    continue
+            self._lock = fd  # None where the filesystem has no flock on directories
+            return
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def write_bytes(self, rel: str, data: bytes | memoryview) -> None:
         target = self.payload / rel
@@ -263,13 +305,14 @@ class CheckpointWriter:
         for sub in {Path(rel).parent for rel in self.files} - {Path(".")}:
             _fsync_dir(self.payload / sub)
         _fsync_dir(self.payload)
-        tmp = self.root / f"{CURRENT}.tmp"
+        tmp = self.root / CURRENT_TMP
         with open(tmp, "w") as f:
             # the manifest's own checksum: it protects every other file's
             f.write(f"{self.payload_name}\n{MANIFEST_SHA256} {hashlib.sha256(manifest_bytes).hexdigest()}\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.root / CURRENT)  # the commit point
+        self._published = True
         _fsync_dir(self.root)
         if self._replace_link:
             # a directory cannot be renamed over a file or link: this one switch is not atomic, but
@@ -279,15 +322,37 @@ class CheckpointWriter:
             _fsync_dir(self.path.parent)
             self.root = self.path
         for child in self.root.iterdir():  # the previous payload, and any a killed save left behind
-            if child.name not in (CURRENT, self.payload_name):
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            if child.name in (CURRENT, self.payload_name):
+                continue
+            if child.is_dir() and not child.is_symlink():
+                fd, busy = try_lock(child)
+                if busy:  # another process saving to this name right now: its own publish removes ours
+                    continue
+                try:
+                    shutil.rmtree(child)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            else:
+                child.unlink()
+        self._unlock()
+        # and what killed saves left beside it: checkpoint directories never published (the first save of
+        # their name was killed), payloads never published in others. Best effort: the save is complete
+        try:
+            remove_partial(self.path.parent, keep=self.path)
+        except OSError:
+            pass
 
     def abort(self) -> None:
+        if getattr(self, "_published", False):  # failed after the commit point: the checkpoint stays
+            self._unlock()
+            return
         try:
             self._drain()
         except BaseException:  # noqa: BLE001 - the save already failed; its files go anyway
             pass
         shutil.rmtree(self.payload, ignore_errors=True)
+        self._unlock()
         if self._replace_link or self._created_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -327,10 +392,22 @@ class CheckpointReader:
             self.manifest = json.loads(raw.decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"checkpoint {self.path}: {manifest_path} is corrupted ({e}). {damaged}") from None
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            found = self.manifest.get("format") if isinstance(self.manifest, dict) else type(self.manifest).__name__
             raise CheckpointError(
-                f"checkpoint {self.path}: format {self.manifest.get('format')!r} version "
-                f"{self.manifest.get('version')!r}; this greedysnake reads {FORMAT!r} version {VERSION}."
+                f"checkpoint {self.path}: {manifest_path} has format {found!r}, not {FORMAT!r}: not a greedysnake "
+                "checkpoint. Fix: pass a greedysnake checkpoint directory or a Lightning checkpoint file as ckpt_path."
+            )
+        version = self.manifest.get("version")
+        if version != VERSION:
+            newer = isinstance(version, int) and not isinstance(version, bool) and version > VERSION
+            raise CheckpointError(
+                f"checkpoint {self.path}: {manifest_path} has format version {version!r}; this lightning-greedysnake "
+                f"reads version {VERSION}. " + (
+                    "The checkpoint was written by a newer lightning-greedysnake. Fix: upgrade lightning-greedysnake "
+                    "(pip install -U lightning-greedysnake) to load it." if newer else
+                    f"No lightning-greedysnake writes version {version!r}. Fix: load a checkpoint a greedysnake run "
+                    "saved (this manifest was edited or written by another tool).")
             )
         self.files: dict[str, dict[str, Any]] = self.manifest["files"]
         for rel, info in self.files.items():

@@ -290,14 +290,36 @@ def _names_check(path: Any, expected: list[str], found: set[str], strict: bool) 
         )
 
 
-def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+def shapes_check(path: Any, expected: Mapping[str, Sequence[int]], found: Mapping[str, Sequence[int]]) -> None:
+    """Refuse a checkpoint (at ``path``) whose parameters have other shapes (``found``) than the model's of
+    the same names (``expected``; names in only one of them are :func:`_names_check`'s), before anything
+    is loaded: a wider or narrower model, never a bare size mismatch halfway through the load."""
+    wrong = [(n, tuple(found[n]), tuple(shape)) for n, shape in expected.items()
+             if n in found and tuple(found[n]) != tuple(shape)]
+    if not wrong:
+        return
+    first, saved, model = wrong[0]
+    others = f" (and {len(wrong) - 1} more: {[n for n, _, _ in wrong[1:8]]})" if len(wrong) > 1 else ""
+    raise CheckpointError(
+        f"checkpoint {path} does not fit the model: parameter {first} has shape {list(saved)} in the checkpoint "
+        f"but {list(model)} in the model{others}: it was saved from a model of another size. Fix: build "
+        "the model with the configuration the checkpoint was saved with (its hyperparameters), or load another "
+        "checkpoint; to start a differently shaped model from it, convert its weights yourself."
+    )
+
+
+def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool,
+                    source: Any = None) -> None:
     """Put a checkpoint's weights into the tensor manager unit by unit (and the rest, buffers and any
-    parameter outside the units, into the module)."""
+    parameter outside the units, into the module). ``source``: where an in-memory ``state_dict`` was read
+    from, for messages (a checkpoint directory names itself)."""
     unit_names = [slot.name for u in range(manager.num_units) for slot in manager.layouts[u].params]
+    unit_shapes = {slot.name: slot.shape for u in range(manager.num_units) for slot in manager.layouts[u].params}
     if isinstance(state_dict, StreamedStateDict):
         reader = state_dict.reader
         index = reader.manifest["params"]
         _names_check(reader.path, unit_names, set(index), strict)
+        shapes_check(reader.path, unit_shapes, {n: info["shape"] for n, info in index.items() if "shape" in info})
         order = [_model_file(index[s.name]["unit"]) for u in range(manager.num_units)
                  for s in manager.layouts[u].params if s.name in index]
         with _UnitFiles(reader, order) as files:
@@ -322,6 +344,8 @@ def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Map
         missing = [n for n in unit_names if n not in state_dict]
         if strict and missing:
             raise CheckpointError(f"state_dict is missing {missing[:8]}. Fix: load the model it was saved from.")
+        shapes_check(source if source is not None else "state_dict", unit_shapes,
+                     {n: v.shape for n, v in state_dict.items() if isinstance(v, Tensor)})
         for u in range(manager.num_units):
             slots = manager.layouts[u].params
             if all(s.name in state_dict for s in slots):

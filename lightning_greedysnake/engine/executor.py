@@ -314,8 +314,11 @@ class WindowEngine:
         assert op is not None and op.kind is OpKind.FUSED and op.microbatch == microbatch
         if w.fused_pending is not None:
             raise RuntimeError(
-                "training_step called the layered model twice for one micro-batch; greedysnake runs the model "
-                "unit by unit and needs exactly one call per training_step."
+                f"training_step called the layered model twice for micro-batch {microbatch}: strategy='greedysnake' "
+                "runs its units ahead for the whole window and answers exactly one call per training_step, so a "
+                "second call cannot be run. Fix: call the layered model once per training_step and reuse its "
+                "output (e.g. `logits = self.model(x)`, then every loss term from `logits`); to run two inputs, "
+                "concatenate them into one batch for that one call."
             )
         mb = self._inputs(microbatch)
         deferred: list[Tensor] = []

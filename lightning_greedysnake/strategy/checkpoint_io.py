@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_greedysnake.checkpoint import CheckpointError, is_checkpoint_dir
 from lightning_greedysnake.checkpoint.plain import plain_checkpoint
+from lightning_greedysnake.strategy.checkpoints import resume_path
 
 
 class GreedySnakeCheckpointIO(TorchCheckpointIO):
@@ -32,6 +33,7 @@ class GreedySnakeCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Callable | None = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
+        path = resume_path(path)  # a directory whose first save was killed: refused naming the fixes
         if is_checkpoint_dir(path):
             return plain_checkpoint(path)
         if Path(path).is_dir():

@@ -14,14 +14,18 @@ Threads: the training thread (Lightning's checkpoint hooks).
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_greedysnake.checkpoint import is_checkpoint_dir
+from lightning_greedysnake.checkpoint import CheckpointError, CheckpointReader, is_checkpoint_dir
+from lightning_greedysnake.checkpoint.directory import CURRENT, is_incomplete_checkpoint_dir
 from lightning_greedysnake.checkpoint.plain import plain_checkpoint
 from lightning_greedysnake.checkpoint.streamed import (
     STREAMED_STATE,
@@ -31,8 +35,10 @@ from lightning_greedysnake.checkpoint.streamed import (
     load_optimizer_into,
     load_streamed,
     save_streamed,
+    shapes_check,
 )
 from lightning_greedysnake.distributed import ShardedStateView, join_save
+from lightning_greedysnake.strategy.lightning_api import last_checkpoint_candidates, redirect_checkpoint_load
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 
@@ -62,11 +68,24 @@ class CheckpointSeam:
 
     def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
                    lightning: Callable[[Mapping[str, Any], bool], None]) -> None:
+        def shapes(state: Mapping[str, Any]) -> dict[str, Any]:
+            return {n: v.shape for n, v in state.items() if isinstance(v, Tensor)}
+
+        shapes_check(_source(module), shapes(module.state_dict()), shapes(checkpoint["state_dict"]))
         lightning(checkpoint, strict)
 
     def load_optimizer(self, optimizer: Any, checkpoint: Mapping[str, Any],
                        lightning: Callable[[Mapping[str, Any]], None]) -> None:
         lightning(checkpoint)
+
+
+def _source(module: Any) -> Any:
+    """The checkpoint a load into ``module`` reads, as messages name it (Lightning's ``trainer.ckpt_path``)."""
+    try:
+        path = module.trainer.ckpt_path
+    except RuntimeError:  # not attached to a Trainer
+        path = None
+    return path if path is not None else "state_dict"
 
 
 def remove(filepath: Any, lightning: Callable[[Any], None]) -> None:
@@ -75,6 +94,90 @@ def remove(filepath: Any, lightning: Callable[[Any], None]) -> None:
         shutil.rmtree(filepath)
     else:
         lightning(filepath)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _trainer_of(module: Any) -> Any:
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:  # not attached to a Trainer (a direct strategy.load_checkpoint call)
+        return None
+
+
+def _resolved_from_last(path: Path, trainer: Any) -> bool:
+    """``path`` is one of the checkpoints ``ckpt_path="last"`` chooses from; an explicitly named path among
+    them counts as the same."""
+    if trainer is None:
+        return False
+    return any(_same(candidate, path) for candidate in last_checkpoint_candidates(trainer))
+
+
+def newest_complete(directory: Path, exclude: Path, suffix: str = ".ckpt") -> Path | None:
+    """The newest complete checkpoint in ``directory`` named ``*suffix`` other than ``exclude``: a greedysnake
+    checkpoint directory whose ``CURRENT`` names a payload with every file there at its size (its time:
+    ``CURRENT``'s), or a checkpoint file (its time); None where there is none."""
+    found: list[tuple[float, str, Path]] = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return None
+    for entry in entries:
+        if entry.name.startswith(".") or entry.suffix != suffix or _same(entry, exclude):
+            continue
+        try:
+            if entry.is_dir() and (entry / CURRENT).is_file():
+                found.append(((entry / CURRENT).stat().st_mtime, entry.name, entry))
+            elif entry.is_file():
+                found.append((entry.stat().st_mtime, entry.name, entry))
+        except OSError:
+            continue
+    for _, _, entry in sorted(found, reverse=True):
+        if entry.is_file():
+            return entry
+        try:
+            CheckpointReader(entry)  # the manifest, and every file there at its size
+        except (OSError, CheckpointError):
+            continue
+        return entry
+    return None
+
+
+def resume_path(path: Any, module: Any = None) -> Any:
+    """The checkpoint to load for ``ckpt_path`` (resolved by Lightning): ``path`` itself, unless it is a
+    greedysnake checkpoint directory whose first save never finished (a payload and no ``CURRENT``: the
+    process was killed while saving it; :func:`~lightning_greedysnake.checkpoint.directory.
+    is_incomplete_checkpoint_dir`). Then, where it is what ``ckpt_path="last"`` resolves to, the newest
+    complete checkpoint beside it, said in a warning naming both; with none complete, or where ``path`` was
+    named some other way, a :class:`CheckpointError` naming the path and the fixes. ``module``: the
+    LightningModule, to find its Trainer's checkpoint callbacks (None: ``path`` was named explicitly)."""
+    if path is None or "://" in str(path) or not is_incomplete_checkpoint_dir(path):
+        return path
+    p = Path(path)
+    trainer = _trainer_of(module)
+    suffix = next((cb.FILE_EXTENSION for cb in getattr(trainer, "checkpoint_callbacks", [])
+                   if isinstance(cb, ModelCheckpoint)), ModelCheckpoint.FILE_EXTENSION)
+    fallback = newest_complete(p.parent, p, suffix)
+    unfinished = (f"a checkpoint whose first save never finished: it has a payload and no {CURRENT} file (the "
+                  "process was killed while saving it, or a save is writing it now)")
+    if _resolved_from_last(p, trainer):
+        if fallback is not None:
+            rank_zero_warn(
+                f"ckpt_path resolved to {p}, {unfinished}. Resuming from {fallback} instead, the newest complete "
+                f"checkpoint in {p.parent}; the next save there removes the incomplete folder.")
+            redirect_checkpoint_load(trainer, path, str(fallback))  # trainer.ckpt_path names what is loaded
+            return str(fallback)
+        raise CheckpointError(
+            f"ckpt_path=\"last\" resolved to {p}, {unfinished}, and {p.parent} holds no complete checkpoint to "
+            "resume from instead. Fix: start fresh with ckpt_path=None (the next save there removes the incomplete "
+            f"folder), or delete the incomplete folder {p} (then ckpt_path=\"last\" finds nothing and starts fresh).")
+    instead = (f"pass ckpt_path={str(fallback)!r}, the newest complete checkpoint beside it, or ckpt_path=None to "
+               "start fresh" if fallback is not None else
+               f"pass another checkpoint, or ckpt_path=None to start fresh, or delete the incomplete folder {p}")
+    raise CheckpointError(f"ckpt_path={str(p)!r} is {unfinished}. Fix: {instead} (a save into {p.parent} "
+                          "removes the incomplete folder).")
 
 
 LIGHTNING = CheckpointSeam()
@@ -154,7 +257,7 @@ class StreamedCheckpoints(CheckpointSeam):
     def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
                    lightning: Callable[[Mapping[str, Any], bool], None]) -> None:
         self._loads += 1
-        load_model_into(self.manager, module, checkpoint["state_dict"], strict)
+        load_model_into(self.manager, module, checkpoint["state_dict"], strict, source=_source(module))
 
     def load_optimizer(self, optimizer: Any, checkpoint: Mapping[str, Any],
                        lightning: Callable[[Mapping[str, Any]], None]) -> None:

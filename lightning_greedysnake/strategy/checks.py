@@ -3,6 +3,7 @@ optimizers it cannot step unit by unit, and how the Trainer's gradient clipping 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -99,3 +100,16 @@ def check_cpu_precision(plugin: Any, device: torch.device, warn: Warn) -> None:
         message = slow_bf16_warning(cpu_bf16_slowdown())
         if message is not None:
             warn("slow_bf16", message)
+
+
+def check_accumulation(accumulate_grad_batches: Any) -> None:
+    """``Trainer(accumulate_grad_batches=K)`` is the window's micro-batch count: a positive integer. Lightning
+    accepts 0 (and negative numbers) and fails later, mid-run, dividing by it; refused here, before any work."""
+    k = accumulate_grad_batches
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={k!r}): strategy='greedysnake' runs each optimizer step over a "
+            "window of accumulate_grad_batches micro-batches, so it must be a positive integer. Fix: set "
+            "Trainer(accumulate_grad_batches=1) for one optimizer step per batch, or the number of batches "
+            "to accumulate per step (e.g. 8)."
+        )

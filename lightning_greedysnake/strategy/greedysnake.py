@@ -45,6 +45,7 @@ from lightning_greedysnake.distributed import ShardedStateView
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.offload import TensorStore
 from lightning_greedysnake.offload.device import simulate_device_enabled
+from lightning_greedysnake.offload.preflight import new_owner
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.planner import Choice
 from lightning_greedysnake.precision import GreedySnakePrecision
@@ -107,6 +108,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         self._failed = False
         self._unusable: after_fit.UnusableUntilLoaded | None = None
         """After a teardown that could not give the module its state back: its fail-on-use hooks."""
+        self._owner = new_owner()
+        """This strategy's mark in its offload directories' lock records (:attr:`SetupContext.owner`)."""
 
     # -- the precision plugin ----------------------------------------------------------------------
     @property  # type: ignore[override]
@@ -218,6 +221,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         assert module is not None
+        checks.check_accumulation(trainer.accumulate_grad_batches)  # (Lightning lets 0 through)
         if self._unusable is not None:  # this run gives the module its state (from the model or a checkpoint)
             self._unusable.remove()
             self._unusable = None
@@ -227,7 +231,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self.settings, self.root_device, simulate_device_enabled(), self.global_rank, self.local_rank,
             self.world_size, self.num_processes, trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
             fitting, self.precision_plugin, self.broadcast, self.broadcast_parameters, self.data_parallel_hooks,
-            self.gradient_hooks, self._warn_once, rank_zero_info)
+            self.gradient_hooks, self._warn_once, rank_zero_info, owner=self._owner)
         planner = Planner(ctx, module)  # (the device plan and the host budget, before Lightning's setup)
         cut = cut_model(ctx, planner.config, module)
         uses_manager = cut.config.offload.uses_tensor_manager
@@ -452,6 +456,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint_path = checkpoints.resume_path(checkpoint_path, self.lightning_module)  # a killed first save
         return self._checkpoints.load(
             checkpoint_path, lambda: super(GreedySnakeStrategy, self).load_checkpoint(checkpoint_path, weights_only=weights_only))
 

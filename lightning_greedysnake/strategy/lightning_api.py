@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 
 def keep_dataloader_samplers(trainer: Any) -> None:
@@ -35,3 +36,24 @@ def record_module_device(module: torch.nn.Module, device: torch.device) -> None:
     """Set what ``LightningModule.device`` answers (for this module and its Lightning submodules), as
     ``module.to(device)`` would, for a move that leaves some parameters where they are."""
     _update_properties(module, device=device)
+
+
+def last_checkpoint_candidates(trainer: Any) -> set[str]:
+    """The paths ``fit(ckpt_path="last")`` chooses from (the newest of those that exist), as Lightning's
+    ``_CheckpointConnector._parse_ckpt_path`` collects them: every ModelCheckpoint's ``last*.ckpt`` in its
+    directory (its private ``_find_last_checkpoints``) and OnExceptionCheckpoint's file."""
+    candidates = {str(cb.ckpt_path) for cb in trainer.callbacks
+                  if isinstance(cb, OnExceptionCheckpoint) and cb.ckpt_path}
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            candidates |= callback._find_last_checkpoints(trainer)
+    return candidates
+
+
+def redirect_checkpoint_load(trainer: Any, path: Any, instead: Any) -> None:
+    """Where the Trainer is loading ``path``, make it name ``instead`` (what the strategy loads in its place):
+    ``trainer.ckpt_path`` and Lightning's "Restored all states from" line read the connector's private
+    ``_ckpt_path``, set to the resolved path before ``strategy.load_checkpoint`` is called."""
+    connector = trainer._checkpoint_connector
+    if connector._ckpt_path is not None and str(connector._ckpt_path) == str(path):
+        connector._ckpt_path = instead

@@ -180,6 +180,7 @@ def open_tensor_manager(ctx: SetupContext, manager: TieredTensorStore, directory
                                         fixes=disk_fixes(manager, needs))
             ctx.report(directory.text(reports, empty_note))
             manager.open(directory.paths)
+            directory.record(manager.files)  # (greedysnake's mark on its own files, in the lock records)
         else:
             manager.open(None)
         if meta_model is not None:

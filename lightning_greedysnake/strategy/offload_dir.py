@@ -15,16 +15,20 @@ from lightning_greedysnake.offload.preflight import (
     OffloadDirLock,
     PreflightReport,
     clear_leftovers,
+    new_owner,
     preflight,
     refuse_kept_files,
 )
 
 
 class OffloadDirectory:
-    def __init__(self, config: OffloadConfig, setting: str | None = None) -> None:
-        """``setting``: the configured directory (one of ``offload.path``'s); None: the default."""
+    def __init__(self, config: OffloadConfig, setting: str | None = None, owner: str | None = None) -> None:
+        """``setting``: the configured directory (one of ``offload.path``'s); None: the default. ``owner``:
+        the strategy this run belongs to (its lock record's; None: a new one): files kept there
+        (``keep_files``) under the same owner are this run's own, under another's they are refused."""
         self.config = config
         self.setting = setting
+        self.owner = owner if owner is not None else new_owner()
         self.path: Path | None = None
         self._lock: OffloadDirLock | None = None
         self._created: Path | None = None
@@ -70,9 +74,10 @@ class OffloadDirectory:
             path.parent.mkdir(parents=True, exist_ok=True)
         try:
             report = preflight(path, ssd_bytes, fixes=fixes)
-            self._lock = OffloadDirLock(report.offload_dir, keep_files=self.config.keep_files)
-            self._lock.acquire()
-            refuse_kept_files(report.offload_dir, self.setting)  # (with the lock: no live run's files)
+            self._lock = OffloadDirLock(report.offload_dir, keep_files=self.config.keep_files, owner=self.owner)
+            directory, setting, owner = report.offload_dir, self.setting, self.owner
+            # (with the lock: no live run's files; the record found there says whose the files are)
+            self._lock.acquire(lambda previous: refuse_kept_files(directory, setting, previous, owner))
         except BaseException:
             if self._lock is not None:
                 self._lock.release()
@@ -105,6 +110,11 @@ class OffloadDirectory:
                         out += [c for c in candidate.glob("rank_*") if (c / LOCK_NAME).is_file()]
         return out
 
+    def record(self, files: list[Path]) -> None:
+        """Name the run's offload files in this directory (of ``files``) in its lock record."""
+        if self._lock is not None and self.path is not None:
+            self._lock.record([f for f in files if f.parent == self.path])
+
     def cleanup(self, files: list[Path]) -> None:
         """Remove the run's ``files`` (unless ``keep_files``), release the lock, remove the directories
         this run created when they are empty (never what someone else put there). Idempotent."""
@@ -113,7 +123,7 @@ class OffloadDirectory:
             for path in files:
                 path.unlink(missing_ok=True)
         if self._lock is not None:
-            self._lock.release()
+            self._lock.release(files)  # (with keep_files its record stays, naming the files kept)
             self._lock = None
         created, self._created = self._created, None
         if created is not None and not keep:
@@ -129,8 +139,9 @@ class OffloadDirectories:
     """Every offload directory of one process (``offload.path`` may name one per SSD), each prepared,
     locked and cleaned up on its own; a refusal of any leaves none prepared."""
 
-    def __init__(self, config: OffloadConfig) -> None:
-        self.dirs = [OffloadDirectory(config, setting) for setting in (config.paths or [None])]
+    def __init__(self, config: OffloadConfig, owner: str | None = None) -> None:
+        """``owner``: see :class:`OffloadDirectory`."""
+        self.dirs = [OffloadDirectory(config, setting, owner) for setting in (config.paths or [None])]
         self.given = config.paths is not None
         """The user named the directories (``offload.path``): each is prepared (checked, locked) for the run
         whatever the placement puts there, and the report says so where it is nothing. The default one
@@ -169,6 +180,12 @@ class OffloadDirectories:
         what the run keeps there, or ``empty_note`` (why nothing, and how to put state there)."""
         return "\n".join([*(f"greedysnake: {left.text()}" for left in self.leftovers),
                           *(r.text() + ("" if r.breakdown else f"\n  {empty_note}") for r in reports)])
+
+    def record(self, files: list[Path]) -> None:
+        """Name the run's offload ``files`` (opened in the prepared directories) in each one's lock record:
+        greedysnake's mark that they are its own (:class:`~lightning_greedysnake.offload.preflight.LockRecord`)."""
+        for d in self.dirs:
+            d.record(files)
 
     def cleanup(self, files: list[Path]) -> None:
         for d in self.dirs:

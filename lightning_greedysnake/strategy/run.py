@@ -15,7 +15,7 @@ Threads: all of it runs on the training thread, at setup, between windows and at
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from lightning_greedysnake.models import (
 )
 from lightning_greedysnake.offload import InMemoryTensorStore
 from lightning_greedysnake.offload.device import DeviceCopies
+from lightning_greedysnake.offload.preflight import new_owner
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.optim.contract import optimizer_contract
 from lightning_greedysnake.planner.measure import available_cores
@@ -91,6 +92,9 @@ class SetupContext:
     """Warns once per key (rank 0)."""
     report: Callable[[str], None]
     """The planner's reports (rank 0's log)."""
+    owner: str = field(default_factory=new_owner)
+    """The strategy's mark in its offload directories' lock records: files its runs kept there
+    (``offload.keep_files``) are its own to reuse in its next setup (validate after fit on one Trainer)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -220,7 +224,7 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
                      "tensor is on the device, so Lightning steps your optimizer as it is, on whole parameters (no "
                      "per-unit step). Fix: offload a kind (offload.optimizer_states='host', say) to use it, or leave "
                      "optimizer_path='auto'.")
-        directories = OffloadDirectories(cut.config.offload)
+        directories = OffloadDirectories(cut.config.offload, ctx.owner)
         if directories.given:  # (checked and reported all the same, though nothing goes there)
             reports = directories.prepare(ctx.default_root, [{} for _ in directories.dirs], ctx.global_rank,
                                           ctx.local_rank, ctx.is_distributed)
@@ -247,7 +251,7 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
         memory = HostMemory.of(planner.host_budget_bytes, built_bytes, manager, bounded=config.auto)
         if config.auto:  # (a host budget was planned within: say what it covers, and what comes back)
             memory.tell(ctx.report, ctx.warn)
-        directories = OffloadDirectories(config.offload)
+        directories = OffloadDirectories(config.offload, ctx.owner)
         open_tensor_manager(ctx, manager, directories, planned.units, cut.layered if cut.on_meta else None,
                             empty_path_note(ctx.settings, config, planned.placement))
     except BaseException:

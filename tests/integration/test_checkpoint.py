@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import weakref
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_greedysnake import GreedySnakeCheckpointIO, GreedySnakeStrategy
+from lightning_greedysnake import GPT, GPTConfig, GreedySnakeCheckpointIO, GreedySnakeStrategy, OffloadConfig
 from lightning_greedysnake.checkpoint import CheckpointError, CheckpointReader
 from tests.helpers import ResumableLoader, TinyGPTModule, make_trainer, max_abs_diff, mounted, token_loader
 
@@ -108,6 +110,29 @@ def test_a_plain_lightning_checkpoint_resumes_under_greedysnake(tmp_path):
     assert max_abs_diff(reference, got) <= 1e-5
 
 
+RESUME_WIDER = {  # (how the checkpoint is saved, how the wider model resumes)
+    "streamed": (GreedySnakeStrategy, {}),  # a checkpoint directory streamed into the tensor manager
+    "plain_file": (lambda **_: "auto", {}),  # Lightning's own file, into the tensor manager
+    "on_device": (GreedySnakeStrategy, {"offload": OffloadConfig.everywhere("device")}),  # Lightning's load
+}
+
+
+@pytest.mark.parametrize("saved_by, settings", list(RESUME_WIDER.values()), ids=list(RESUME_WIDER))
+def test_resuming_into_a_wider_model_names_the_parameter_its_shapes_the_file_and_the_fix(tmp_path, saved_by, settings):
+    """A deeper model is refused naming what is missing; a wider one ended in "The size of tensor a (32)
+    must match the size of tensor b (16)", naming nothing: now the parameter, its shape in the checkpoint
+    and in the model, the checkpoint and the fix, before anything is loaded."""
+    _fit(saved_by(auto=False, **settings), tmp_path, max_epochs=1)
+    last = tmp_path / "last.ckpt"
+    wider = TinyGPTModule(lr=3e-3)
+    wider.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=32, block_size=8))
+    with pytest.raises(CheckpointError, match=(
+            rf"checkpoint {re.escape(str(last))} does not fit the model: parameter model.wte.weight has shape "
+            r"\[32, 16\] in the checkpoint but \[32, 32\] in the model \(and \d+ more: .*\): it was saved from a "
+            r"model of another size. Fix: build the model with the configuration the checkpoint was saved with")):
+        _fit(GreedySnakeStrategy(auto=False, **settings), tmp_path, ckpt_path=str(last), module=wider, callbacks=[])
+
+
 def test_saving_streams_one_unit_at_a_time(tmp_path):
     """The save never gathers the model: each unit's tensors are gone before the next unit is read."""
     alive: list[list[weakref.ref]] = []
@@ -197,6 +222,22 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, how):
     with pytest.raises(CheckpointError, match=str(target.name)) as info:
         _fit(GreedySnakeStrategy(auto=False), tmp_path / "resume", ckpt_path=str(tmp_path / "last.ckpt"))
     assert "Fix" in str(info.value)
+
+
+def test_a_checkpoint_of_a_newer_format_version_is_refused_naming_the_fix(tmp_path):
+    """A manifest that says version 2, published as a newer greedysnake would publish it (CURRENT carries its
+    checksum, every file intact): refused, naming both versions and the upgrade, not loaded as version 1."""
+    _fit(GreedySnakeStrategy(auto=False), tmp_path, max_epochs=1)
+    last = tmp_path / "last.ckpt"
+    payload = CheckpointReader(last).payload
+    manifest = json.loads((payload / "manifest.json").read_text())
+    manifest["version"] = 2
+    raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    (payload / "manifest.json").write_bytes(raw)
+    (last / "CURRENT").write_text(f"{payload.name}\nmanifest-sha256 {hashlib.sha256(raw).hexdigest()}\n")
+    with pytest.raises(CheckpointError, match=r"manifest\.json has format version 2; this lightning-greedysnake reads "
+                                              r"version 1\. .*newer lightning-greedysnake\. Fix: upgrade"):
+        _fit(GreedySnakeStrategy(auto=False), tmp_path / "resume", ckpt_path=str(last))
 
 
 def test_a_save_onto_a_full_disk_names_the_file_and_the_fix_and_leaves_nothing(tmp_path):

@@ -149,8 +149,23 @@ def test_training_step_calling_the_model_twice():
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self.model(batch[0]).sum() + self.model(batch[0]).sum()
 
-    with pytest.raises(RuntimeError, match="twice"):
+    with pytest.raises(RuntimeError, match=r"training_step called the layered model twice for micro-batch 0: "
+                                           r"strategy='greedysnake'.*Fix: call the layered model once per "
+                                           r"training_step and reuse its output"):
         fit(Twice())
+
+
+@pytest.mark.parametrize("k", [0, -2])
+@pytest.mark.parametrize("run", ["fit", "validate"])
+def test_accumulate_grad_batches_below_one_is_refused_before_any_work(tmp_path, k, run):
+    """Lightning takes Trainer(accumulate_grad_batches=0) and fails mid-run dividing by it (under
+    greedysnake a bare AssertionError in the planner): refused at setup, naming the setting, the value
+    and the fix, before the offload directory is made."""
+    trainer = make_trainer("greedysnake", k, max_epochs=1, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=rf"Trainer\(accumulate_grad_batches={k}\): strategy='greedysnake'.*"
+                                         r"must be a positive integer\. Fix: set Trainer\(accumulate_grad_batches=1\)"):
+        getattr(trainer, run)(TinyGPTModule(), token_loader(4))
+    assert not (tmp_path / "greedysnake_offload").exists()
 
 
 def test_random_inputs_before_the_model_call_are_detected():

@@ -18,6 +18,7 @@ from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload import OffloadDirLock
 from lightning_greedysnake.offload.device import SIMULATE_ENV
+from lightning_greedysnake.offload.preflight import LockRecord
 from lightning_greedysnake.config import REGION_KINDS
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 from tests.helpers import TinyGPTModule, make_trainer, mounted, token_loader
@@ -280,15 +281,72 @@ def test_files_a_run_kept_are_never_overwritten_by_the_next_run(tmp_path):
     offload_dir = tmp_path / "off"
     _fit(GreedySnakeStrategy(auto=False, offload_dir=offload_dir, offload={"keep_files": True}), 2, steps=1)
     kept = {p.name: p.read_bytes() for p in offload_dir.iterdir()}
-    assert {"weights.bin", "optimizer_states.bin"} <= kept.keys() and ".greedysnake.lock" not in kept, kept.keys()
+    assert {"weights.bin", "optimizer_states.bin", ".greedysnake.lock"} <= kept.keys(), kept.keys()
+    record = LockRecord.parse(kept[".greedysnake.lock"])  # greedysnake's mark on the files it kept
+    assert record is not None and record.keep_files and record.files is not None
+    assert set(record.files) == kept.keys() - {".greedysnake.lock"}
     for keep in (False, True):  # (whatever this run would do with its own files at its end)
         with pytest.raises(ValueError, match=(
-                rf"offload_dir='{re.escape(str(offload_dir))}'.*kept there \(offload.keep_files=True\): "
-                r"weights.bin \(.*optimizer_states.bin.*would overwrite them. Fix: give this run another offload "
-                r"directory.*or delete those files")):
+                rf"offload_dir='{re.escape(str(offload_dir))}'.*another greedysnake run \(pid {os.getpid()}\) kept "
+                r"there \(offload.keep_files=True\): weights.bin \(.*optimizer_states.bin.*would overwrite them. Fix: "
+                r"give this run another offload directory.*or delete those files")):
             _fit_never(GreedySnakeStrategy(auto=False, offload_dir=offload_dir, offload={"keep_files": keep}))
-        assert {p.name: p.read_bytes() for p in offload_dir.iterdir()} == kept  # (and no lock left behind)
+        assert {p.name: p.read_bytes() for p in offload_dir.iterdir()} == kept  # (the record as it was, too)
     _fit(GreedySnakeStrategy(auto=False, offload_dir=tmp_path / "other"), 2, steps=1)  # another directory works
+
+
+def test_files_kept_in_the_default_directory_are_never_overwritten_by_the_next_run(tmp_path):
+    """The same protection where the offload directory is the default one, under the Trainer's
+    default_root_dir (Hydra's runs share it when they share an output folder)."""
+    _fit(GreedySnakeStrategy(auto=False, offload={"keep_files": True}), 2, steps=1, default_root_dir=tmp_path)
+    offload_dir = tmp_path / "greedysnake_offload"
+    kept = {p.name: p.read_bytes() for p in offload_dir.iterdir()}
+    assert {"weights.bin", "optimizer_states.bin"} <= kept.keys(), kept.keys()
+    with pytest.raises(ValueError, match=(
+            r"the default offload directory \(under the Trainer's default_root_dir\): "
+            rf"{re.escape(str(offload_dir))} holds offload files that another greedysnake run \(pid \d+\) kept there "
+            r"\(offload.keep_files=True\): weights.bin.*Fix: give this run another offload directory")):
+        make_trainer(GreedySnakeStrategy(auto=False), 2, max_epochs=1, default_root_dir=tmp_path).fit(
+            NeverTrained(), token_loader(4))
+    assert {p.name: p.read_bytes() for p in offload_dir.iterdir()} == kept
+
+
+def test_keep_files_then_validate_on_the_same_trainer_uses_its_own_files(tmp_path):
+    """fit with keep_files=True, then validate (twice) on the same Trainer: one run, whose kept files
+    are its own (it used to be refused as files "another greedysnake run kept"). The validation loss is
+    the trained module's, and the files stay kept, named in the record, for another Trainer to be
+    refused."""
+    offload_dir = tmp_path / "off"
+    trainer, module = _fit(GreedySnakeStrategy(auto=False, offload_dir=offload_dir, offload={"keep_files": True}), 2,
+                           steps=2)
+    kept = sorted(p.name for p in offload_dir.iterdir())
+    assert {"weights.bin", "optimizer_states.bin"} <= set(kept), kept
+    val = trainer.validate(module, token_loader(2), verbose=False)[0]["val_loss"]
+    # again: what the first validate did not open (the optimizer state) is still this Trainer's own
+    assert trainer.validate(module, token_loader(2), verbose=False)[0]["val_loss"] == val
+    reference = make_trainer("auto", 2, max_epochs=1).validate(module, token_loader(2), verbose=False)[0]["val_loss"]
+    assert abs(val - reference) <= 1e-5, (val, reference)
+    assert sorted(p.name for p in offload_dir.iterdir()) == kept
+    record = LockRecord.parse((offload_dir / ".greedysnake.lock").read_bytes())
+    assert record is not None and record.keep_files and set(record.files or ()) == set(kept) - {".greedysnake.lock"}
+    with pytest.raises(ValueError, match=r"another greedysnake run \(pid \d+\) kept there"):
+        _fit_never(GreedySnakeStrategy(auto=False, offload_dir=offload_dir, offload={"keep_files": True}))
+
+
+def test_a_users_own_file_named_like_an_offload_file_is_not_called_kept_files(tmp_path):
+    """A user's weights.bin in the offload directory was called files "another greedysnake run kept":
+    greedysnake knows its own files by its lock record, never by name alone. The run is refused (it would
+    overwrite the file and delete it at its end), saying what the file is, before any work; the file stays."""
+    offload_dir = tmp_path / "off"
+    offload_dir.mkdir()
+    (offload_dir / "weights.bin").write_bytes(b"my own weights")
+    with pytest.raises(ValueError, match=(
+            rf"offload_dir='{re.escape(str(offload_dir))}': .* holds weights.bin \(14 B\), under the names of "
+            r"greedysnake's offload files, but no greedysnake run recorded it as its own.*would overwrite it.*"
+            r"Fix: move those files out of that directory, or give this run another offload directory")) as info:
+        _fit_never(GreedySnakeStrategy(auto=False, offload_dir=offload_dir))
+    assert "kept" not in str(info.value)
+    assert [(p.name, p.read_bytes()) for p in offload_dir.iterdir()] == [("weights.bin", b"my own weights")]
 
 
 UNUSED = {  # settings under which a tiny model puts nothing on SSD, and what the report says for each path
@@ -404,7 +462,8 @@ def _killed_run(directory: Path, pid: int = 999_999_999) -> None:
 def test_leftovers_of_killed_runs_beside_the_offload_directory_are_removed_and_reported(tmp_path, caplog):
     """Under Hydra each run has its own output folder: a killed run's files would stay forever. The next
     run removes (and says so) what runs that no longer exist left under the same parent; a live run's
-    directory and files a run kept on purpose (keep_files: no lock file) stay."""
+    directory, files a run kept on purpose (keep_files: its lock record says so) and files no greedysnake run
+    recorded (no lock file) stay."""
     import logging
 
     root = tmp_path / "outputs"
@@ -418,6 +477,10 @@ def test_leftovers_of_killed_runs_beside_the_offload_directory_are_removed_and_r
     kept = root / "run-kept" / "greedysnake_offload"
     kept.mkdir(parents=True)
     (kept / "weights.bin").write_bytes(b"\0" * 8192)
+    (kept / ".greedysnake.lock").write_text(LockRecord("999999998", True, "x", ("weights.bin",)).text())
+    unrecorded = root / "run-mine" / "greedysnake_offload"
+    unrecorded.mkdir(parents=True)
+    (unrecorded / "weights.bin").write_bytes(b"\0" * 8192)
     try:
         with caplog.at_level(logging.INFO):
             _fit(GreedySnakeStrategy(auto=False), 2, steps=1, default_root_dir=root / "run-now")
@@ -425,7 +488,7 @@ def test_leftovers_of_killed_runs_beside_the_offload_directory_are_removed_and_r
         held.release()
     assert not (root / "run-killed" / "greedysnake_offload").exists()
     assert not (root / "run-now" / "greedysnake_offload").exists()  # (and this run cleaned up its own)
-    assert (live / "weights.bin").exists() and (kept / "weights.bin").exists()
+    assert (live / "weights.bin").exists() and (kept / "weights.bin").exists() and (unrecorded / "weights.bin").exists()
     log = "\n".join(r.getMessage() for r in caplog.records)
     assert log.count("did not clean up (pid 999999999") == 2, log
 

@@ -4,17 +4,21 @@ or changes one fails here, by name."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.strategy.lightning_api import last_checkpoint_candidates, redirect_checkpoint_load
 from tests.helpers import SequentialModule, make_trainer
 
 
@@ -82,3 +86,24 @@ def test_read_ahead_batches_get_the_datamodules_hook_and_batch_indices_match_lig
     assert [s for _, _, s in module.seen] == expected
     assert all(ours == lightnings for ours, lightnings, _ in module.seen)
     assert [i for i, _, _ in module.seen] == [0, 1, 2, 3]
+
+
+def test_the_last_checkpoint_candidates_and_the_loaded_path_are_lightnings(tmp_path):
+    """What ``last_checkpoint_candidates`` lists is what Lightning's own ``ckpt_path="last"`` chooses from, and
+    the path ``redirect_checkpoint_load`` changes is what ``trainer.ckpt_path`` reads."""
+    for name in ("last.ckpt", "last-v1.ckpt", "epoch=0-step=2.ckpt"):
+        (tmp_path / name).write_bytes(b"")
+    os.utime(tmp_path / "last.ckpt", (1e9, 1e9))  # last-v1.ckpt the newest
+    on_exception = OnExceptionCheckpoint(dirpath=tmp_path / "exception")
+    trainer = Trainer(accelerator="cpu", logger=False, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True),
+                                                                  on_exception])
+    assert last_checkpoint_candidates(trainer) == {str(tmp_path / "last.ckpt"), str(tmp_path / "last-v1.ckpt"),
+                                                   str(on_exception.ckpt_path)}
+    connector = trainer._checkpoint_connector
+    resolved = connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True, model_connected=False)
+    assert resolved == str(tmp_path / "last-v1.ckpt")
+    connector._ckpt_path = resolved  # as resume_start sets it before strategy.load_checkpoint
+    redirect_checkpoint_load(trainer, tmp_path / "other.ckpt", "elsewhere")  # not the path loaded: no change
+    assert trainer.ckpt_path == resolved
+    redirect_checkpoint_load(trainer, resolved, str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert trainer.ckpt_path == str(tmp_path / "epoch=0-step=2.ckpt")

@@ -12,6 +12,7 @@ import pytest
 
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload import OffloadDirLock, preflight
+from lightning_greedysnake.offload.preflight import LockRecord
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectory
 from tests.helpers import mounted
 
@@ -70,18 +71,47 @@ def test_too_little_space_on_a_tiny_filesystem(tmp_path):
             preflight(mount, {"weights": 64 << 20})
 
 
-def test_a_directory_holding_kept_files_is_refused_and_left_as_it_was(tmp_path):
-    """Files a run kept (keep_files=True: no lock file) are refused by the next run's prepare, which
-    takes nothing with it: no lock held, no lock file, the files as they were."""
-    (tmp_path / "weights.bin").write_bytes(b"w" * 8192)
-    directory = OffloadDirectory(OffloadConfig(path=str(tmp_path)), str(tmp_path))
-    with pytest.raises(ValueError, match=r"offload_dir=.*kept there \(offload.keep_files=True\): weights.bin "
-                                         r"\(8.0 KiB\).*Fix: give this run another offload directory"):
+def _kept_by_a_run(directory, owner: str) -> dict[str, bytes]:
+    """What a run with keep_files=True leaves in ``directory``: its offload file and its lock record naming
+    it (written by the real OffloadDirectory); returns the directory's contents."""
+    run = OffloadDirectory(OffloadConfig(path=str(directory), keep_files=True), str(directory), owner=owner)
+    run.prepare(directory.parent, {"weights": 8192})
+    (directory / "weights.bin").write_bytes(b"w" * 8192)
+    run.record([directory / "weights.bin"])
+    run.cleanup([directory / "weights.bin"])
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_files_another_run_kept_are_refused_and_left_as_they_were(tmp_path):
+    """Files a run kept (keep_files=True: its lock record stays, naming them) are refused by another run's
+    prepare, which takes nothing with it: no lock held, the record and the files as they were. The same
+    owner (the same Trainer's next validate or test) finds them its own."""
+    kept = _kept_by_a_run(tmp_path, owner="fit")
+    assert kept.keys() == {"weights.bin", ".greedysnake.lock"}
+    directory = OffloadDirectory(OffloadConfig(path=str(tmp_path)), str(tmp_path), owner="someone else")
+    with pytest.raises(ValueError, match=rf"offload_dir=.*another greedysnake run \(pid {os.getpid()}\) kept there "
+                                         r"\(offload.keep_files=True\): weights.bin \(8.0 KiB\).*Fix: give this run "
+                                         r"another offload directory"):
         directory.prepare(tmp_path.parent, {"weights": 8192})
-    assert [(p.name, p.read_bytes()) for p in tmp_path.iterdir()] == [("weights.bin", b"w" * 8192)]
-    lock = OffloadDirLock(tmp_path)
-    lock.acquire()  # (nobody holds it)
-    lock.release()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == kept
+    same = OffloadDirectory(OffloadConfig(path=str(tmp_path), keep_files=True), str(tmp_path), owner="fit")
+    same.prepare(tmp_path.parent, {"weights": 8192})  # its own files (and nobody holds the lock)
+    same.cleanup([])
+    assert LockRecord.parse((tmp_path / ".greedysnake.lock").read_bytes()).files == ("weights.bin",)  # still named
+
+
+def test_a_users_file_named_like_an_offload_file_is_not_called_kept(tmp_path):
+    """A file of the user's that happens to bear an offload file's name, with no greedysnake record of it,
+    is refused as what it is (this run would overwrite and then delete it), never as files a greedysnake
+    run kept; the directory is left as it was (no lock file)."""
+    (tmp_path / "weights.bin").write_bytes(b"mine" * 2048)
+    directory = OffloadDirectory(OffloadConfig(path=str(tmp_path)), str(tmp_path))
+    with pytest.raises(ValueError, match=r"offload_dir=.* holds weights.bin \(8.0 KiB\), under the names of "
+                                         r"greedysnake's offload files, but no greedysnake run recorded it as its "
+                                         r"own.*overwrite it.*Fix: move those files out of that directory") as info:
+        directory.prepare(tmp_path.parent, {"weights": 8192})
+    assert "kept" not in str(info.value)
+    assert [(p.name, p.read_bytes()) for p in tmp_path.iterdir()] == [("weights.bin", b"mine" * 2048)]
 
 
 def test_lock_refuses_a_second_run_and_is_released(tmp_path):
