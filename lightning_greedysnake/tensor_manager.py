@@ -462,8 +462,8 @@ class TieredTensorStore:
     def prefetch(self, unit: int) -> None:
         self.weights.prefetch(unit)
 
-    def prefetch_step(self, unit: int, last: bool = True) -> None:
-        self.stepper.read_ahead(unit, lambda: self._unit_need_bytes(unit), last)
+    def prefetch_step(self, unit: int, last: bool = True) -> bool:
+        return self.stepper.read_ahead(unit, lambda: self._unit_need_bytes(unit), last)
 
     def _unit_need_bytes(self, unit: int) -> int:
         """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither

@@ -72,11 +72,10 @@ class _Window:
     def next_op(self) -> Op | None:
         return self.plan.ops[self.cursor] if self.cursor < len(self.plan.ops) else None
 
-    def next_step(self, cursor: int) -> int | None:
-        """The unit of the first optimizer op after the one at ``cursor`` (the step whose reads may
-        start while the ops before it run), or None."""
-        i = bisect.bisect_right(self._steps, cursor)
-        return self.plan.ops[self._steps[i]].unit if i < len(self._steps) else None
+    def steps_after(self, cursor: int) -> list[int]:
+        """The units of the optimizer ops after the one at ``cursor``, in order (the steps whose reads may
+        start while the ops before them run)."""
+        return [self.plan.ops[i].unit for i in self._steps[bisect.bisect_right(self._steps, cursor):]]
 
     @functools.cached_property
     def _steps(self) -> list[int]:
@@ -528,19 +527,20 @@ class WindowEngine:
         self._hint_next_step()
 
     def _hint_next_step(self) -> None:
-        """Let the store read the next optimizer step's master weights and state while the ops before it
+        """Let the store read the coming optimizer steps' master weights and state while the ops before them
         run: the window's last step (which the next forward waits for) once the cursor is past the step
-        before it; any other once past the forward phase (whose weight prefetches the slack is for), the
-        slack permitting."""
+        before it; the others once past the forward phase (whose weight prefetches the slack is for), in
+        their order, as many as the slack permits: a step whose reads cannot start holds back the hints
+        for the steps after it, so the staging goes to the step the lane runs first."""
         w = self._window
         if w is None:
             return
         if w.last_step is not None and w.cursor > w.last_step[0]:
             self.store.prefetch_step(w.last_step[1])
         elif w.next_op is not None and w.next_op.kind is not OpKind.FORWARD:
-            step = w.next_step(w.cursor - 1)  # (the op at the cursor may be the step itself)
-            if step is not None:
-                self.store.prefetch_step(step, last=False)
+            for step in w.steps_after(w.cursor - 1):  # (the op at the cursor may be the step itself)
+                if not self.store.prefetch_step(step, last=False):
+                    break
 
     def _next_units_after_cursor(self, u: int) -> list[int]:
         """The next ``offload.prefetch_units`` different units the plan will need, in order (the

@@ -50,9 +50,11 @@ class TensorStore(Protocol):
     def prefetch_activation(self, unit: int, microbatch: int) -> None:
         """A hint: that activation checkpoint will be loaded soon; start reading it if that is cheap."""
 
-    def prefetch_step(self, unit: int, last: bool = True) -> None:
-        """A hint: ``unit``'s optimizer step comes next (``last``: it is the window's last, which the next
-        forward waits for); start reading what it reads if that is cheap."""
+    def prefetch_step(self, unit: int, last: bool = True) -> bool:
+        """A hint: ``unit``'s optimizer step comes (``last``: it is the window's last, which the next forward
+        waits for); start reading what it reads if that is cheap. Returns whether the step's reads are under
+        way (now or before) or it has none to start; False where they could not start now (the budget), so
+        the hints for the steps after it wait their turn."""
 
     def end_window(self, completed: bool = True) -> None:
         """The window is over: forget its activation checkpoints; ``completed=False``: it was abandoned
@@ -105,8 +107,8 @@ class InMemoryTensorStore:
     def prefetch_activation(self, unit: int, microbatch: int) -> None:
         pass
 
-    def prefetch_step(self, unit: int, last: bool = True) -> None:
-        pass
+    def prefetch_step(self, unit: int, last: bool = True) -> bool:
+        return False  # (nothing is read: no later step's hint is worth asking)
 
     @property
     def num_checkpoints(self) -> int:

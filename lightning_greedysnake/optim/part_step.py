@@ -49,19 +49,20 @@ class PartStepper:
         """Per unit, its steps that found their reads done (likewise)."""
 
     # -- read-ahead (training thread) ----------------------------------------------------------------------
-    def read_ahead(self, unit: int, unit_need_bytes: int, last: bool = True) -> None:
+    def read_ahead(self, unit: int, unit_need_bytes: int, last: bool = True) -> bool:
         """Read ``unit``'s master weights and optimizer state for its coming step (the first part's
         range) where they live on SSD and the budget allows, all or nothing: half a read-ahead would
         still leave the step waiting for reads. The window's ``last`` step may also take what the
         minimum reserves but that moment cannot use (:meth:`Budget.read_ahead_fits`); any other only
-        the slack over the minimum, so the steps queued before it always find their staging."""
+        the slack over the minimum, so the steps queued before it always find their staging. Returns
+        whether the reads are under way (or there are none to start); False where the budget refused them."""
         opt = self._unit_optimizers[unit]
         with self._lock:
             if opt is None or unit in self._ahead:
-                return
+                return True
         lo, hi = opt.part_range(0)
         if lo >= hi or opt.parts[0].shadow is None:
-            return
+            return True
         wanted: list[tuple[TensorKind, list[tuple[int, int]]]] = []
         if self._separate_master:
             wanted.append((TensorKind.MASTER_WEIGHTS, self._state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi)))
@@ -70,10 +71,10 @@ class PartStepper:
                            self._state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi)))
         wanted = [(kind, ranges) for kind, ranges in wanted if self._staging.regions.on_ssd(kind, unit)]
         if not wanted:
-            return
+            return True
         total = sum(self._staging.regions.ssd_region_bytes(kind, unit) for kind, _ in wanted)
         if not self._staging.budget.read_ahead_fits(total, unit_need_bytes if last else None):
-            return
+            return False
         staged: dict[TensorKind, StagedBuffer] = {}
         for kind, ranges in wanted:
             held = self._staging.acquire_optional(self._state.region_bytes(kind, unit),
@@ -81,7 +82,7 @@ class PartStepper:
             if held is None:
                 for other in staged.values():
                     other.release()  # back once its read landed
-                return
+                return False
             try:
                 self._staging.read_into(kind, unit, held, ranges, label=kind.value)
             except BaseException:
@@ -92,6 +93,7 @@ class PartStepper:
             staged[kind] = held
         with self._lock:
             self._ahead[unit] = (staged.get(TensorKind.MASTER_WEIGHTS), staged.get(TensorKind.OPTIMIZER_STATES))
+        return True
 
     def has_read_ahead(self, unit: int) -> bool:
         with self._lock:

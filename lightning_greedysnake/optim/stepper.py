@@ -200,14 +200,15 @@ class UnitStepper:
             for g in self.optimizer.param_groups
         ]
 
-    def read_ahead(self, unit: int, unit_need_bytes: Callable[[], int], last: bool = True) -> None:
-        """A hint: ``unit``'s step comes next (``last``: it is the window's last, which the next forward
-        waits for); read what it reads now if the budget allows (:meth:`PartStepper.read_ahead`)."""
+    def read_ahead(self, unit: int, unit_need_bytes: Callable[[], int], last: bool = True) -> bool:
+        """A hint: ``unit``'s step comes (``last``: it is the window's last, which the next forward waits
+        for); read what it reads now if the budget allows (:meth:`PartStepper.read_ahead`). Returns whether
+        its reads are under way or it has none (:meth:`TensorStore.prefetch_step`)."""
         if not 0 <= unit < self.state.num_units or self.clip.defer or not self._gate.is_current(unit):
-            return
+            return False
         if self.unit_optimizers[unit] is None or self.parts.has_read_ahead(unit):
-            return
-        self.parts.read_ahead(unit, unit_need_bytes(), last)
+            return True
+        return self.parts.read_ahead(unit, unit_need_bytes(), last)
 
     def submit_backward_part(self, unit: int, grad: StagedBuffer, weights: StagedBuffer | None,
                              has_grad: list[bool], averaged: bool = False) -> None:

@@ -571,6 +571,41 @@ def test_ssd_checkpoints_are_read_ahead_and_stay_exact():
         assert torch.equal(a, b), n
 
 
+def test_spare_budget_reads_every_coming_step_ahead_in_order():
+    """Issue 54: a step's reads start as far ahead as the staging slack allows, not one step ahead: with room
+    in the budget, when the lane runs the window's first step (the last unit's, after the fused ops) every
+    other unit's master weights and state are already being read, so no job waits on a read the budget could
+    have started. With the budget at its minimum none is (the slack is zero). Both equal Lightning's."""
+    seen: dict[str, list[list[int]]] = {"roomy": [], "tight": []}
+
+    class Probe(L.Callback):
+        def __init__(self, label: str) -> None:
+            self.label = label
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            strategy = trainer.strategy
+            manager = strategy.tensor_manager
+            last = manager.layouts[manager.num_units - 1].params[0].name
+            seen["min"] = [manager.min_budget_bytes]
+
+            def hook(name: str, grad: torch.Tensor) -> None:  # on the lane, as each unit's step runs
+                if name == last:  # the window's first step: which other units' reads are under way
+                    seen[self.label].append([u for u in range(manager.num_units - 1)
+                                             if manager.stepper.parts.has_read_ahead(u)])
+
+            strategy.register_gradient_hook(hook)
+
+    _, roomy = _fit(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": 64 << 20}), 2,
+                    n_layer=4, callbacks=[Probe("roomy")], precision="bf16-mixed")
+    _, tight = _fit(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": seen["min"][0]}), 2,
+                    n_layer=4, callbacks=[Probe("tight")], precision="bf16-mixed")
+    # bf16-mixed: a separate master copy, read ahead from the first step on; units 0..2 before unit 3's step
+    assert seen["roomy"] == [[0, 1, 2]] * 3
+    assert all(len(ahead) < 3 for ahead in seen["tight"])
+    for (n, a), (_, b) in zip(roomy.named_parameters(), tight.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_spare_budget_reads_the_windows_last_step_ahead_and_keeps_its_weights_exactly(precision):
     """The window's last step (unit 0's) is what the next forward waits for. With room in the budget its
