@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                           checkpoint_bytes)  # (the unit size by setup's rule; the rest as the warm-step plan)
     # (where no size fits, plan says why)
     choice = plans[choose_unit_size(plans)] if plans else plan(units, machine, args.k, budget, checkpoint_bytes)
-    print(f"measured: SSD read {read_bps / 1e9:.2f} GB/s, write {write_bps / 1e9:.2f} GB/s; optimizer "
+    print(f"measured: SSD {machine.disk}; optimizer "
           f"{rate / 1e6:.0f} M elements/s; block forward {fwd * 1e3:.1f} ms, recompute+backward {bwd * 1e3:.1f} ms")
     print(choice.table())
     print(

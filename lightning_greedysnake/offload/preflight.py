@@ -44,10 +44,15 @@ class PreflightReport:
     required_bytes: int
     breakdown: dict[str, int] = field(default_factory=dict)
 
-    def text(self) -> str:
+    def text(self, notes: Mapping[str, str] | None = None) -> str:
+        """The directory, what each kind keeps there, and ``notes``: the kinds placed here that keep no
+        bytes, each with why (in the placement table's words)."""
         lines = [f"greedysnake offload_dir={self.offload_dir} (O_DIRECT: {'yes' if self.o_direct else 'no'})"]
         for name, nbytes in self.breakdown.items():
             lines.append(f"  {name:<28} {human_bytes(nbytes):>12}")
+        for name, note in (notes or {}).items():
+            if name not in self.breakdown:
+                lines.append(f"  {name:<28} {note}")
         lines.append(f"  {'total needed':<28} {human_bytes(self.required_bytes):>12}")
         lines.append(f"  {'free':<28} {human_bytes(self.free_bytes):>12}")
         return "\n".join(lines)

@@ -66,9 +66,14 @@ class PlacementPlan:
         """RAM the kinds kept in memory take, plus the reserve."""
         return self.reserved_bytes + sum(k.host_bytes for k in self.kinds.values())
 
-    def table(self) -> str:
+    def table(self, notes: Mapping[str, str] | None = None) -> str:
+        """The plan, a row per kind (``notes``: said instead of a kind's tier where it keeps no bytes there,
+        and why: ``none: under 32-true the weights are the master copy``), then the budget and the traffic."""
         rows = []
         for name, k in self.kinds.items():
+            if notes and name in notes:
+                rows.append((f"{name}{'' if k.planned else ' (yours)'}", notes[name]))
+                continue
             counts = {"device": k.device_units, "host": k.host_units - k.device_units,
                       "ssd": k.num_units - k.host_units}
             whole = [tier for tier, units in counts.items() if units == k.num_units]

@@ -9,6 +9,7 @@ check these formulas against the manager's own byte counters).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lightning_greedysnake.planner.staging import UnitStaging, unit_staging
@@ -75,6 +76,19 @@ class Machine:
     @property
     def inline_rate(self) -> float:
         return self.inline_optimizer_elements_per_s or self.optimizer_elements_per_s
+
+    @property
+    def disk_probed(self) -> bool:
+        """The disk's speeds were measured (a machine with nothing on SSD has infinite ones)."""
+        return math.isfinite(self.read_bytes_per_s) and math.isfinite(self.write_bytes_per_s)
+
+    @property
+    def disk(self) -> str:
+        """The disk's speeds as every report writes them (``read 1.07 GB/s, write 1.72 GB/s``); ``no SSD
+        traffic`` where nothing was measured (never ``inf``)."""
+        if not self.disk_probed:
+            return "no SSD traffic"
+        return f"read {self.read_bytes_per_s / 1e9:.2f} GB/s, write {self.write_bytes_per_s / 1e9:.2f} GB/s"
 
 
 @dataclass(frozen=True)

@@ -93,12 +93,18 @@ def choose_unit_size(plans: Mapping[int, Choice], gain: float | None = None) -> 
 
 
 def table(plans: Mapping[int, Choice], machines: Mapping[int, Machine], ssd_bytes: Mapping[int, int],
-          chosen: int) -> str:
-    """Each candidate's SSD bytes a step, its disks' bandwidth at its request sizes and its predicted step."""
-    rows = [f"{'layers_per_unit':<17}{'SSD GB/step':>12}{'read GB/s':>11}{'write GB/s':>12}{'step (s)':>10}"]
+          chosen: int, probed: str = "") -> str:
+    """Each candidate's SSD bytes a step and its predicted step, under one line with the disk's speeds: the
+    one probe's (``probed``: where it ran), at the chosen size's request sizes, the figures the warm-step
+    plan uses (a candidate's own requests, smaller for smaller units, are in its step)."""
+    machine = machines[chosen]
+    if not machine.disk_probed:
+        rows = ["disk: not probed (no SSD traffic at any candidate: the state is in RAM)"]
+    else:
+        rows = [f"disk{f' ({probed})' if probed else ''}: {machine.disk} at the chosen size's requests (smaller "
+                "requests are slower: each step below counts its own)"]
+    rows.append(f"{'layers_per_unit':<17}{'SSD GB/step':>12}{'step (s)':>10}")
     for lpu in sorted(plans):
-        m = machines[lpu]
-        rows.append(f"{lpu:<17}{ssd_bytes[lpu] / 1e9:>12.3f}{m.read_bytes_per_s / 1e9:>11.2f}"
-                    f"{m.write_bytes_per_s / 1e9:>12.2f}{plans[lpu].step_s:>10.3f}"
+        rows.append(f"{lpu:<17}{ssd_bytes[lpu] / 1e9:>12.3f}{plans[lpu].step_s:>10.3f}"
                     + ("   <- chosen" if lpu == chosen else ""))
     return "\n".join(rows)

@@ -1,5 +1,6 @@
 """What the host budget covers, and what it does not: said in the start-of-run report, with the peak the
-process should expect, and a warning with the fixes where the model itself exceeds the budget; and what
+process should expect (its RSS at setup plus what the tensor manager will hold: its RAM regions, its staging,
+the hand-back at the end), and a warning with the fixes where the model itself exceeds the budget; and what
 comes back at the end of fit (:class:`HandBack`, the one rule :mod:`~lightning_greedysnake.strategy.after_fit`
 follows).
 
@@ -22,12 +23,14 @@ defaults, no budget) everything comes back, as before.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.offload.preflight import human_bytes
+from lightning_greedysnake.strategy.report import TERMS
 
 if TYPE_CHECKING:
     from lightning_greedysnake.tensor_manager import TieredTensorStore
@@ -43,6 +46,21 @@ KEEP = ("save a checkpoint during fit, which streams the state unit by unit from
 
 
 WEIGHT_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS)
+
+
+def process_rss_bytes() -> int:
+    """This process's resident memory now (``/proc/self/statm``; psutil elsewhere; 0 where neither tells)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 - (no psutil, or it cannot tell: the report says the peak without it)
+        return 0
 
 
 @dataclass(frozen=True)
@@ -94,10 +112,18 @@ class HostMemory:
     return_weights: bool
     bounded: bool
     """The hand-back is planned within the budget (``auto=True``); else everything comes back."""
+    pool_bytes: int = 0
+    """The staging budget while training (the pool's, at setup; the warm-step plan may change it, within
+    the host budget)."""
+    process_bytes: int = 0
+    """The process's RSS at setup, before the tensor manager allocates anything: Python, torch, the data,
+    the model as built (0: not known)."""
 
     @classmethod
-    def of(cls, budget_bytes: int, built_bytes: int, manager: TieredTensorStore, *, bounded: bool) -> HostMemory:
-        """From the tensor manager's units and the tiers its regions are placed on (before it opens)."""
+    def of(cls, budget_bytes: int, built_bytes: int, manager: TieredTensorStore, *, bounded: bool,
+           process_bytes: int = 0) -> HostMemory:
+        """From the tensor manager's units, the tiers its regions are placed on and its staging budget
+        (before it opens); ``process_bytes``: the process's RSS now (:func:`process_rss_bytes`)."""
         regions = manager.arena.regions
         slots = len(manager.slots) if manager.optimizer is not None else 0
         units = [UnitBytes(sum(p.numel() * dtype.itemsize for p, dtype in
@@ -106,7 +132,8 @@ class HostMemory:
                            regions.host_unit_bytes(u, (TensorKind.GRADIENTS,)), regions.host_unit_bytes(u, WEIGHT_KINDS),
                            regions.host_unit_bytes(u, (TensorKind.OPTIMIZER_STATES,))) for u in range(manager.num_units)]
         staging = max((regions.staged_unit_bytes(u) for u in range(manager.num_units)), default=0)
-        return cls(budget_bytes, built_bytes, units, staging, manager.config.return_weights, bounded)
+        return cls(budget_bytes, built_bytes, units, staging, manager.config.return_weights, bounded,
+                   manager.pool.budget_bytes, process_bytes)
 
     @property
     def weights_bytes(self) -> int:
@@ -173,15 +200,33 @@ class HostMemory:
         return (self.weights_bytes if back.weights else 0) + (self.state_bytes if back.state else 0)
 
     @property
+    def regions_bytes(self) -> int:
+        """The tensor manager's RAM regions (the kinds placed in host memory, every slot)."""
+        return sum(u.regions for u in self.units)
+
+    @property
+    def held_bytes(self) -> int:
+        """What the tensor manager holds in RAM at most, activation checkpoints aside: its regions and its
+        staging while training; the hand-back at the end, in place of them where it is planned within the
+        budget, on top of them without one (``auto=False``)."""
+        training = self.regions_bytes + self.pool_bytes
+        back = self.hand_back
+        if not back.weights:
+            return training
+        if self.bounded:
+            return max(training, self.hand_back_peak(back.state))
+        return training + self.returned_bytes
+
+    @property
     def peak_bytes(self) -> int:
-        """What the process should expect at most, torch and the data aside: the budget and the model as
-        built (an allocator seldom gives it back to the system); without a budget for the hand-back
-        (``auto=False``) what comes back at the end on top."""
-        return self.budget_bytes + self.built_bytes + (0 if self.bounded else self.returned_bytes)
+        """What the process should expect at most, the activations aside: its RSS at setup (the model as
+        built in it; an allocator seldom gives that back to the system) and what the tensor manager holds
+        (:attr:`held_bytes`). Where the RSS is not known, the model as built stands for it."""
+        return (self.process_bytes or self.built_bytes) + self.held_bytes
 
     def report(self) -> str:
         built = (f"the model as you built it, {human_bytes(self.built_bytes)} of parameters (built on the meta device, "
-                 "trainer.init_module(empty_init=True), it takes none)" if self.built_bytes else
+                 "trainer.init_module(empty_init=True), it would take none)" if self.built_bytes else
                  "the model as built takes none (the meta device)")
         back = self.hand_back
         if not self.return_weights:
@@ -194,9 +239,14 @@ class HostMemory:
                    f"{human_bytes(self.state_bytes)}{within}.")
         else:
             end = f"{back.why[0].upper()}{back.why[1:]}."
+        rss = (f"its RSS at setup ({human_bytes(self.process_bytes)}: Python, torch, the data, the model as built)"
+               if self.process_bytes else f"the model as built ({human_bytes(self.built_bytes)})")
         return (f"greedysnake host memory: the host budget ({human_bytes(self.budget_bytes)}) covers what the tensor "
-                f"manager keeps in RAM (the kinds placed there, staging, activation checkpoints). Not in it: "
-                f"{built}. {end} Expect the process to peak near {human_bytes(self.peak_bytes)}, plus torch and the data.")
+                f"manager keeps in RAM (the kinds placed there, staging, activation checkpoints); this run's "
+                f"placement keeps {human_bytes(self.regions_bytes)} there, and up to {human_bytes(self.pool_bytes)} of "
+                f"staging. Not in it: {built}. {end} Expect the process to peak near {human_bytes(self.peak_bytes)}: "
+                f"{rss} and what greedysnake holds ({human_bytes(self.held_bytes)}), plus the activation checkpoints "
+                f"kept in RAM (said at their first save) and your model's activations {TERMS}.")
 
     def warning(self) -> str | None:
         """The fixes, where the model itself (as built, or, without a budget for the hand-back, as it

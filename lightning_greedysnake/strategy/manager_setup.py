@@ -26,6 +26,7 @@ from lightning_greedysnake.planner.plan import ALPHAS
 from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
+from lightning_greedysnake.strategy.report import kinds_without_bytes
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ def open_tensor_manager(ctx: SetupContext, manager: TieredTensorStore, directory
             needs = [manager.ssd_bytes(d) for d in range(len(directory.dirs))]
             reports = directory.prepare(ctx.default_root, needs, ctx.global_rank, ctx.local_rank, ctx.is_distributed,
                                         fixes=disk_fixes(manager, needs))
-            ctx.report(directory.text(reports, empty_note))
+            ctx.report(directory.text(reports, empty_note, kinds_without_bytes(manager.arena.regions, on_ssd=True)))
             manager.open(directory.paths)
             directory.record(manager.files)  # (greedysnake's mark on its own files, in the lock records)
         else:

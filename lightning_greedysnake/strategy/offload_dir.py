@@ -5,7 +5,7 @@ run kept there), locked for the run, and cleaned up at its end, removing only wh
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lightning_greedysnake.config import OffloadConfig
@@ -175,11 +175,12 @@ class OffloadDirectories:
             )
         return reports
 
-    def text(self, reports: list[PreflightReport], empty_note: str) -> str:
+    def text(self, reports: list[PreflightReport], empty_note: str, notes: Mapping[str, str] | None = None) -> str:
         """The start-of-run report of the prepared directories: the leftovers removed, then per directory
-        what the run keeps there, or ``empty_note`` (why nothing, and how to put state there)."""
+        what the run keeps there, or ``empty_note`` (why nothing, and how to put state there); ``notes``: the
+        kinds placed on SSD that keep no bytes there, and why (:meth:`PreflightReport.text`)."""
         return "\n".join([*(f"greedysnake: {left.text()}" for left in self.leftovers),
-                          *(r.text() + ("" if r.breakdown else f"\n  {empty_note}") for r in reports)])
+                          *(r.text(notes) + ("" if r.breakdown else f"\n  {empty_note}") for r in reports)])
 
     def record(self, files: list[Path]) -> None:
         """Name the run's offload ``files`` (opened in the prepared directories) in each one's lock record:

@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_greedysnake.config import REGION_KINDS, TensorKind, Tier
 from lightning_greedysnake.offload.preflight import human_bytes
+from lightning_greedysnake.strategy.report import MASTER_COPY
 from lightning_greedysnake.telemetry import StepTelemetry
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def fit_summary(manager: TieredTensorStore, steps: int, world_size: int = 1) -> 
             if placed is not None and placed != tier:
                 where = f"{where} ({placed})"
             elif placed is None and kind == TensorKind.MASTER_WEIGHTS.value:
-                where = f"{where} (the weights' region: under 32-true the weights are the master copy)"
+                where = f"{where} (the weights' region: {MASTER_COPY})"
             lines.append(f"  {kind:<17} {human_bytes(c.bytes_read)} read, {human_bytes(c.bytes_written)} written, "
                          f"{where}")
             if tier == Tier.SSD.value:

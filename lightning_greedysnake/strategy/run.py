@@ -45,7 +45,7 @@ from lightning_greedysnake.rng import TrainingRng
 from lightning_greedysnake.step_modes import step_mode
 from lightning_greedysnake.strategy import checks
 from lightning_greedysnake.strategy.checkpoints import LIGHTNING, CheckpointSeam, StreamedCheckpoints
-from lightning_greedysnake.strategy.host_memory import HandBack, HostMemory
+from lightning_greedysnake.strategy.host_memory import HandBack, HostMemory, process_rss_bytes
 from lightning_greedysnake.strategy.inputs import WindowInputs
 from lightning_greedysnake.strategy.manager_setup import (
     check_device,
@@ -57,6 +57,7 @@ from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.strategy.planning import Planner
 from lightning_greedysnake.strategy.planning.placement import PlacementPlan, empty_path_note
+from lightning_greedysnake.strategy.report import kinds_without_bytes
 from lightning_greedysnake.telemetry import StepRecorder
 from lightning_greedysnake.tensor_manager import DataParallelHooks, TieredTensorStore
 
@@ -248,7 +249,9 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
     built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
     manager = new_tensor_manager(ctx, planned, module, optimizer, contract, clip, shard)
     try:
-        memory = HostMemory.of(planner.host_budget_bytes, built_bytes, manager, bounded=config.auto)
+        planner.report_setup(planned, kinds_without_bytes(manager.arena.regions))
+        memory = HostMemory.of(planner.host_budget_bytes, built_bytes, manager, bounded=config.auto,
+                               process_bytes=process_rss_bytes())  # (before the manager allocates anything)
         if config.auto:  # (a host budget was planned within: say what it covers, and what comes back)
             memory.tell(ctx.report, ctx.warn)
         directories = OffloadDirectories(config.offload, ctx.owner)

@@ -128,6 +128,21 @@ def test_every_environment_switch_is_documented():
     assert not [s for s in switches if s not in page]
 
 
+def test_the_glossary_the_report_names_defines_each_of_its_terms_and_is_on_the_site():
+    """The start-of-run report names :data:`~lightning_greedysnake.strategy.report.GLOSSARY` once per message
+    that uses a term of :data:`~lightning_greedysnake.strategy.report.GLOSSARY_TERMS`: the page exists, has a
+    heading for each term, and is in the site's navigation."""
+    from lightning_greedysnake.strategy.report import GLOSSARY, GLOSSARY_TERMS
+
+    page = ROOT / GLOSSARY
+    assert page.is_file(), f"{GLOSSARY}: the report names it, the repository must have it"
+    headings = [line.lstrip("#").strip().lower() for line in page.read_text().splitlines() if line.startswith("## ")]
+    missing = [term for term in GLOSSARY_TERMS if not any(h == term or h.startswith(f"{term} ") for h in headings)]
+    assert not missing, f"{GLOSSARY} has no heading for {missing} (headings: {headings})"
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python", "#"))["nav"]
+    assert str(page.relative_to(DOCS)) in str(nav), "the glossary is not in mkdocs.yml's nav"
+
+
 # --- the benchmark page --------------------------------------------------------------------------------
 
 def test_every_result_file_is_on_the_benchmark_page_or_archived():

@@ -284,6 +284,26 @@ def test_the_optimizer_rate_is_measured_on_the_users_own_optimizer():
     assert stepped == [0.9] * 3  # its class, its settings: one step to create the state, two timed
 
 
+def test_the_expected_peak_is_the_process_rss_and_what_the_tensor_manager_holds_not_the_host_budget():
+    """The peak the report expects: the process's RSS at setup (the model as built in it) plus what the tensor
+    manager will hold (its RAM regions and its staging while training, or the hand-back at the end, whichever
+    is more; without a budget for the hand-back, what comes back on top), never the whole host budget."""
+    from lightning_greedysnake.strategy.host_memory import HostMemory, UnitBytes
+
+    units = [UnitBytes(weights=100, state=200, gradient_regions=400, weight_regions=600, state_regions=800)] * 2
+    budget, rss = 1 << 30, 10_000
+
+    def memory(pool: int, bounded: bool = True) -> HostMemory:
+        return HostMemory(budget, built_bytes=100, units=units, staging_bytes=300, return_weights=True,
+                          bounded=bounded, pool_bytes=pool, process_bytes=rss)
+
+    assert memory(5000).peak_bytes == rss + 3600 + 5000  # training: the regions and the staging
+    assert memory(0).peak_bytes == rss + memory(0).hand_back_peak(True)  # the hand-back, in their place
+    assert memory(5000, bounded=False).peak_bytes == rss + 3600 + 5000 + 2 * (100 + 200)  # all comes back on top
+    report = memory(5000).report()
+    assert "peak near 18.2 KiB: its RSS at setup (9.8 KiB" in report and "holds (8.4 KiB)" in report, report
+
+
 def test_the_end_of_fit_hand_back_counts_the_staging_of_the_unit_in_flight():
     """``HostMemory.hand_back_peak``: the trained state comes back unit by unit in place of the tensor
     manager's RAM regions, while the unit in flight holds staging (its regions off the host, read back

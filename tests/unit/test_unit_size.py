@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import astuple
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,17 @@ def test_everything_in_ram_keeps_one_layer_per_unit():
     s = at_setup(lambda size: (math.inf, math.inf), on_ssd=frozenset())
     assert all(v == 0 for v in s.ssd_bytes.values())
     assert choose_unit_size(s.plans) == 1
+    said = table(s.plans, s.machines, s.ssd_bytes, 1)  # (nothing measured: said so, never "inf")
+    assert "not probed" in said and "inf" not in said, said
+
+
+def test_the_table_says_one_disk_speed_the_chosen_sizes():
+    """The disk's speeds once, at the chosen size's requests (the figures the warm-step plan uses), not a
+    speed per candidate: one probe, one pair of figures in the report."""
+    slow = at_setup(disk(latency_s=5e-3))
+    chosen = choose_unit_size(slow.plans)
+    said = table(slow.plans, slow.machines, slow.ssd_bytes, chosen, "/mnt/nvme")
+    assert len(re.findall(r"GB/s\b", said)) == 2 and f"disk (/mnt/nvme): {slow.machines[chosen].disk}" in said, said
 
 
 def test_a_larger_unit_must_win_by_more_than_the_gain():

@@ -35,6 +35,7 @@ from lightning_greedysnake.strategy.planning.placement import (
     placed_config,
 )
 from lightning_greedysnake.strategy.planning.unit_size import candidate_layouts, score_sizes
+from lightning_greedysnake.strategy.report import TERMS
 from lightning_greedysnake.tensor_manager import TieredTensorStore, state_layout
 
 if TYPE_CHECKING:
@@ -50,12 +51,15 @@ call) and would make the plan see compute bind where the disk does. A run of few
 (the settings in effect are kept)."""
 
 
-def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Machine, str]:
-    """The offload disks' O_DIRECT bandwidth (:func:`~lightning_greedysnake.planner.measure.paths_bandwidth`,
-    as setup measures them, here at one request of :func:`probe_bytes`) and the element rate of the user's
-    optimizer at the lane's threads. The probes are small (at most 16 MiB of file and buffer, 1M optimizer
-    elements: 16 MiB) so that they fit the host budget and the disks' free space. Raises ``OSError`` where
-    a disk cannot be measured."""
+def measured_machine(manager: TieredTensorStore, default_root: Path,
+                     disk: DiskProbe | None = None) -> tuple[Machine, str]:
+    """The offload disks' O_DIRECT bandwidth and the element rate of the user's optimizer at the lane's
+    threads, with the words the report says them in. The disk is measured once a run: ``disk``, setup's
+    probe (the unit-size plan's, at this run's request sizes), where it ran; else here
+    (:func:`~lightning_greedysnake.planner.measure.paths_bandwidth`, as setup measures them, at one request
+    of :func:`probe_bytes`). The probes are small (at most 16 MiB of file and buffer, 1M optimizer elements:
+    16 MiB) so that they fit the host budget and the disks' free space. Raises ``OSError`` where a disk
+    cannot be measured."""
     params = sum(lay.trainable_numel for lay in manager.layouts)
     numel = probe_numel(params)
     shape = manager.contract.probe_shape
@@ -66,12 +70,24 @@ def measured_machine(manager: TieredTensorStore, default_root: Path) -> tuple[Ma
     inline = optimizer_rate(numel=numel, optimizer=manager.optimizer, shape=shape) if shared else None
     if not manager.config.uses_ssd:
         return Machine(math.inf, math.inf, rate, inline, shared), "no SSD tier"
+    if disk is not None:
+        machine = Machine(disk.read, disk.write, rate, inline, shared)
+        return machine, f"disk ({disk.where}): {machine.disk}, setup's probe"
     dirs = manager.offload_dirs or [default_root]
     size = min(probe_bytes(d) for d in dirs)
     read, write = paths_bandwidth(dirs, [size], manager.config, min_probe_bytes=size)[size]
-    paths = ", ".join(map(str, dirs))
-    return (Machine(read, write, rate, inline, shared),
-            f"{paths}: read {read / 1e9:.2f} GB/s, write {write / 1e9:.2f} GB/s")
+    machine = Machine(read, write, rate, inline, shared)
+    return machine, f"disk ({', '.join(map(str, dirs))}): {machine.disk}, probed now"
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskProbe:
+    """The run's one measurement of its offload disks (setup's, rank 0's): the bandwidth at the chosen unit
+    size's requests (bytes/s), and where it ran. Every line of the report that says a disk speed says these."""
+
+    read: float
+    write: float
+    where: str
 
 
 def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
@@ -98,6 +114,9 @@ class SetupPlan:
     placement: PlacementPlan | None
     units: list[Unit]
     checkpoints: tuple[int, Callable[[str], None]] | None
+    schedule_note: str | None = None
+    """Why the schedule was planned horizontal (None: not planned), said after the placement table
+    (:meth:`Planner.report_setup`)."""
 
 
 class Planner:
@@ -128,12 +147,18 @@ class Planner:
         and :attr:`unit_seconds` each unit's forward and backward seconds a micro-batch."""
         self.machine: Machine | None = None
         self.unit_seconds: tuple[list[float], list[float]] | None = None
+        self.disk: DiskProbe | None = None
+        """Setup's probe of the offload disks (None: setup measured none), which the warm-step plan uses."""
+        self.warm_step_s: float | None = None
+        """The warm step's wall time (from the end of the step before it to its own end), beside which the
+        warm-step plan prints its prediction."""
 
     # -- at setup -------------------------------------------------------------------------------------
     def plan_setup(self, chain: LayerChain, optimizer: Any, contract: OptimizerContract, dtype: torch.dtype,
                    shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool) -> SetupPlan:
         """``layers_per_unit``, then the placement of the unset kinds for units of that size (every rank
-        applies rank 0's, printed as a table), and the checkpoints' share. ``speculative``: fp16's two slots
+        applies rank 0's; :meth:`report_setup` prints it as a table once the tensor manager is laid out), and
+        the checkpoints' share. ``speculative``: fp16's two slots
         of the kinds a step rewrites; ``contract``: how ``optimizer`` is stepped (its state slots, its
         layout's cuts)."""
         ctx, settings, budget = self.ctx, self.ctx.settings, self.host_budget_bytes
@@ -149,31 +174,42 @@ class Planner:
         checkpoints = ((budget // CHECKPOINT_SHARE, ctx.report)
                        if settings.auto and settings.offload.checkpoints is None else None)
         if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
-            return SetupPlan(self.scheduled(settings.resolved()), None, units, checkpoints)
+            config, note = self.scheduled(settings.resolved())
+            return SetupPlan(config, None, units, checkpoints, note)
         state = state_layout(units, {}, optimizer, settings.offload.placed(), dtype, shard, contract)
         lag, placement = place_kinds(settings, state, ctx.accumulate, budget, speculative=speculative,
                                      clip_norm=clip_norm, device=device)
         placement = ctx.broadcast(placement)  # every rank runs rank 0's (the same: the same budget and sizes)
-        ctx.report("greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it):\n"
-                   + placement.table())
-        return SetupPlan(self.scheduled(placed_config(settings, state, lag, placement)), placement, units, checkpoints)
+        config, note = self.scheduled(placed_config(settings, state, lag, placement))
+        return SetupPlan(config, placement, units, checkpoints, note)
 
-    def scheduled(self, config: GreedySnakeConfig) -> GreedySnakeConfig:
-        """``config`` (placed) with the run's schedule: the user's; unset with ``auto=True``, horizontal where
+    def report_setup(self, planned: SetupPlan, notes: dict[str, str]) -> None:
+        """Say the setup plan once the tensor manager is laid out: the placement table (``notes``: the kinds
+        that keep no bytes where placed, and why, in the words of the offload directory's breakdown:
+        :func:`~lightning_greedysnake.strategy.report.kinds_without_bytes`), then the planned schedule."""
+        if planned.placement is not None:
+            self.ctx.report(f"greedysnake placement plan (auto=True; set auto=False or a kind's placement to fix it) "
+                            f"{TERMS}:\n" + planned.placement.table(notes))
+        if planned.schedule_note is not None:
+            self.ctx.report(planned.schedule_note)
+
+    def scheduled(self, config: GreedySnakeConfig) -> tuple[GreedySnakeConfig, str | None]:
+        """``config`` (placed) with the run's schedule, and why where it was planned horizontal (said by
+        :meth:`report_setup`): the user's; unset with ``auto=True``, horizontal where
         the model computes on the host (no device tier) and every kind is wholly in host memory (nothing moves
         per micro-batch for the vertical order to save, and it would hold K micro-batches' activations where
         the horizontal order holds one's, as Lightning does), else the fixed default (vertical). A device run
         keeps the vertical order: its host-resident kinds cross the bus per use."""
         settings = self.ctx.settings
         if settings.schedule is not None or not settings.auto or self.ctx.device_tier:
-            return config
+            return config, None
         in_ram = all(in_host_memory(config.offload.tier(kind)) for kind in REGION_KINDS)
         if not in_ram:
-            return config
-        self.ctx.report("greedysnake schedule: horizontal (auto=True: every kind is in host memory, so nothing moves "
-                        "per micro-batch and one micro-batch's activations are held at a time, as in Lightning; "
-                        "set schedule=vertical to fix it)")
-        return dataclasses.replace(config, schedule=ScheduleKind.HORIZONTAL)
+            return config, None
+        return (dataclasses.replace(config, schedule=ScheduleKind.HORIZONTAL),
+                "greedysnake schedule: horizontal (auto=True: every kind is in host memory, so nothing moves per "
+                "micro-batch and one micro-batch's activations are held at a time, as in Lightning; set "
+                "schedule=vertical to fix it)")
 
     def unit_size(self, chain: LayerChain, optimizer: Any, contract: OptimizerContract, dtype: torch.dtype,
                   shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool, device: DeviceSide) -> int:
@@ -186,6 +222,7 @@ class Planner:
         if len(chain.blocks) < CANDIDATES[1]:  # (one candidate: nothing to measure)
             return 1
         result: int | str = 1
+        disk: DiskProbe | None = None
         if ctx.is_global_zero:
             try:
                 scores = score_sizes(settings, candidate_layouts(settings, chain, optimizer, contract, dtype, shard),
@@ -194,16 +231,20 @@ class Planner:
                                      optimizer_threads=ctx.optimizer_threads, shape=contract.probe_shape)
                 if scores.plans:
                     result = choose_unit_size(scores.plans)
+                    chosen = scores.machines[result]
+                    if chosen.disk_probed:  # (the run's one disk measurement: the warm-step plan's too)
+                        disk = DiskProbe(chosen.read_bytes_per_s, chosen.write_bytes_per_s, scores.probed)
                     ctx.report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up "
-                               "to rounding, not bit for bit, and this choice rests on a measurement): the disks "
-                               "measured at each candidate's request sizes, its placement within the host budget, "
-                               "its step predicted by the roofline without compute (setup sees no batch)\n"
-                               + table(scores.plans, scores.machines, scores.ssd_bytes, result))
+                               "to rounding, not bit for bit, and this choice rests on a measurement): each "
+                               "candidate placed within the host budget, its step predicted by the roofline from "
+                               "the disk's speed at its request sizes, without compute (setup sees no batch) "
+                               f"{TERMS}\n" + table(scores.plans, scores.machines, scores.ssd_bytes, result,
+                                                     scores.probed))
             except OSError as e:
                 result = f"layers_per_unit=1: the offload disk could not be measured ({e})"
             except ValueError as e:  # a setting refused: setup refuses it next, on every rank (none waits here)
                 result = f"layers_per_unit=1 ({e})"
-        result = ctx.broadcast(result)
+        result, self.disk = ctx.broadcast((result, disk))
         if isinstance(result, str):
             ctx.report(f"greedysnake: {result}")
             return 1
@@ -218,6 +259,7 @@ class Planner:
         if self.steps < PLAN_STEP:
             self.since = time.perf_counter()
             return False
+        self.warm_step_s = time.perf_counter() - self.since
         return True
 
     def plan_warm_step(self, manager: TieredTensorStore, activation_bytes: dict[int, int],
@@ -227,10 +269,11 @@ class Planner:
         the engine's)."""
         ctx, k = self.ctx, self.ctx.accumulate
         self.pending = False
+        warm = config  # (the settings the warm step ran with)
         manager.drain()
         unset = ctx.settings.unset()
         try:
-            machine, disks = measured_machine(manager, ctx.default_root)
+            machine, disks = measured_machine(manager, ctx.default_root, self.disk)
         except OSError as e:  # (a full disk, say: every rank still takes rank 0's word below)
             machine, disks = None, f"the offload disk could not be measured: {e}"
         self.machine = machine
@@ -270,8 +313,9 @@ class Planner:
         inline = (f", {machine.inline_rate / 1e6:.0f} M on the training thread"
                   if machine.inline_optimizer_elements_per_s else "")
         ctx.report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
-                   f"elements/s on the lane{inline}; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}):\n{choice.table()}\n"
-                   f"{'binding resource':<22}{bound:>20}")
+                   f"elements/s on the lane{inline}; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}) "
+                   f"{TERMS}:\n{choice.table()}\n{'binding resource':<22}{bound:>20}"
+                   + self.measured_step(costs, machine, budget, manager.checkpoint_bytes, warm, options, choice))
         larger = self.larger_units(costs, machine, budget, manager.checkpoint_bytes, config.layers_per_unit, options)
         if larger is not None:  # (the files are laid out by the unit size: a run keeps its own)
             (best, current), lpu = larger, larger[0].layers_per_unit
@@ -280,6 +324,28 @@ class Planner:
                        f"nothing; staging {best.buffer_budget_bytes:,} bytes). Set layers_per_unit={lpu} for the "
                        "next run (a run keeps the unit size its files were laid out in).")
         return config
+
+    def measured_step(self, costs: list[UnitCost], machine: Machine, budget: int, checkpoint_bytes: int,
+                      warm: GreedySnakeConfig, options: dict[str, Any], choice: Choice) -> str:
+        """The warm step's measured wall time, for the report beside the plan's predicted step; where the
+        warm step ran with other settings than the plan's, the roofline's prediction for those too (the one
+        to compare it with)."""
+        if self.warm_step_s is None:
+            return ""
+        line = f"\n{'measured step (s)':<22}{self.warm_step_s:>20.3f}"
+        ran = {"alpha": warm.alpha, "lag": warm.lag, "recompute": warm.recompute}
+        if ran == {"alpha": choice.alpha, "lag": choice.lag, "recompute": choice.recompute}:
+            return line + f"\n  (step {PLAN_STEP}, the warm one, wall time; it ran with the settings above)"
+        settings = ", ".join(f"{name} {value}" for name, value in ran.items())
+        try:
+            same = plan(costs, machine, self.ctx.accumulate, budget, checkpoint_bytes,
+                        layers_per_unit=warm.layers_per_unit, **{**options, "alphas": (warm.alpha,),
+                                                                 "lags": (warm.lag,), "recompute": (warm.recompute,)})
+            predicted = f": the roofline predicts {same.step_s:.3f} s for those"
+        except PlanError:
+            predicted = ""
+        return line + (f"\n  (step {PLAN_STEP}, the warm one, wall time; it ran with {settings}{predicted}; the "
+                       "settings above apply from the next step)")
 
     def larger_units(self, costs: list[UnitCost], machine: Machine, budget: int, checkpoint_bytes: int, lpu: int,
                      options: dict[str, Any]) -> tuple[Choice, Choice] | None:

@@ -50,6 +50,8 @@ class UnitSizeScores(NamedTuple):
     plans: dict[int, Choice]
     machines: dict[int, Machine]
     ssd_bytes: dict[int, int]
+    probed: str = ""
+    """Where the disk was probed (the offload paths' filesystems); empty: not probed, nothing moves."""
 
 
 def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any, k: int, budget: int,
@@ -83,7 +85,8 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
     bandwidth = interpolate(paths_bandwidth(dirs, sizes, settings.offload) if moved else {1: (math.inf, math.inf)})
     params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
     rate = optimizer_rate(numel=probe_numel(params), optimizer=optimizer, threads=optimizer_threads, shape=shape)
-    return score_candidates(placed, bandwidth, rate, k)
+    scores = score_candidates(placed, bandwidth, rate, k)
+    return scores._replace(probed=", ".join(map(str, dirs)) if moved else "")
 
 
 def score_candidates(placed: dict[int, tuple[list, Any, int, int, GreedySnakeConfig]], bandwidth: Bandwidth,
