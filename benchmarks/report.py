@@ -260,6 +260,15 @@ SECTIONS: tuple[Section, ...] = (
                                          "contract, the estimate of stepping batches) at 6f69ce3 "
                                          "against 07d2d42 (before it), bf16-mixed, sequence 32, three rounds "
                                          "alternating."),
+         Result("compare_issue54_seq32", "Issue 54, every kind on SSD (`gs_vertical`) against every kind in RAM "
+                                         "(`gs_default`), 7ad16c8 (every coming step's reads started as far "
+                                         "ahead as the staging slack allows) against 1851e7d (one step ahead; "
+                                         "both with the per-step breakdown), bf16-mixed, sequence 32, two rounds "
+                                         "alternating: `vs_limit` is the step over the largest physical term "
+                                         "(`binds`: the same round's `gs_default` step, the I/O counters' bytes "
+                                         "at the probed speeds, every element at the optimizer's kernel rate); "
+                                         "the disk's busy fraction and bandwidth while busy, the queue depth, the "
+                                         "lane's CPU seconds apart from its waits on reads."),
          Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
                                                  "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
                                                  "Muon) against the element-wise path (`gs_vertical`), every kind "
