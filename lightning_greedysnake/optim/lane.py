@@ -12,6 +12,10 @@ Ordering guarantees (the callers rely on them):
   training thread, still in submission order.
 - The first exception in a job stops the lane; it is raised in the training thread at the next
   ``submit``, ``drain`` or ``check``. Jobs queued behind it are dropped.
+- A job submitted with ``ahead`` (a callable that starts the job's reads if the staging allows, and says
+  whether they are under way) has it called on the lane, by the job running before it, once that job's
+  own reads are out (:meth:`start_aheads`): the disk reads the next job while the current one computes.
+  Only the lane calls them, and never for a job that has started.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 Job = Callable[[], None]
+Ahead = Callable[[], bool]
 
 
 class OptimizerLaneError(RuntimeError):
@@ -43,7 +48,7 @@ class StepLane:
         self.threads = threads
         self._on_busy = on_busy
         self._cond = threading.Condition()
-        self._jobs: deque[tuple[Job, bool]] = deque()
+        self._jobs: deque[tuple[Job, bool, Ahead | None]] = deque()
         self._heavy = 0
         self._running = False
         self._error: BaseException | None = None
@@ -68,10 +73,11 @@ class StepLane:
             self._thread.start()
         return True
 
-    def submit(self, job: Job, heavy: bool, hold: bool = False) -> None:
+    def submit(self, job: Job, heavy: bool, hold: bool = False, ahead: Ahead | None = None) -> None:
         """Queue ``job`` (a background lane), or run it now on the calling thread (a synchronous one).
         ``hold``: a synchronous lane keeps it until :meth:`run_held` (see the module's docstring); a
-        background lane runs it as any other."""
+        background lane runs it as any other. ``ahead``: see the module's docstring (a synchronous lane
+        has nothing queued to read ahead for)."""
         if not self._ensure_thread():
             if hold:
                 self._held.append(job)
@@ -89,7 +95,7 @@ class StepLane:
                 self._waiting -= 1
                 self.wait_seconds += time.perf_counter() - t0
                 self._raise_if_failed()
-            self._jobs.append((job, heavy))
+            self._jobs.append((job, heavy, ahead))
             if heavy:
                 self._heavy += 1
             self._cond.notify_all()
@@ -152,6 +158,19 @@ class StepLane:
                 self._waiting -= 1
         self.wait_seconds += time.perf_counter() - t0
 
+    def start_aheads(self) -> None:
+        """Called by a running job once its own reads are under way: start the reads of the jobs queued
+        behind it, in order, as far as each one's ``ahead`` succeeds. A job without one, or whose reads
+        the staging refused, holds back those behind it, so the staging goes to the job that runs first.
+        A no-op off the lane's thread (a synchronous step's)."""
+        if self._thread is None or threading.current_thread() is not self._thread:
+            return
+        with self._cond:
+            aheads = [ahead for _, _, ahead in self._jobs]  # (only this thread pops them)
+        for ahead in aheads:
+            if ahead is None or not ahead():
+                return
+
     def check(self) -> None:
         with self._cond:
             self._raise_if_failed()
@@ -196,7 +215,7 @@ class StepLane:
                     self._cond.wait()
                 if self._stop and not self._jobs:
                     return
-                job, heavy = self._jobs.popleft()
+                job, heavy, _ = self._jobs.popleft()
                 self._running = True
             try:
                 self._run(job)

@@ -3,14 +3,17 @@ weights and optimizer state (or take them from a read-ahead), step them with the
 write them back, and refresh the compute weights.
 
 Threads: :meth:`PartStepper.step_part` runs on whichever thread runs the step (the optimizer lane, or
-the training thread with ``lag=0``). A read-ahead is started by the training thread
-(:meth:`PartStepper.read_ahead`) and taken by the step of that unit, which the training thread submits
-afterwards: the table between them is guarded by ``_lock``, and the lane's queue orders the hand-over.
+the training thread with ``lag=0``). A read-ahead (:meth:`PartStepper.read_ahead`) is taken by the next
+step of that unit and part. A backward part's (part 0) is started by the training thread before it submits
+that step; a deferred part's (part 1) by the lane, for a job queued behind the one it is about to run (the
+only thread that starts them, and the one that runs them: none starts while its part runs). The table
+between them is guarded by ``_lock``, and the lane's queue orders the hand-over.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,19 +41,23 @@ class PartStepper:
         self._slots = slots
         self._compute_dtype = compute_dtype
         self._separate_master = self._state.separate_master
-        self._ahead: dict[int, tuple[StagedBuffer | None, StagedBuffer | None]] = {}
-        """Master weights and optimizer state read ahead for a unit's coming step (its first part):
-        (master, states), each None where not read ahead (guarded by ``_lock``)."""
+        self._ahead: dict[tuple[int, int], tuple[StagedBuffer | None, StagedBuffer | None]] = {}
+        """Master weights and optimizer state read ahead for a unit's coming step, per (unit, part):
+        (master, states), each None where not read ahead (guarded by ``_lock``). A part's byte ranges are
+        its own: part 0's step leaves part 1's as the unit's last step wrote them, so part 1's may be read
+        any time before its own step."""
         self._lock = threading.Lock()
         self.steps_read_ahead = 0
-        """Steps that found their master weights or state read ahead, since construction (written by the
-        stepping thread; read after a drain)."""
+        """Steps (their first part) that found their master weights or state read ahead, since
+        construction (written by the stepping thread; read after a drain)."""
+        self.deferred_parts_read_ahead = 0
+        """Likewise, deferred (alpha) parts."""
         self.read_ahead_by_unit: dict[int, int] = {}
-        """Per unit, its steps that found their reads done (likewise)."""
+        """Per unit, its steps (first parts) that found their reads done (likewise)."""
 
-    # -- read-ahead (training thread) ----------------------------------------------------------------------
-    def read_ahead(self, unit: int, unit_need_bytes: int, last: bool = True) -> bool:
-        """Read ``unit``'s master weights and optimizer state for its coming step (the first part's
+    # -- read-ahead (training thread; the lane for part 1) ----------------------------------------------------------------------
+    def read_ahead(self, unit: int, unit_need_bytes: int, last: bool = True, part: int = 0) -> bool:
+        """Read ``unit``'s master weights and optimizer state for its coming step of ``part`` (that part's
         range) where they live on SSD and the budget allows, all or nothing: half a read-ahead would
         still leave the step waiting for reads. The window's ``last`` step may also take what the
         minimum reserves but that moment cannot use (:meth:`Budget.read_ahead_fits`); any other only
@@ -58,15 +65,17 @@ class PartStepper:
         whether the reads are under way (or there are none to start); False where the budget refused them."""
         opt = self._unit_optimizers[unit]
         with self._lock:
-            if opt is None or unit in self._ahead:
+            if opt is None or (unit, part) in self._ahead:
                 return True
-        lo, hi = opt.part_range(0)
-        if lo >= hi or opt.parts[0].shadow is None:
+        if part >= len(opt.parts):
+            return True
+        lo, hi = opt.part_range(part)
+        if lo >= hi or opt.parts[part].shadow is None:
             return True
         wanted: list[tuple[TensorKind, list[tuple[int, int]]]] = []
         if self._separate_master:
             wanted.append((TensorKind.MASTER_WEIGHTS, self._state.byte_ranges(TensorKind.MASTER_WEIGHTS, unit, lo, hi)))
-        if self._slots and opt.part_initialized(0):
+        if self._slots and opt.part_initialized(part):
             wanted.append((TensorKind.OPTIMIZER_STATES,
                            self._state.byte_ranges(TensorKind.OPTIMIZER_STATES, unit, lo, hi)))
         wanted = [(kind, ranges) for kind, ranges in wanted if self._staging.regions.on_ssd(kind, unit)]
@@ -92,24 +101,28 @@ class PartStepper:
                 raise
             staged[kind] = held
         with self._lock:
-            self._ahead[unit] = (staged.get(TensorKind.MASTER_WEIGHTS), staged.get(TensorKind.OPTIMIZER_STATES))
+            self._ahead[(unit, part)] = (staged.get(TensorKind.MASTER_WEIGHTS),
+                                         staged.get(TensorKind.OPTIMIZER_STATES))
         return True
 
-    def has_read_ahead(self, unit: int) -> bool:
+    def has_read_ahead(self, unit: int, part: int = 0) -> bool:
         with self._lock:
-            return unit in self._ahead
+            return (unit, part) in self._ahead
 
     def drop_read_ahead(self, unit: int) -> None:
-        """Forget ``unit``'s read-ahead (what it read is about to change, or was read for another split)."""
+        """Forget ``unit``'s read-aheads, every part's (what they read is about to change, or was read
+        for another split)."""
         with self._lock:
-            ahead = self._ahead.pop(unit, (None, None))
-        for held in ahead:
-            if held is not None:
-                held.release()
+            keys = [key for key in self._ahead if key[0] == unit]
+            aheads = [self._ahead.pop(key) for key in keys]
+        for ahead in aheads:
+            for held in ahead:
+                if held is not None:
+                    held.release()
 
     def drop_all_read_aheads(self) -> None:
         with self._lock:
-            units = list(self._ahead)
+            units = {unit for unit, _ in self._ahead}
         for unit in units:
             self.drop_read_ahead(unit)
 
@@ -128,9 +141,12 @@ class PartStepper:
 
     # -- stepping (the thread running the step) -------------------------------------------------------------
     def step_part(self, unit: int, part: int, grad: Tensor, weights_held: StagedBuffer | None,
-                  hyper: list[dict[str, Any]], has_grad: list[bool]) -> None:
+                  hyper: list[dict[str, Any]], has_grad: list[bool], reads_out: Callable[[], None] | None = None) -> None:
         """Step part ``part`` of ``unit``. ``grad``: the unit's flat fp32 gradient; ``weights_held``: its
-        compute weights still in memory (the acquired buffer; its owner gives it back), if any."""
+        compute weights still in memory (the acquired buffer; its owner gives it back), if any;
+        ``reads_out``: called once this part's reads are under way and its read-ahead taken over, before
+        it waits for them (the lane starts the reads of the jobs queued behind it:
+        :meth:`~lightning_greedysnake.optim.lane.StepLane.start_aheads`)."""
         opt = self._unit_optimizers[unit]
         assert opt is not None
         lo, hi = opt.part_range(part)
@@ -142,16 +158,15 @@ class PartStepper:
         state = self._state
         lay = state.units[unit]
         w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
-        if part == 0:
-            with self._lock:
-                ahead_master, ahead_states = self._ahead.pop(unit, (None, None))
-        else:
-            ahead_master = ahead_states = None
+        with self._lock:
+            ahead_master, ahead_states = self._ahead.pop((unit, part), (None, None))
         # the handles this part staged or took from the read-ahead: given back on every path
         owned = [held for held in (ahead_master, ahead_states) if held is not None]
         for held in owned:
             held.take_over()
-        if owned:
+        if owned and part:
+            self.deferred_parts_read_ahead += 1
+        elif owned:
             self.steps_read_ahead += 1
             self.read_ahead_by_unit[unit] = self.read_ahead_by_unit.get(unit, 0) + 1
         try:
@@ -185,6 +200,8 @@ class PartStepper:
                         compute_ranges = state.trained_weight_ranges(unit, lo, hi)
                     compute = stage(TensorKind.WEIGHTS, unit, read=not write_only, ranges=w_ranges, wait=False)
                     owned.append(compute)
+            if reads_out is not None:
+                reads_out()
         except BaseException:
             for held in owned:
                 held.release()

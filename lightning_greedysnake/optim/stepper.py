@@ -235,7 +235,7 @@ class UnitStepper:
             try:
                 flat = self._gradient(unit, grad, inv_scale, values, average=not averaged)
                 try:
-                    self.parts.step_part(unit, 0, flat, weights, hyper, has_grad)
+                    self.parts.step_part(unit, 0, flat, weights, hyper, has_grad, reads_out=self.lane.start_aheads)
                 finally:
                     self._staging.budget.count_step_staged(staging)
                 lo, hi = opt.part_range(1)
@@ -292,12 +292,18 @@ class UnitStepper:
                                                ranges=self.state.byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
                     try:
                         flat = held.view(torch.float32, self.state.units[unit].numel)
-                        self.parts.step_part(unit, 1, flat, None, hyper, has_grad)
+                        self.parts.step_part(unit, 1, flat, None, hyper, has_grad, reads_out=self.lane.start_aheads)
                     finally:
                         held.release()
                 self._complete(unit)
 
-            self.lane.submit(forward_part, heavy=False)
+            self.lane.submit(forward_part, heavy=False, ahead=lambda unit=unit: self._read_ahead_deferred(unit))
+
+    def _read_ahead_deferred(self, unit: int) -> bool:
+        """A queued forward part's ``ahead`` (on the lane, from the job before it: see
+        :meth:`StepLane.start_aheads`): its master weights and state, from the slack only. Part 1's ranges
+        are the unit's last step's until this part runs, whatever ran since (part 0 writes its own)."""
+        return not self.clip.defer and self.parts.read_ahead(unit, 0, last=False, part=1)
 
     # -- clipping (deferred mode) -------------------------------------------------------------------------
     def wait_for_clipping(self, unit: int) -> None:

@@ -104,16 +104,11 @@ def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
     return out
 
 
-def staging_bytes(units: list[UnitCost], lag: int, prefetch_units: int = 1) -> int:
-    """The staging budget the tensor manager takes for ``units`` at ``lag`` unless told otherwise: the
-    staging rule's automatic budget (:func:`~lightning_greedysnake.planner.staging.staging_budget`)."""
-    return staging_budget([u.staging() for u in units], lag, prefetch_units).automatic_bytes
-
-
-def second_working_set_bytes(units: list[UnitCost]) -> int:
-    """Staging for a second optimizer step in flight (its reads overlap the previous step's write-back):
-    the largest unit's step (its compute weights on SSD, master weights and state)."""
-    return max(s.weights + s.step for s in (u.staging() for u in units))
+def staging_bytes(units: list[UnitCost], lag: int, prefetch_units: int = 1, double_buffered: bool = False) -> int:
+    """The staging budget for ``units`` at ``lag`` by the staging rule
+    (:func:`~lightning_greedysnake.planner.staging.staging_budget`), with or without a second optimizer
+    working set (``double_buffered``: the tensor manager's automatic budget)."""
+    return staging_budget([u.staging() for u in units], lag, prefetch_units).of(double_buffered)
 
 
 def read_ahead_bytes(units: list[UnitCost]) -> int:
@@ -242,12 +237,11 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
     best: Choice | None = None
     smallest = None
     merged = merge(units, 1)  # (the last unit fused: it recomputes nothing)
-    second_set = second_working_set_bytes(merged)
     for lag in lags:
         for double, ahead in ((False, False), (True, False), (False, True), (True, True)):
             if ahead and lag == 0:
                 continue  # the synchronous step reads in line anyway
-            staging = (staging_bytes(merged, lag, prefetch_units) + (second_set if double else 0)
+            staging = (staging_bytes(merged, lag, prefetch_units, double)
                        + (read_ahead_bytes(merged) if ahead else 0))
             for recomputing, checkpoints in options:
                 if recomputing:

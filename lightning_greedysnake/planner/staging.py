@@ -11,9 +11,15 @@ in place and takes no staging.
   With a background optimizer (``lag`` > 0) the training thread holds one unit's weights and gradient,
   up to ``lag`` queued steps hold theirs, and the running step stages its master and state: ``lag + 1``
   units' weights and gradients plus one step. The largest unit decides.
-- **The automatic budget** adds room to read ``prefetch_units`` units' weights ahead (the largest unit's
+- **One working set** adds room to read ``prefetch_units`` units' weights ahead (the largest unit's
   weights on SSD, each), and :data:`AUTO_BUDGET_EXTRA_BYTES` of slack for activation checkpoints read
-  ahead. Work ahead of need (prefetches, read-aheads) only ever takes the slack above the minimum, so a
+  ahead.
+- **The automatic budget** (what the pool takes unless told otherwise) adds a second optimizer working
+  set (the largest unit's step: its weights and what the step stages): the next step's master weights
+  and state are read while the current one computes and writes back, so the disk does not wait for the
+  optimizer's compute nor the optimizer for the disk (the planner weighs the two: ``double_buffered``
+  in :mod:`~lightning_greedysnake.planner.plan`). Without it a step's reads start only when it starts.
+  Work ahead of need (prefetches, read-aheads) only ever takes the slack above the minimum, so a
   budget of at least the minimum never deadlocks, and the automatic one never refuses a prefetch it
   promised. (The must-run work holds more than the minimum only while a finished step's write-behind
   lands; work ahead of need waits for that rather than be refused: ``PoolBudget.take_optional``.)
@@ -50,8 +56,14 @@ class UnitStaging:
 class StagingBudget:
     minimum_bytes: int
     """What the must-run work holds at once (see the module's docstring)."""
-    automatic_bytes: int
+    single_set_bytes: int
     """The minimum, ``prefetch_units`` weights prefetches and :data:`AUTO_BUDGET_EXTRA_BYTES`."""
+    automatic_bytes: int
+    """``single_set_bytes`` and a second optimizer working set (what the pool takes unless told)."""
+
+    def of(self, double_buffered: bool) -> int:
+        """The budget with (``automatic_bytes``) or without (``single_set_bytes``) the second working set."""
+        return self.automatic_bytes if double_buffered else self.single_set_bytes
 
 
 def staging_budget(units: Iterable[UnitStaging], lag: int, prefetch_units: int) -> StagingBudget:
@@ -63,7 +75,8 @@ def staging_budget(units: Iterable[UnitStaging], lag: int, prefetch_units: int) 
         need = max(need, held + u.step if lag == 0 else (lag + 1) * held + u.step)
     minimum = max(need, SMALLEST_BUDGET_BYTES)
     prefetch = max((u.weights for u in units), default=0) * prefetch_units
-    return StagingBudget(minimum, minimum + prefetch + AUTO_BUDGET_EXTRA_BYTES)
+    single = minimum + prefetch + AUTO_BUDGET_EXTRA_BYTES
+    return StagingBudget(minimum, single, single + max((u.weights + u.step for u in units), default=0))
 
 
 def unit_staging(sizes: dict[str, int], tiers: dict[str, str]) -> UnitStaging:

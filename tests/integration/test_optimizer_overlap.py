@@ -213,11 +213,12 @@ def test_step_telemetry_reaches_the_trainers_loggers(tmp_path):
 
 
 def test_the_automatic_budget_reads_the_last_step_ahead_from_what_the_minimum_reserves():
-    """Unit 0 here is a 12.8M-element embedding: its state (100 MB) is far beyond the automatic budget's
-    slack (one unit's weights and 16 MiB), so the slack cannot pay for its read-ahead. But when unit 0's
-    backward starts, every other step has run (synchronous steps here), and the staging the minimum
-    budget reserves for them is free: the window's last step reads ahead from that, every step after
-    the first (which has no state yet), and the result is exact."""
+    """Unit 0 here is a 12.8M-element embedding: its state (100 MB) is far beyond a budget with one
+    working set's slack (one unit's weights and 16 MiB: 280 MB against a 205 MB minimum; the automatic
+    budget holds a second working set, which would pay for it), so the slack cannot pay for its
+    read-ahead. But when unit 0's backward starts, every other step has run (synchronous steps here),
+    and the staging the minimum budget reserves for them is free: the window's last step reads ahead
+    from that, every step after the first (which has no state yet), and the result is exact."""
     seen = {}
 
     class Count(L.Callback):
@@ -230,7 +231,8 @@ def test_the_automatic_budget_reads_the_last_step_ahead_from_what_the_minimum_re
     ref, _ = _fit(GreedySnakeStrategy(auto=False, offload=ON_DEVICE), False, WideEmbedding, _wide_loader(), k=2, epochs=1)
     L.seed_everything(0, verbose=False)
     module = WideEmbedding()
-    make_trainer(GreedySnakeStrategy(auto=False, alpha=0.0, lag=0), 2, max_epochs=1, callbacks=[Count()]).fit(
+    make_trainer(GreedySnakeStrategy(auto=False, alpha=0.0, lag=0, offload={"buffer_budget_bytes": 280_000_000}), 2,
+                 max_epochs=1, callbacks=[Count()]).fit(
         module, _wide_loader())
     assert seen["state"] > seen["slack"]
     assert seen["ahead"] == seen["steps"] - 1 >= 3
