@@ -20,7 +20,11 @@ every system alike: the first steps are warm-up (DeepSpeed's, and greedysnake's 
 fixed settings until ``auto=True``'s plan after step 2, and the step after the plan may still run slow). Results measured before this rule (commits up to 3749a5f) took the median after the first of 3.
 
 Writes a table, ``benchmarks/results/compare.json`` and a plot of tokens/s against K per system with
-greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench]``).
+greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench]``): of physical terms only,
+max(the same round's ``gs_default`` step: compute with every kind in RAM; the I/O counters' bytes over the
+probed bandwidths, reads and writes added; the parameters over the optimizer's kernel rate), in ``roofline_s``
+(= ``limit_s``), the step's multiple of it (``vs_limit``), its fraction (``fraction_of_roofline``) and the term
+that binds (``binds``), for every row with SSD traffic when ``gs_default`` ran in the same round.
 """
 
 from __future__ import annotations
@@ -77,7 +81,6 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
 
     from lightning_greedysnake import GreedySnakeStrategy
     from lightning_greedysnake.config import TensorKind
-    from lightning_greedysnake.planner import Machine, predict
     from lightning_greedysnake.planner.measure import unit_costs, unit_times
 
     Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq,
@@ -130,12 +133,10 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
                                       for kind, p in trainer.strategy.placement_plan.kinds.items()}
             manager.drain()
             fwd, bwd = unit_times(manager.stats.lanes.spans(self.steady_from, float("inf")), manager.num_units)
-            machine = Machine(args.read_bps, args.write_bps, args.opt_rate)
             costs = unit_costs(manager, fwd, bwd, trainer.strategy.engine.activation_bytes)
             if not trainer.strategy.config.recompute:  # measured without recompute: nothing to take out
                 costs = [dataclasses.replace(c, recompute_s=0.0) for c in costs]
             extra["recompute"] = trainer.strategy.config.recompute
-            extra["roofline_s"] = predict(costs, machine, "vertical", k).step_s
             extra["units"] = [dataclasses.asdict(c) for c in costs]
 
     offload: dict[str, Any] = {"return_weights": False, "buffer_budget_bytes": int(args.budget_gb * 2**30) or None}
@@ -289,16 +290,17 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str | None = None) -> None:
         cpu = same_k.get("gs_cpu")
         if row["system"] in ("gs_auto", "gs_default") and cpu is not None:
             row["time_vs_cpu"] = round(row["step_s"] / cpu["step_s"], 3)
-        if row.get("roofline_s"):
-            row["fraction_of_roofline"] = round(row["roofline_s"] / row["step_s"], 3)
         in_ram = same_k.get("gs_default")
         if row.get("disk_s") and in_ram is not None and row is not in_ram:
-            # the physical limit: max(compute measured with every kind in RAM, the disk at its probed speeds,
-            # the optimizer's kernel rate); the step's multiple of it, and the term that binds
+            # the roofline, of physical terms only: max(compute measured with every kind in RAM (this round's
+            # gs_default step), the disk at its probed speeds (the I/O counters' bytes, reads and writes one
+            # after the other), the optimizer's kernel rate); the step's multiple of it and the term that binds.
+            # (Never from the SSD run's own unit times: those include what the disk and the lane cost it.)
             terms = {"compute": in_ram["step_s"], "disk": row["disk_s"], "optimizer": row.get("optimizer_s", 0.0)}
             binds = max(terms, key=lambda t: terms[t])
-            row["limit_s"] = round(terms[binds], 3)
+            row["limit_s"] = row["roofline_s"] = round(terms[binds], 3)
             row["vs_limit"] = round(row["step_s"] / terms[binds], 3)
+            row["fraction_of_roofline"] = round(terms[binds] / row["step_s"], 3)
             row["binds"] = binds
 
 
