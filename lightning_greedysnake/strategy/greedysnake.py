@@ -55,7 +55,8 @@ from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, read_ahead, tokens_in
 from lightning_greedysnake.strategy.planning import Planner
 from lightning_greedysnake.strategy.planning.placement import PlacementPlan
-from lightning_greedysnake.strategy.run import Run, SetupContext, cut_model, open_run
+from lightning_greedysnake.strategy.run import Run, cut_model, open_run
+from lightning_greedysnake.strategy.setup_context import SetupContext
 from lightning_greedysnake.telemetry import StepTelemetry
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 

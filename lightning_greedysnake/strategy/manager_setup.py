@@ -9,7 +9,6 @@ convention for FSDP and DeepSpeed)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -27,11 +26,8 @@ from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.strategy.report import kinds_without_bytes
+from lightning_greedysnake.strategy.setup_context import SetupContext, SetupPlan
 from lightning_greedysnake.tensor_manager import TieredTensorStore
-
-if TYPE_CHECKING:
-    from lightning_greedysnake.strategy.planning import SetupPlan
-    from lightning_greedysnake.strategy.run import SetupContext
 
 Broadcast = Callable[[list[nn.Parameter]], None]
 """Every rank's copy of these parameters becomes rank 0's (a no-op in one process)."""

@@ -15,12 +15,11 @@ Threads: all of it runs on the training thread, at setup, between windows and at
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.engine import WindowEngine
@@ -34,13 +33,8 @@ from lightning_greedysnake.models import (
     model_name,
 )
 from lightning_greedysnake.offload import InMemoryTensorStore
-from lightning_greedysnake.offload.device import DeviceCopies
-from lightning_greedysnake.offload.preflight import new_owner
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.optim.contract import optimizer_contract
-from lightning_greedysnake.planner.measure import available_cores
-from lightning_greedysnake.planner.threads import optimizer_threads
-from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.rng import TrainingRng
 from lightning_greedysnake.step_modes import step_mode
 from lightning_greedysnake.strategy import checks
@@ -58,65 +52,9 @@ from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.strategy.planning import Planner
 from lightning_greedysnake.strategy.planning.placement import PlacementPlan, empty_path_note
 from lightning_greedysnake.strategy.report import kinds_without_bytes
+from lightning_greedysnake.strategy.setup_context import SetupContext
 from lightning_greedysnake.telemetry import StepRecorder
-from lightning_greedysnake.tensor_manager import DataParallelHooks, TieredTensorStore
-
-
-@dataclass(frozen=True)
-class SetupContext:
-    """What setup needs of the strategy and the Trainer, read once at the start of setup."""
-
-    settings: GreedySnakeConfig
-    """What the user set (``None``: the planner's, with ``auto=True``)."""
-    device: torch.device
-    simulated: bool
-    """The simulated device is on (units placed on ``device`` then live in a device tier on the CPU)."""
-    global_rank: int
-    local_rank: int
-    world_size: int
-    local_processes: int
-    """Processes on this node (they share its host memory budget)."""
-    accumulate: int
-    """``accumulate_grad_batches``: the window's micro-batches, K."""
-    default_root: Path
-    fitting: bool
-    precision: GreedySnakePrecision
-    broadcast: Callable[[Any], Any]
-    """Rank 0's object on every rank (identity in one process)."""
-    broadcast_parameters: Callable[[list[nn.Parameter]], None]
-    """Every rank's copy of these parameters becomes rank 0's (a no-op in one process)."""
-    data_parallel: Callable[[DeviceCopies | None, bool], DataParallelHooks | None]
-    """The ranks' collectives for a new tensor manager (None in one process)."""
-    gradient_observer: Callable[[int, Tensor], None]
-    """The strategy's gradient hooks (see ``GreedySnakeStrategy.register_gradient_hook``)."""
-    warn: Callable[[str, str], None]
-    """Warns once per key (rank 0)."""
-    report: Callable[[str], None]
-    """The planner's reports (rank 0's log)."""
-    owner: str = field(default_factory=new_owner)
-    """The strategy's mark in its offload directories' lock records: files its runs kept there
-    (``offload.keep_files``) are its own to reuse in its next setup (validate after fit on one Trainer)."""
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
-    @property
-    def device_tier(self) -> bool:
-        """Units placed on the device live in device memory (a GPU, or the simulated device)."""
-        return self.device.type == "cuda" or (self.device.type == "cpu" and self.simulated)
-
-    @property
-    def optimizer_threads(self) -> int:
-        """The optimizer lane's intra-op threads: ``offload.optimizer_threads``, else planned from this
-        machine's cores (:func:`~lightning_greedysnake.planner.threads.optimizer_threads`; the simulated
-        device counts as the GPU it stands for)."""
-        return optimizer_threads(available_cores(), device_tier=self.device_tier, local_processes=self.local_processes,
-                                 given=self.settings.offload.optimizer_threads)
+from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 
 @dataclass(frozen=True)

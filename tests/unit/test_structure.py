@@ -26,18 +26,13 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
-    """Modules of this package that ``name`` imports anywhere (functions too), ``TYPE_CHECKING`` blocks
-    aside; ``from pkg import sub`` counts as importing ``pkg.sub`` when that is a module."""
+    """Modules of this package that ``name`` imports anywhere (functions and ``TYPE_CHECKING`` blocks too:
+    a cycle through annotations is still two modules that each need the other to be read);
+    ``from pkg import sub`` counts as importing ``pkg.sub`` when that is a module."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for child in node.body for n in ast.walk(child))
     is_package = path.name == "__init__.py"
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -168,7 +168,7 @@ def warm_step(settings: GreedySnakeConfig, costs: list[UnitCost], machine: Machi
     import torch
 
     from lightning_greedysnake.strategy.planning import Planner
-    from lightning_greedysnake.strategy.run import SetupContext
+    from lightning_greedysnake.strategy.setup_context import SetupContext
 
     def nothing(*args: Any) -> None:
         return None

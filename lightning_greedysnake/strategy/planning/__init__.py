@@ -2,6 +2,6 @@
 (``device``), the host budget and placement (``placement``) and setup's unit-size candidates
 (``unit_size``); the arithmetic is :mod:`lightning_greedysnake.planner`'s."""
 
-from lightning_greedysnake.strategy.planning.planner import Planner, SetupPlan
+from lightning_greedysnake.strategy.planning.planner import Planner
 
-__all__ = ["Planner", "SetupPlan"]
+__all__ = ["Planner"]

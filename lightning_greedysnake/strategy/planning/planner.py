@@ -9,21 +9,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Split, Tier
-from lightning_greedysnake.models import LayerChain, Unit, make_units
+from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
 from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidth, probe_numel, unit_costs, unit_times
-from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.plan import ALPHAS, merge
 from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size, table
 from lightning_greedysnake.schedule import ScheduleKind
@@ -36,10 +34,8 @@ from lightning_greedysnake.strategy.planning.placement import (
 )
 from lightning_greedysnake.strategy.planning.unit_size import candidate_layouts, score_sizes
 from lightning_greedysnake.strategy.report import TERMS
+from lightning_greedysnake.strategy.setup_context import SetupContext, SetupPlan
 from lightning_greedysnake.tensor_manager import TieredTensorStore, state_layout
-
-if TYPE_CHECKING:
-    from lightning_greedysnake.strategy.run import SetupContext
 
 FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_budget_bytes"})
 """What the warm-step plan chooses when the user left it unset."""
@@ -102,21 +98,6 @@ def in_host_memory(placement: Tier | Split) -> bool:
     if isinstance(placement, Split):
         return placement.ssd == 0
     return placement is not Tier.SSD
-
-
-@dataclasses.dataclass(frozen=True)
-class SetupPlan:
-    """What setup planned: the settings in effect, the placement plan (None: nothing planned), the units of
-    the planned size, and the activation checkpoints' tier plan for the tensor manager (their share of the
-    host budget and the report; None: ``offload.checkpoints`` given, or ``auto=False``)."""
-
-    config: GreedySnakeConfig
-    placement: PlacementPlan | None
-    units: list[Unit]
-    checkpoints: tuple[int, Callable[[str], None]] | None
-    schedule_note: str | None = None
-    """Why the schedule was planned horizontal (None: not planned), said after the placement table
-    (:meth:`Planner.report_setup`)."""
 
 
 class Planner:
