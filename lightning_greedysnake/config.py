@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_greedysnake.kinds import REGION_KIND_NAMES
 from lightning_greedysnake.schedule import ScheduleKind
 
 MiB = 1 << 20
@@ -51,7 +52,7 @@ class Split:
         return f"{{{device}host: {self.host:g}, ssd: {self.ssd:g}}}"
 
 
-SPLIT_KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
+SPLIT_KINDS = REGION_KIND_NAMES
 """The kinds that can be split between host and SSD (each unit's region lives on one tier); of them only
 ``weights`` may have a device share (the optimizer's kinds live with the host optimizer)."""
 
@@ -135,9 +136,8 @@ class TensorKind(str, enum.Enum):
     """Each unit's input per micro-batch, kept for the recomputing backward."""
 
 
-REGION_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES, TensorKind.GRADIENTS)
-"""The kinds kept in per-unit regions (each unit's values, in RAM, on SSD or on the device); activation
-checkpoints are per micro-batch instead."""
+REGION_KINDS = tuple(TensorKind(name) for name in REGION_KIND_NAMES)
+"""The kinds kept in per-unit regions (:data:`~lightning_greedysnake.kinds.REGION_KIND_NAMES`)."""
 
 
 FIXED_PLACEMENT = {

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from lightning_greedysnake.kinds import REGION_KIND_NAMES
 from lightning_greedysnake.planner.roofline import ON_SSD, Traffic, UnitCost, traffic
 
-KINDS = ("weights", "master_weights", "optimizer_states", "gradients")
-"""The kinds with a per-unit region, in the order of :data:`~lightning_greedysnake.planner.roofline.ON_SSD`."""
+KINDS = REGION_KIND_NAMES
 
 
 @dataclass(frozen=True)

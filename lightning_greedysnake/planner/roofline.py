@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lightning_greedysnake.kinds import REGION_KIND_NAMES
 from lightning_greedysnake.planner.staging import UnitStaging, unit_staging
 
-ON_SSD = frozenset({"weights", "master_weights", "optimizer_states", "gradients"})
+ON_SSD = frozenset(REGION_KIND_NAMES)
 """Every kind with a per-unit region: ZeRO-Infinity's placement, the default."""
 
 

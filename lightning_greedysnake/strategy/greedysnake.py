@@ -18,7 +18,7 @@ How a window of K micro-batches maps onto Lightning (automatic optimization, acc
 Each concern beside the routing lives in its own module of this package: a run's parts, built at setup
 and closed at teardown (``run``), data-parallel plumbing
 (``data_parallel``), the offload directory (``offload_dir``), window inputs (``inputs``), meta models
-(``materialize``), checks (``checks``), the planner (``planning``), checkpoints (``checkpoints``),
+(``manager_setup``, which also builds the tensor manager), checks (``checks``), the planner (``planning``), checkpoints (``checkpoints``),
 progress (``progress``), and the Lightning internals it needs (``lightning_api``).
 """
 
