@@ -41,14 +41,14 @@ def disk(latency_s: float, bytes_per_s: float = 2e9):
 def at_setup(bandwidth, costs: list[UnitCost] | None = None, rate: float = 1e9, on_ssd: frozenset[str] | None = None,
              sizes=(1, 2, 4, 8), budget: int = 1 << 30):
     """Setup's scores of ``costs`` (per layer; no compute, as setup sees them) merged into each size."""
-    from lightning_greedysnake.strategy.planning.unit_size import score_candidates
+    from lightning_greedysnake.strategy.planning.unit_size import Candidate, score_candidates
 
     placed = {}
     for lpu in sizes:
         units = merge(costs or layers(), lpu)
         if on_ssd is not None:
             units = [dataclasses.replace(u, on_ssd=on_ssd) for u in units]
-        placed[lpu] = (units, traffic(units, "vertical", 4), 2, budget, FIRST_STEPS)
+        placed[lpu] = Candidate(units, traffic(units, "vertical", 4), 2, budget, FIRST_STEPS)
     return score_candidates(placed, bandwidth, rate, 4)
 
 

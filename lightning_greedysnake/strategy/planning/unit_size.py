@@ -5,6 +5,7 @@ candidates' request sizes (at most 64 MiB of scratch file), and the optimizer's 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,7 +16,7 @@ from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, paths_bandwidth, probe_numel, probe_sizes
 from lightning_greedysnake.planner.plan import Choice
-from lightning_greedysnake.planner.roofline import Machine, traffic
+from lightning_greedysnake.planner.roofline import Machine, Traffic, UnitCost, traffic
 from lightning_greedysnake.planner.unit_size import CANDIDATES, Bandwidth, machine_at, plans_by_size, requests
 from lightning_greedysnake.strategy.planning.device import DeviceSide
 from lightning_greedysnake.strategy.planning.placement import place_kinds, placed_config, planned_costs
@@ -44,6 +45,22 @@ def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer:
             for c in sizes}
 
 
+
+@dataclass(frozen=True)
+class Candidate:
+    """One unit size, placed: what :func:`score_candidates` scores."""
+
+    costs: list[UnitCost]
+    """Its units' costs (compute unknown at setup)."""
+    traffic: Traffic
+    """Their SSD bytes a step."""
+    slots: int
+    """The state's slots (requests per region: :func:`requests`)."""
+    room: int
+    """Host bytes left for staging once the placement's RAM regions are counted."""
+    config: GreedySnakeConfig
+    """Its settings (the first steps')."""
+
 class UnitSizeScores(NamedTuple):
     """Each candidate's roofline plan, its machine (the disks at its request sizes) and SSD bytes a step."""
 
@@ -61,7 +78,7 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
     placement or the roofline's plan), measure the disks at their request sizes and the optimizer, and
     score them (:func:`score_candidates`). ``shape``: the optimizer's rate measured on a parameter of
     this shape (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.probe_shape`)."""
-    placed: dict[int, tuple[list, Any, int, int, GreedySnakeConfig]] = {}
+    placed: dict[int, Candidate] = {}
     for lpu, state in layouts.items():
         try:
             if settings.offload.unset() & set(REGION_KINDS):
@@ -75,13 +92,13 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
             continue  # its staging alone exceeds the budget
         costs = planned_costs(state, config.offload, config.alpha or 0.0, device.tier)
         schedule = config.schedule.value
-        placed[lpu] = (costs, traffic(costs, schedule, k, clip_norm=clip_norm and schedule == "vertical"),
-                       state.num_slots, room, config)
+        placed[lpu] = Candidate(costs, traffic(costs, schedule, k, clip_norm=clip_norm and schedule == "vertical"),
+                                state.num_slots, room, config)
     if not placed:
         return UnitSizeScores({}, {}, {})
-    sizes = probe_sizes([request for costs, _, slots, *_ in placed.values() for request in requests(costs, slots)])
+    sizes = probe_sizes([request for c in placed.values() for request in requests(c.costs, c.slots)])
     dirs = [probe_directory(p, default_root) for p in (settings.offload.paths or [None])]
-    moved = any(t.read_bytes + t.write_bytes for _, t, *_ in placed.values())  # (else nothing to measure)
+    moved = any(c.traffic.read_bytes + c.traffic.write_bytes for c in placed.values())  # (else nothing to measure)
     bandwidth = interpolate(paths_bandwidth(dirs, sizes, settings.offload) if moved else {1: (math.inf, math.inf)})
     params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
     rate = optimizer_rate(numel=probe_numel(params), optimizer=optimizer, threads=optimizer_threads, shape=shape)
@@ -89,15 +106,14 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
     return scores._replace(probed=", ".join(map(str, dirs)) if moved else "")
 
 
-def score_candidates(placed: dict[int, tuple[list, Any, int, int, GreedySnakeConfig]], bandwidth: Bandwidth,
-                     rate: float, k: int) -> UnitSizeScores:
+def score_candidates(placed: dict[int, Candidate], bandwidth: Bandwidth, rate: float, k: int) -> UnitSizeScores:
     """Each candidate (``layers_per_unit -> (its units' costs, their traffic, the state's slots, the host
     room for staging, its settings)``) on the disks at its request sizes, by the roofline: setup sees no
     batch (no checkpoints), the first steps' settings."""
-    machines = {lpu: machine_at(costs, t, bandwidth, rate, slots) for lpu, (costs, t, slots, *_) in placed.items()}
+    machines = {lpu: machine_at(c.costs, c.traffic, bandwidth, rate, c.slots) for lpu, c in placed.items()}
     plans: dict[int, Choice] = {}
-    for lpu, (costs, _, _, room, config) in placed.items():
-        plans.update(plans_by_size({lpu: (costs, machines[lpu])}, k, room, 0, alphas=(config.alpha,),
-                                   lags=(config.lag,), recompute=(True,), checkpoint_placements=("host",),
-                                   prefetch_units=config.offload.prefetch_units))
-    return UnitSizeScores(plans, machines, {lpu: t.read_bytes + t.write_bytes for lpu, (_, t, *_) in placed.items()})
+    for lpu, c in placed.items():
+        plans.update(plans_by_size({lpu: (c.costs, machines[lpu])}, k, c.room, 0, alphas=(c.config.alpha,),
+                                   lags=(c.config.lag,), recompute=(True,), checkpoint_placements=("host",),
+                                   prefetch_units=c.config.offload.prefetch_units))
+    return UnitSizeScores(plans, machines, {lpu: c.traffic.read_bytes + c.traffic.write_bytes for lpu, c in placed.items()})
