@@ -198,9 +198,10 @@ class OffloadConfig:
     """Host bytes the tensor manager may hold in staging buffers (weights being used or prefetched, the
     optimizer's working set, checkpoints in flight). ``None``: the least that works for ``lag`` (the
     training thread's unit and ``lag`` queued steps hold weights and gradient, the running step its
-    master and state), plus room to prefetch the next unit's weights, plus 16 MiB, plus a second optimizer
-    working set (the largest unit's step), so that the next step's reads overlap the current one's compute
-    and writes (:mod:`~lightning_greedysnake.planner.staging`). The warm-step plan (``auto``) chooses it."""
+    master and state), plus room to prefetch the next unit's weights, plus 16 MiB; with ``auto=False`` also a
+    second optimizer working set (the largest unit's step), so that the next step's reads overlap the current
+    one's compute and writes (:mod:`~lightning_greedysnake.planner.staging`). With ``auto=True`` the warm-step
+    plan chooses it."""
 
     prefetch_units: int = 1
     """How many units ahead the engine asks for weights while the current unit computes (read from SSD

@@ -128,7 +128,8 @@ class TieredTensorStore:
                  data_parallel: DataParallelHooks | None = None,
                  gradient_observer: Callable[[int, Tensor], None] | None = None, optimizer_threads: int = 1,
                  checkpoint_plan: tuple[int, Callable[[str], None]] | None = None,
-                 deferred_gradients_only: float | None = None, contract: OptimizerContract | None = None) -> None:
+                 deferred_gradients_only: float | None = None, contract: OptimizerContract | None = None,
+                 double_buffered: bool = False) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
 
         ``alpha``: the fraction of each unit's update deferred into the next iteration's forward;
@@ -142,6 +143,8 @@ class TieredTensorStore:
         (:meth:`finish_step`). ``data_parallel``: the ranks' collectives (None: one process).
         ``gradient_observer``: see :class:`~lightning_greedysnake.optim.stepper.UnitStepper`.
         ``optimizer_threads``: the optimizer lane's intra-op threads (planned by the strategy).
+        ``double_buffered``: unless ``config`` gives a staging budget, the staging rule's double-buffered
+        one (:mod:`~lightning_greedysnake.planner.staging`; ``auto=False``'s), not the automatic one.
         ``checkpoint_plan``: the activation checkpoints' tier, planned at their first save (see
         :class:`~lightning_greedysnake.offload.activations.ActivationStore`).
         ``contract``: how the optimizer is stepped (:func:`~lightning_greedysnake.optim.contract.
@@ -186,7 +189,8 @@ class TieredTensorStore:
         lane = StepLane(lag, on_busy=self.stats.record_job, threads=optimizer_threads)
         self.arena = StagingArena(self.state, config, self.stats, lag, slots=2 if self.speculative else 1,
                                   copies=copies, others_active=lane.others_will_release,
-                                  gradients_from=gradients_from(self.state, deferred_gradients_only))
+                                  gradients_from=gradients_from(self.state, deferred_gradients_only),
+                                  double_buffered=double_buffered)
         self.gate = UpdateGate(len(units))
         self.weights = WeightsResidency(self.arena, self.state, self.params, compute_dtype, self.gate,
                                         wait_for=lane.wait_for, copies=copies)

@@ -157,9 +157,10 @@ class PoolBudget:
 
     def __init__(self, state: StateLayout, config: OffloadConfig, lag: int, device_tier: bool,
                  pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None,
-                 others_active: Callable[[], bool] | None = None) -> None:
+                 others_active: Callable[[], bool] | None = None, double_buffered: bool = False) -> None:
         """``device_tier``: units placed on ``device`` keep their regions there (see :func:`placement_of`);
-        ``pinner``, ``others_active``: the pool's (see :class:`BufferPool`)."""
+        ``pinner``, ``others_active``: the pool's (see :class:`BufferPool`); ``double_buffered``: unless
+        ``config`` gives a budget, the staging rule's double-buffered one, not the automatic one."""
         self.state = state
         self.config = config
         self.device_tier = device_tier
@@ -187,7 +188,7 @@ class PoolBudget:
                 "weights, gradient, master weights and optimizer state need at once. Fix: raise it to at "
                 f"least {self._min_bytes}, lower layers_per_unit, or leave it None (automatic)."
             )
-        self.pool = BufferPool(budget if budget is not None else rule.automatic_bytes, pinner=pinner,
+        self.pool = BufferPool(budget if budget is not None else rule.of(double_buffered), pinner=pinner,
                                others_active=others_active)
         """Every staging buffer. Its budget is set by the training thread under ``_lock`` (:meth:`set_budget`,
         :meth:`reserve_checkpoints`), and read under it by every thread that takes work ahead of need."""
@@ -303,17 +304,18 @@ class StagingArena:
 
     def __init__(self, state: StateLayout, config: OffloadConfig, stats: IOStats, lag: int, slots: int = 1,
                  copies: DeviceCopies | None = None, others_active: Callable[[], bool] | None = None,
-                 gradients_from: list[int] | None = None) -> None:
+                 gradients_from: list[int] | None = None, double_buffered: bool = False) -> None:
         """``copies``: the device tier (a GPU, or the simulated device), where units placed on ``device``
         keep their regions (:class:`DeviceRegions`); None: the CPU computes, ``device`` is host RAM.
         ``others_active``: whether another thread (the optimizer lane) holds buffers it will give back
-        (see :class:`BufferPool`); ``gradients_from``: see :class:`RegionMap`."""
+        (see :class:`BufferPool`); ``gradients_from``: see :class:`RegionMap`; ``double_buffered``: see
+        :class:`PoolBudget`."""
         pinner = (copies.pin, copies.unpin) if copies is not None else None
         self.state = state
         self.stats = stats
         self.slots = SlotMap(state.num_units, slots)
         self.regions = RegionMap(state, config, stats, slots, copies, pinner, gradients_from)
-        self.budget = PoolBudget(state, config, lag, copies is not None, pinner, others_active)
+        self.budget = PoolBudget(state, config, lag, copies is not None, pinner, others_active, double_buffered)
 
     def flush(self) -> None:
         """Wait for every transfer in flight on the regions (raises the first I/O error; training thread)."""

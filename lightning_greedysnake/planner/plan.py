@@ -106,8 +106,8 @@ def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
 
 def staging_bytes(units: list[UnitCost], lag: int, prefetch_units: int = 1, double_buffered: bool = False) -> int:
     """The staging budget for ``units`` at ``lag`` by the staging rule
-    (:func:`~lightning_greedysnake.planner.staging.staging_budget`), with or without a second optimizer
-    working set (``double_buffered``: the tensor manager's automatic budget)."""
+    (:func:`~lightning_greedysnake.planner.staging.staging_budget`): the automatic one, or with a second
+    optimizer working set (``double_buffered``)."""
     return staging_budget([u.staging() for u in units], lag, prefetch_units).of(double_buffered)
 
 

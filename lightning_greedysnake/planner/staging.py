@@ -11,14 +11,16 @@ in place and takes no staging.
   With a background optimizer (``lag`` > 0) the training thread holds one unit's weights and gradient,
   up to ``lag`` queued steps hold theirs, and the running step stages its master and state: ``lag + 1``
   units' weights and gradients plus one step. The largest unit decides.
-- **One working set** adds room to read ``prefetch_units`` units' weights ahead (the largest unit's
+- **The automatic budget** adds room to read ``prefetch_units`` units' weights ahead (the largest unit's
   weights on SSD, each), and :data:`AUTO_BUDGET_EXTRA_BYTES` of slack for activation checkpoints read
   ahead.
-- **The automatic budget** (what the pool takes unless told otherwise) adds a second optimizer working
-  set (the largest unit's step: its weights and what the step stages): the next step's master weights
-  and state are read while the current one computes and writes back, so the disk does not wait for the
-  optimizer's compute nor the optimizer for the disk (the planner weighs the two: ``double_buffered``
-  in :mod:`~lightning_greedysnake.planner.plan`). Without it a step's reads start only when it starts.
+- **The double-buffered budget** adds a second optimizer working set (the largest unit's step: its
+  weights and what the step stages): the next step's master weights and state are read while the
+  current one computes and writes back, so the disk does not wait for the optimizer's compute nor the
+  optimizer for the disk. The pool takes it unless told otherwise with ``auto=False`` (the fixed
+  defaults); with ``auto=True`` the first steps take the automatic one and the warm-step plan weighs
+  the two (``double_buffered`` in :mod:`~lightning_greedysnake.planner.plan`). Without it a step's
+  reads start only when it starts.
   Work ahead of need (prefetches, read-aheads) only ever takes the slack above the minimum, so a
   budget of at least the minimum never deadlocks, and the automatic one never refuses a prefetch it
   promised. (The must-run work holds more than the minimum only while a finished step's write-behind
@@ -56,14 +58,14 @@ class UnitStaging:
 class StagingBudget:
     minimum_bytes: int
     """What the must-run work holds at once (see the module's docstring)."""
-    single_set_bytes: int
-    """The minimum, ``prefetch_units`` weights prefetches and :data:`AUTO_BUDGET_EXTRA_BYTES`."""
     automatic_bytes: int
-    """``single_set_bytes`` and a second optimizer working set (what the pool takes unless told)."""
+    """The minimum, ``prefetch_units`` weights prefetches and :data:`AUTO_BUDGET_EXTRA_BYTES`."""
+    double_buffered_bytes: int
+    """``automatic_bytes`` and a second optimizer working set."""
 
     def of(self, double_buffered: bool) -> int:
-        """The budget with (``automatic_bytes``) or without (``single_set_bytes``) the second working set."""
-        return self.automatic_bytes if double_buffered else self.single_set_bytes
+        """The double-buffered budget, or the automatic one."""
+        return self.double_buffered_bytes if double_buffered else self.automatic_bytes
 
 
 def staging_budget(units: Iterable[UnitStaging], lag: int, prefetch_units: int) -> StagingBudget:

@@ -111,7 +111,8 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
             copies=copies, loss_scaler=ctx.precision.loss_scaler,
             data_parallel=ctx.data_parallel(copies, shard is not None), gradient_observer=ctx.gradient_observer,
             optimizer_threads=ctx.optimizer_threads, checkpoint_plan=planned.checkpoints,
-            deferred_gradients_only=deferred_gradients_only(ctx, config, clip), contract=contract)
+            deferred_gradients_only=deferred_gradients_only(ctx, config, clip), contract=contract,
+            double_buffered=not config.auto)  # (auto=True: the warm-step plan chooses the budget)
     except BaseException:
         if copies is not None:
             copies.close()

@@ -113,7 +113,7 @@ def test_the_planners_memory_model_is_the_tensor_managers(placement, tmp_path):
                 manager.open(tmp_path)
                 costs = unit_costs(manager)
                 budget = manager.pool.budget_bytes
-                assert staging_bytes(costs, lag, prefetch_units, double_buffered=True) == budget, (prefetch_units, lag)
+                assert staging_bytes(costs, lag, prefetch_units) == budget, (prefetch_units, lag)
                 assert staging_estimate(manager.state, manager.config, lag) == budget, (prefetch_units, lag)
             finally:
                 manager.close()
