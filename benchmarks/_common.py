@@ -3,6 +3,7 @@ configuration in a fresh process, and the table and machine record every script 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -96,22 +97,74 @@ def child_result(script: str, name: str, args: Any, flags: list[str], extra: lis
                  package_root: str | None = None, timeout_s: float | None = None) -> dict[str, Any]:
     """Run ``script --child name`` in a fresh process with ``args``' ``flags``; return its RESULT line, or,
     where it failed or ran past ``timeout_s``, ``{"error": ..., "log_tail": ...}`` (the end of its output).
-    ``package_root``: import ``lightning_greedysnake`` from that source tree instead (a baseline)."""
-    settle()
+    ``timeout_s`` counts from this call: :func:`settle` first (at most a quarter of it), then the child.
+    The child runs in its own process group; at the timeout, and when this process is interrupted, it is
+    killed with every process under it (:func:`kill_tree`: a compiler it started too). ``package_root``:
+    import ``lightning_greedysnake`` from that source tree instead (a baseline)."""
+    import signal
+    import time
+
+    t0 = time.monotonic()
+    settle(60.0 if timeout_s is None else min(60.0, timeout_s / 4))
     cmd = [sys.executable, script, *child_argv(name, args, flags, extra)]
     env = dict(os.environ)
     if package_root is not None:
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+    left = None if timeout_s is None else max(1.0, timeout_s - (time.monotonic() - t0))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as e:  # (the child is killed)
-        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": out[-3000:]}
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        stdout, stderr = proc.communicate(timeout=left)
+    except BaseException as e:  # (the timeout, or this process interrupted: the child's processes go too)
+        kill_tree(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # (something outside the tree still holds its pipes: no output)
+            proc.wait()
+            stdout, stderr = "", "(its output could not be read after the kill)"
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": (stdout[-1000:] + stderr[-3000:])}
+    line = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not line:
         return {"error": f"exit status {proc.returncode}" + ("" if line else ", no RESULT line"),
-                "log_tail": (proc.stdout[-1000:] + proc.stderr[-3000:])}
+                "log_tail": (stdout[-1000:] + stderr[-3000:])}
     return json.loads(line[0][len("RESULT "):])
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it, found through ``/proc`` before any is killed (ninja puts
+    each compiler it starts in a process group of its own, which a kill of the child's group misses, and
+    which SIGKILL'd ninja cannot stop: orphans that would compile on through the next benchmark)."""
+    import signal
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # (gone meanwhile)
+            continue
+        ppid = int(text[text.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:  # (parents first: none starts another once killed)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (a stage's ``timeout``) raises ``SystemExit`` here instead of ending the process at once, so
+    that :func:`child_result` kills the child and what it started on the way out (a compiler too)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def run_child(script: str, name: str, args: Any, flags: list[str], extra: list[str],

@@ -15,6 +15,9 @@
 #   - libaio (DeepSpeed's async_io links -laio and includes libaio.h; the image has neither): Debian's
 #     libaio1 and libaio-dev, `apt-get download`ed, unpacked there with dpkg -x (never into /).
 # hydra-core is not needed: the GPU run imports neither examples/ nor conf/.
+# Checked end to end here by `bash benchmarks/check_gpu_image.sh --deepspeed`: the folder installed as
+# gpu_deepspeed.py installs it, under Python 3.12 beside torch 2.11 and the image's other packages (einops,
+# which DeepSpeed imports, among them), both ops compiled and ZeRO-Infinity's steps run, on the CPU.
 # Usage: bash benchmarks/build_gpu_wheels.sh [FOLDER]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,59 +1,62 @@
 #!/usr/bin/env bash
-# The device checks in one command that cannot lose its results, for a session lent a GPU machine (the
-# H200 kind: python3 3.12, torch 2.11+cu130, lightning 2.6.6, pytest-timeout; no DeepSpeed, no
-# hydra-core, which nothing here imports; no network). On the device tool:
+# The device checks in one command that cannot lose its results, for a session lent a GPU machine: an
+# H100 (80 GB) or an H200 (141 GB), either kind (python3 3.12, torch 2.11+cu130, lightning 2.6.6,
+# pytest-timeout; no DeepSpeed, no hydra-core, which nothing here imports; no network). First, here:
 #
-#   bash benchmarks/build_gpu_wheels.sh          # here, once: .gpu_wheels (DeepSpeed and what it needs)
-#   run(command="bash benchmarks/gpu_session.sh", timeout_s=600, carry=[".gpu_wheels"])
+#   bash benchmarks/check_gpu_image.sh           # the dry run under the image's versions (CI runs it too)
+#   bash benchmarks/build_gpu_wheels.sh          # .gpu_wheels (DeepSpeed and what it needs)
 #
-# and leave the rest of the session's 15 minutes for one rerun. Everything lands in $OUT (./gpu_out
-# elsewhere) as it happens, in at most 8 files (what the tool brings back): session.log (every stage's
-# output; df -T and nvidia-smi first), disk.json (each candidate offload directory's filesystem and
-# O_DIRECT probe, the choice), machine.json (the rates the roofline uses), tests.jsonl and tests.log
-# (each CUDA test's outcome as it ends), rows.jsonl (each benchmark row as it ends, failures
-# included: benchmarks/gpu.py, gpu_deepspeed.py), stages.jsonl (each stage's exit status and seconds).
-# A stage that fails or runs out of time is recorded and the next one runs; the summary table at the
-# end is printed from whatever rows exist. Exit status: 1 if any stage failed.
+# then on the device tool, as the first call:
 #
-# Stages, in order of value, each under its own `timeout` (seconds; 535 in all, under the 540 planned
-# for a 600 s command), and what each should take on an H200 by arithmetic. Taken from here (a shared
-# 2-core CPU box): python + torch + lightning + the package import in 5.4 s (~4 s on the H200 box's
-# cores), pytest collecting tests/gpu in 11 s (~8 s). From the H200 machine's notes: bf16 matmul
-# ~800 TFLOP/s at 8192^3 (~350 effective at n_embd 1024), disk ~1.2 GB/s O_DIRECT read and ~2.2 GB/s
-# write, pinned copies ~55 GB/s both ways (~25 each), 16 cores; CUDA's start ~3 s per process. The
-# benchmark model (benchmarks/gpu.py): GPT n_embd 1024, 8 layers, vocab 16384, seq 1024, micro-batch 4:
-# P ~135 M parameters, 16 k tokens per step at K=4 (model FLOPs ~1.2e13: ~35 ms in memory); 4 optimizer
-# steps per run, the last 2 timed; each run a fresh process (~12 s of start-up, greedysnake's set-up and
-# auto=True's measurements at step 2 included; Lightning's ~9 s).
-#   disk      30 s  (expect ~12): O_DIRECT probe of each candidate; 256 MiB x3 each way (~1 s), the
-#                   host AdamW rate, the GPU's matmul rate and pinned bandwidth, CUDA's start.
-#   tests    135 s  (expect ~125): tests/gpu, 26 tests, each ~2 small fits of ~2.5 s; a test times out
-#                   after 40 s (pytest-timeout, in the image), its pytest is killed 10 s later where no
-#                   signal reaches (a CUDA hang) and started again on the rest (benchmarks/pytest_stage.py).
-#   headline 105 s  (expect ~85): GreedySnakeStrategy() with its state forced off the device (an eighth
-#                   of it as auto_device_budget_bytes; the state, 2.4 GB, goes to RAM, about half the
-#                   compute weights stay on the GPU) against Lightning in memory and the horizontal order,
-#                   at K 4 and 8: 2 x 9 s + 4 x 15 s of runs; steps of ~0.1-0.4 s (host AdamW over 135 M
-#                   elements at 0.3-2 G/s binds; horizontal K=8 moves ~6.5 GB over PCIe, ~0.3 s).
-#   resident  40 s  (expect ~25): the resident-weights system (every kind on SSD but the compute
-#                   weights on the GPU), K=8: 16P = 2.2 GB read (1.8 s) and written (1.0 s) per step.
-#   rest      75 s  (expect ~72): every kind on SSD (ZeRO-Infinity's placement), K=8: vertical (20P read,
-#                   18P written: ~3.4 s a step, ~27 s), then horizontal (the weights read 2K times:
-#                   +4.3 GB, ~8 s a step, ~45 s; skipped and recorded if the stage runs short).
-#   deepspeed 140 s (expect ~120): the wheels installed (~5 s; 3.6 s here), DeepSpeed's async_io and
-#                   cpu_adam ops compiled side by side (~200 s on this box's 2 cores, as compare.py
-#                   quotes it: ~400 CPU-seconds, ~70 s on 16 cores, the longest file bounding it),
-#                   ZeRO-Infinity (parameters and optimizer on NVMe) at K=8 (~15 s of start and init;
-#                   ~6.5 s a step: the parameters read per micro-batch, 32P = 4.3 GB, and the optimizer
-#                   state, 16P each way).
-#   summary   10 s  (expect ~1): the table from rows.jsonl.
-# Expected ~440 s in all, 535 at most.
+#   run(command="bash benchmarks/gpu_session.sh", timeout_s=420, carry=[".gpu_wheels"])
 #
-# --dry-run: the whole script on a CPU in a minute or two (CI runs it; 127 s, 50 CPU-seconds, on this
-# shared 2-core box under load): the simulated device
-# (GREEDYSNAKE_SIMULATE_DEVICE=1), tiny sizes, every benchmark configuration once at K=2 in-process,
-# the CUDA tests collected (and skipped), DeepSpeed's stage as far as it goes (where DeepSpeed is
-# missing, a recorded failure); OUT defaults to a fresh temporary folder there.
+# It ends within 400 s, leaving the session's 15 minutes of device time room for a second, shorter call
+# (the machine stays warm only ~30 s after a call: plan the second one before the first returns).
+# Everything lands in $OUT (./gpu_out elsewhere) as it happens, in the 8 files the tool brings back:
+# session.log (every stage's output; df -T and nvidia-smi first), disk.json (each candidate offload
+# directory's filesystem and O_DIRECT probe, the choice), machine.json (the GPU, its datasheet bf16 peak,
+# the measured rates), tests.jsonl and tests.log (each CUDA test's outcome as it ends), rows.jsonl (each
+# benchmark row as it ends, failures included: benchmarks/gpu.py, gpu_deepspeed.py), stages.jsonl (each
+# stage's exit status, seconds and budget), gpu.json (the rows with MFU and the roofline, for
+# benchmarks/report.py's GPU table). A stage that fails or runs out of time is recorded and the next one
+# runs; the summary at the end is printed from whatever rows exist. Exit status: 1 if any stage failed.
+#
+# Stages, in order of value, each under its own `timeout` (seconds; 381 in all, plus ~10 s of the
+# script's own; without it the DeepSpeed stage's seconds go to the benchmark stages).
+# Each benchmark configuration's expected seconds are beside it in benchmarks/gpu.py's STAGES (an
+# estimate until the first GPU run measures them); its child gets twice that, settle() included, less
+# where the stage's later configurations need theirs (a hung configuration costs its own timeout, and
+# the others still run). The model (benchmarks/gpu.py): GPT n_embd 1024, 8 layers, vocab 16384, seq 1024,
+# micro-batch 4: P ~135 M parameters, 16 k tokens per step at K=4 (~35 ms of compute on either card);
+# 5 optimizer steps per run, the last 3 timed (after auto=True's warm-step plan at step 2).
+#   disk      15 s  (expect ~10): O_DIRECT probe of each candidate; 256 MiB x3 each way, the host AdamW
+#                   rate, the GPU's name, its matmul rate and pinned bandwidth, CUDA's start.
+#   tests     80 s  (expect ~65): tests/gpu, 23 tests, in order of value: the smoke test first (an O_DIRECT
+#                   buffer registered, a round trip through CudaCopies, a failed registration's error
+#                   cleared), copy ordering, the three no-hidden-sync tests, memory, then the trimmed
+#                   equivalence matrix; each ~2 small fits of ~1 s; written under the offload disk
+#                   (--basetemp), never a tmpfs. A test times out after 40 s (pytest-timeout), its pytest
+#                   is killed 10 s later where no signal reaches (a CUDA hang) and started again on the rest
+#                   (benchmarks/pytest_stage.py). Beside it, where .gpu_wheels exists: DeepSpeed's
+#                   install and op build (gpu_deepspeed.py build: async_io and cpu_adam compiled side by
+#                   side, ~70 s on 16 cores), under the same 80 s (the tests time nothing).
+#   headline 102 s  (expect ~89): GreedySnakeStrategy() with its state forced off the device (an eighth
+#                   of it as auto_device_budget_bytes) against Lightning in memory and the horizontal
+#                   order, at K 4 and 8.
+#   resident  32 s  (expect ~26): the resident-weights system (every kind on SSD but the compute weights
+#                   on the GPU), K=8.
+#   rest      92 s  (expect ~80): every kind on SSD (ZeRO-Infinity's placement), K=8: vertical_ssd, then
+#                   horizontal_ssd: the vertical-against-horizontal pair.
+#   deepspeed 55 s  (expect ~45): ZeRO-Infinity (parameters and optimizer on NVMe) at K=8, on the ops the
+#                   build compiled (gpu_deepspeed.py run). Without .gpu_wheels: 5 s (its failure recorded),
+#                   the other 50 s to headline (+22), resident (+6) and rest (+22).
+#   summary    5 s  (expect ~1): the table and gpu.json from rows.jsonl.
+#
+# --dry-run: the whole script on a CPU in about two minutes (CI runs it): the simulated device
+# (GREEDYSNAKE_SIMULATE_DEVICE=1), tiny sizes, every benchmark configuration once at K=2, each in a child
+# process under its timeout as on the GPU (each expecting 15 s), the CUDA tests collected (and skipped),
+# DeepSpeed's stage as far as it goes (where .gpu_wheels is missing, a recorded failure); OUT defaults to a
+# fresh temporary folder there.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -73,6 +76,22 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 log="$OUT/session.log"
 status=0
 start=$SECONDS
+wheels=$repo/.gpu_wheels
+
+# the stages' seconds (tests/unit/test_gpu_session.py: gpu.py's expected times fit them, and they add to
+# at most 400 with the script's own)
+DISK_S=15 TESTS_S=80 HEADLINE_S=102 RESIDENT_S=32 REST_S=92 DEEPSPEED_S=55 SUMMARY_S=5
+if ! ls "$wheels"/*.whl >/dev/null 2>&1; then  # no DeepSpeed to run: its time goes to the benchmark stages
+    HEADLINE_S=$((HEADLINE_S + 22)) RESIDENT_S=$((RESIDENT_S + 6)) REST_S=$((REST_S + 22)) DEEPSPEED_S=5
+    have_wheels=0
+else
+    have_wheels=1
+fi
+
+# record NAME RC SECONDS BUDGET: one line of stages.jsonl
+record() {
+    echo "{\"stage\": \"$1\", \"rc\": $2, \"seconds\": $3, \"budget_s\": $4}" >> "$OUT/stages.jsonl"
+}
 
 # stage NAME SECONDS COMMAND...: COMMAND under `timeout` (killed 5 s after), its output into session.log,
 # its exit status and seconds into stages.jsonl; a failure is remembered and the next stage runs.
@@ -82,7 +101,7 @@ stage() {
     echo "== $name: at most ${seconds} s (at $((SECONDS - start)) s)" | tee -a "$log"
     timeout -k 5 "$seconds" "$@" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
-    echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"budget_s\": $seconds}" >> "$OUT/stages.jsonl"
+    record "$name" "$rc" $((SECONDS - t0)) "$seconds"
     echo "== $name: exit $rc after $((SECONDS - t0)) s$([ "$rc" = 124 ] && echo ' (its timeout)')" | tee -a "$log"
     [ "$rc" -eq 0 ] || status=1
 }
@@ -91,20 +110,44 @@ stage() {
 # the offload directory: the first on a real disk where O_DIRECT works (the repository's, $HOME's, then
 # /tmp's, which may be a tmpfs there): the disk stage probes each and says
 candidates=("$repo/.gpu_offload" "${HOME:-/root}/.greedysnake_gpu_offload" "/tmp/greedysnake_gpu_offload")
-stage disk 30 python3 benchmarks/gpu.py disk "${dry[@]}" --out "$OUT" --candidates "${candidates[@]}"
+stage disk "$DISK_S" python3 benchmarks/gpu.py disk "${dry[@]}" --out "$OUT" --candidates "${candidates[@]}"
 offload=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['chosen'])" "$OUT/disk.json" 2>/dev/null \
           || echo "${candidates[0]}")
 echo "== offload directory: $offload" | tee -a "$log"
 
-stage tests 135 python3 benchmarks/pytest_stage.py --out "$OUT" --budget-s 130 --test-timeout-s 40 --grace-s 10 \
-    -- -m gpu tests/gpu
-for s in headline:105 resident:40 rest:75; do
+build_pid=
+if [ "$have_wheels" = 1 ]; then  # DeepSpeed's install and op build beside the tests (which time nothing)
+    echo "== deepspeed_build: beside the tests, at most ${TESTS_S} s (at $((SECONDS - start)) s)" | tee -a "$log"
+    (
+        t0=$SECONDS
+        timeout -k 5 "$TESTS_S" python3 benchmarks/gpu_deepspeed.py build "${dry[@]}" --out "$OUT" \
+            --offload-dir "$offload" --budget-s $((TESTS_S - 3)) --wheels "$wheels" 2>&1 \
+            | sed -u 's/^/[deepspeed_build] /' >> "$log"
+        rc=${PIPESTATUS[0]}
+        record deepspeed_build "$rc" $((SECONDS - t0)) "$TESTS_S"
+        echo "== deepspeed_build: exit $rc after $((SECONDS - t0)) s" | tee -a "$log"
+        exit "$rc"
+    ) &
+    build_pid=$!
+fi
+# (--basetemp: the tests' files on the offload disk, O_DIRECT-capable; pytest empties that folder first)
+stage tests "$TESTS_S" python3 benchmarks/pytest_stage.py --out "$OUT" --budget-s $((TESTS_S - 5)) \
+    --test-timeout-s 40 --grace-s 10 -- -m gpu tests/gpu --basetemp "$offload/tests"
+if [ -n "$build_pid" ]; then
+    wait "$build_pid" || status=1
+fi
+for s in "headline:$HEADLINE_S" "resident:$RESIDENT_S" "rest:$REST_S"; do
     stage "${s%%:*}" "${s##*:}" python3 benchmarks/gpu.py "${s%%:*}" "${dry[@]}" --out "$OUT" \
-        --offload-dir "$offload" --budget-s $((${s##*:} - 5))
+        --offload-dir "$offload" --budget-s $((${s##*:} - 3))
 done
-stage deepspeed 140 python3 benchmarks/gpu_deepspeed.py "${dry[@]}" --out "$OUT" --offload-dir "$offload" --k 8 \
-    --budget-s 135 --wheels "$repo/.gpu_wheels"
-stage summary 10 python3 benchmarks/gpu.py summary --out "$OUT"
+if [ "$have_wheels" = 1 ]; then
+    stage deepspeed "$DEEPSPEED_S" python3 benchmarks/gpu_deepspeed.py run "${dry[@]}" --out "$OUT" \
+        --offload-dir "$offload" --k 8 --budget-s $((DEEPSPEED_S - 3)) --wheels "$wheels"
+else  # (the install's failure recorded: no wheels to install)
+    stage deepspeed "$DEEPSPEED_S" python3 benchmarks/gpu_deepspeed.py all "${dry[@]}" --out "$OUT" \
+        --offload-dir "$offload" --k 8 --budget-s $((DEEPSPEED_S - 1)) --wheels "$wheels"
+fi
+stage summary "$SUMMARY_S" python3 benchmarks/gpu.py summary "${dry[@]}" --out "$OUT"
 
 for c in "${candidates[@]}"; do  # (the offload files; only the directories this script names)
     [ "$c" = "$offload" ] && rm -rf "$offload"

@@ -107,17 +107,21 @@ def run(pytest_args: list[str], out: Path, budget_s: float, test_timeout_s: floa
         with open(log, "a") as logf:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             stopped = None
-            while (status := proc.poll()) is None:
-                time.sleep(0.5)
-                running = _running(_read(progress))
-                if time.monotonic() > deadline:
-                    stopped = "out_of_time"
-                elif running is not None and time.time() - running["t"] > kill_after:
-                    stopped = "hung"
-                if stopped:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    break
+            try:
+                while (status := proc.poll()) is None:
+                    time.sleep(0.5)
+                    running = _running(_read(progress))
+                    if time.monotonic() > deadline:
+                        stopped = "out_of_time"
+                    elif running is not None and time.time() - running["t"] > kill_after:
+                        stopped = "hung"
+                    if stopped:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        break
+            except BaseException:  # (this watchdog stopped: SIGTERM from the stage's timeout, Ctrl-C) pytest too
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise
         running = _running(_read(progress))
         if stopped is None and running is not None:  # pytest died inside a test (a crash, a signal)
             stopped = "crashed"
@@ -145,6 +149,8 @@ def main() -> None:
                         help="after pytest-timeout's own timeout, before the watchdog kills pytest")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- then pytest's arguments")
     args = parser.parse_args()
+    # (SIGTERM, the stage's timeout, raises: run() kills its pytest on the way out)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     sys.exit(run(pytest_args, Path(args.out), args.budget_s, args.test_timeout_s, args.grace_s))
 

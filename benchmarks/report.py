@@ -6,7 +6,8 @@
 
 The docs build (``docs/hooks/generate.py``) calls :func:`render` for the ``<!-- gen:benchmarks -->`` marker
 of ``docs/benchmarks.md``, so the page always shows what the JSON holds. Which files are current, and what
-each compares, is :data:`SECTIONS`; superseded runs live in ``benchmarks/results/archive/`` and are not
+each compares, is :data:`SECTIONS`; the GPU runs' files (:data:`GPU_GLOB`) have their own table, last
+(:func:`render_gpu`); superseded runs live in ``benchmarks/results/archive/`` and are not
 shown. Each table lists every scalar field of the file's rows (runs of several rounds: the median rows,
 with each round's ratio beside them), then the command, the machine, and the date the file was committed.
 Values are shown as stored; floats with more than three decimals are rounded to three.
@@ -394,6 +395,88 @@ def render() -> str:
     for section in SECTIONS:
         out += [f"## {section.title}", "", section.text, ""]
         out += [render_result(r) for r in section.results]
+    out.append(render_gpu())
+    return "\n".join(out)
+
+
+# ---- the GPU runs (benchmarks/gpu_session.sh on a lent H100 or H200) ----
+
+GPU_GLOB = "gpu_*.json"
+"""The GPU runs' files in ``benchmarks/results/``: each a copy of a GPU session's ``$OUT/gpu.json``
+(``benchmarks/gpu.py summary`` writes it), named for the card, e.g. ``gpu_h100.json``, ``gpu_h200.json``."""
+
+GPU_COLUMNS = {
+    "config": "system", "k": "K", "step_s": "step s", "tokens_per_s": "tokens/s", "TFLOPs": "TFLOP/s",
+    "mfu": "MFU (measured peak)", "mfu_datasheet": "MFU (datasheet)", "peak_rss_gb": "peak RSS GiB",
+    "ssd_GB_per_step": "SSD GB/step", "pcie_GB_per_step": "PCIe GB/step", "binds": "binds",
+    "of_roofline": "of roofline", "vs_in_memory": "vs in memory", "gpu_idle": "GPU idle",
+    "vs_deepspeed": "vs ZeRO-Infinity", "error": "error",
+}
+"""The GPU table's columns (a row's field: its heading)."""
+
+GPU_TEXT = (
+    "One GPU (an H100 or an H200), `bash benchmarks/gpu_session.sh`: GPT 1024 x 8 (vocabulary 16384), sequence "
+    "1024, micro-batch 4, bf16-mixed, each system in a fresh process, the steps after the warm-step plan timed. "
+    "`lightning` is Lightning in memory; `default` is `GreedySnakeStrategy()` with its state forced off the GPU; "
+    "`horizontal` the same in ZeRO-Infinity's order; `resident_weights` keeps the compute weights on the GPU and "
+    "everything else on SSD; `vertical_ssd` and `horizontal_ssd` keep every kind on SSD; `deepspeed` is "
+    "ZeRO-Infinity with parameters and optimizer on NVMe. MFU is model TFLOP/s (no recomputation) over the "
+    "measured bf16 matmul rate and over the datasheet's dense bf16 peak. `of roofline` is the largest physical "
+    "term over the step: compute (Lightning in memory at the same K, with recomputation where the system "
+    "recomputes), the SSD bytes (the kernel's counters) at the probed O_DIRECT speeds, the PCIe bytes at the "
+    "measured pinned bandwidth, the host AdamW rate over every element; `binds` names it.")
+
+
+def gpu_files() -> list[Path]:
+    return sorted(RESULTS.glob(GPU_GLOB))
+
+
+def gpu_table(data: dict[str, Any]) -> str:
+    """A GPU run's rows (``gpu.json``) as the GPU table: :data:`GPU_COLUMNS`, those any row has."""
+    rows = [r for r in data["rows"] if r.get("config") != "deepspeed_build"]
+    columns = [c for c in GPU_COLUMNS if any(c in r for r in rows)]
+    lines = ["| " + " | ".join(GPU_COLUMNS[c] for c in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(r[c]) if c in r else "-" for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def gpu_machine(data: dict[str, Any]) -> str:
+    """The card and the rates a GPU run measured (its ``machine.json``)."""
+    m = data.get("machine", {})
+    parts = [m.get("gpu", "no GPU (a dry run)"), f"{m['cpus']} CPUs" if "cpus" in m else "",
+             f"torch {m['torch']}" if "torch" in m else ""]
+    if m.get("datasheet_flops"):
+        parts.append(f"datasheet bf16 {m['datasheet_flops'] / 1e12:.0f} TFLOP/s")
+    if m.get("peak_flops"):
+        parts.append(f"measured matmul {m['peak_flops'] / 1e12:.0f} TFLOP/s")
+    if m.get("pcie_bps"):
+        parts.append(f"pinned copies {m['pcie_bps'] / 1e9:.1f} GB/s")
+    if m.get("read_bps"):
+        parts.append(f"disk probe read {m['read_bps'] / 1e9:.2f} GB/s, write {m['write_bps'] / 1e9:.2f} GB/s")
+    if m.get("opt_rate"):
+        parts.append(f"host AdamW {m['opt_rate'] / 1e6:.0f} M elements/s")
+    return "; ".join(p for p in parts if p)
+
+
+def render_gpu_result(path: Path) -> str:
+    data = json.loads(path.read_text())
+    out = [f"**{path.stem}**", "", gpu_table(data), ""]
+    if data.get("settings"):
+        out.append("*Settings*: " + ", ".join(f"{k} {cell(v)}" for k, v in data["settings"].items()) + "  ")
+    out += [f"*Command*: `{data.get('command', '(not recorded)')}`  ", f"*Machine*: {gpu_machine(data)}  ",
+            f"*Date*: {committed(path)} · *File*: `benchmarks/results/{path.name}`", ""]
+    return "\n".join(out)
+
+
+def render_gpu() -> str:
+    """The GPU section: each GPU run's table, or the line that says none has run yet."""
+    files = gpu_files()
+    out = ["## On a GPU", "", GPU_TEXT, ""]
+    if not files:
+        out += ["No GPU run yet: a session lent a GPU runs `bash benchmarks/gpu_session.sh` (see "
+                "[On a GPU](how-to/gpu.md)) and commits its `gpu.json` as `benchmarks/results/gpu_<card>.json`.", ""]
+    out += [render_gpu_result(f) for f in files]
     return "\n".join(out)
 
 
@@ -538,7 +621,7 @@ def readme_generated(text: str) -> str:
 
 def unlisted() -> list[str]:
     """Result files that are neither on the page nor archived."""
-    listed = set(current_files())
+    listed = set(current_files()) | {p.stem for p in gpu_files()}
     return sorted(p.stem for p in RESULTS.glob("*.json") if p.stem not in listed)
 
 
