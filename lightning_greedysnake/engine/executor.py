@@ -327,6 +327,7 @@ class WindowEngine:
         unit = self.units[op.unit]
         self._ensure_unit(op.unit)
         self._hint_next_step()  # (the fused unit's own step: its reads overlap the fused ops)
+        self._hint_next_activation()  # (the op after it: its checkpoint comes in during the fused ops)
         with w.streams.forward_of(microbatch), torch.enable_grad():
             hidden, leaf = self._unit_input(op.unit, mb, microbatch)
             hidden = self._blocks(unit, hidden, mb.ctx)
@@ -510,7 +511,8 @@ class WindowEngine:
 
     def _hint_next_activation(self) -> None:
         """The op after the current one reads an activation checkpoint (any op on a unit past the first):
-        let the store start reading it while the current op computes."""
+        let the store start bringing it in (its read, its copy to the device) while the current op
+        computes: called before every op's compute is enqueued, the fused op's included."""
         w = self._window
         if w is None or w.cursor + 1 >= len(w.plan.ops):
             return

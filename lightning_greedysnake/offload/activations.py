@@ -9,10 +9,15 @@ the number of units, plus those still being written (bounded by the budget: a sa
 return buffers).
 
 Device tier (``copies``): checkpoints are computed in device memory. On the ``device`` tier they stay
-there; on ``host`` each is copied (D2H stream) into page-locked host memory and back (H2D stream) at
-load; on ``ssd`` the D2H copy lands in a staging buffer whose write to the scratch file is submitted
-when the copy completes (chained, on the copy's completion thread), and a load copies the read-back
-bytes to device memory, which the compute stream waits for.
+there; on ``host`` each is copied (D2H stream, after the event right after the forward that produced it)
+into page-locked host memory and back (H2D stream); on ``ssd`` the D2H copy lands in a staging buffer
+whose write to the scratch file is submitted when the copy completes (chained, on the copy's completion
+thread), and the read-back bytes are copied to device memory. The copy back is issued one op ahead, by
+:meth:`prefetch` (a host checkpoint's at once, ordered after its D2H copy on the device; an SSD one's on
+the I/O thread that completes its read), into new memory of the H2D stream's, so it waits for none of
+the ops queued on the compute stream and overlaps the op before the one that loads it; :meth:`load`
+makes the compute stream wait for it (a copy not prefetched is issued there, just in time). So device
+memory holds, besides the checkpoint in use, at most the one read ahead.
 
 Threads: the training thread; reads and writes complete on I/O threads and are ordered here: a
 checkpoint is read only after its write completed, and the scratch file closes only after every
@@ -31,7 +36,7 @@ from torch import Tensor
 
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import IOEngine, OffloadFile, align_up
-from lightning_greedysnake.offload.device import Copy, DeviceCopies, then
+from lightning_greedysnake.offload.device import FRESH, Copy, DeviceCopies, then
 from lightning_greedysnake.offload.regions import FILE_NAMES
 from lightning_greedysnake.offload.staging import Staged, StagingArena
 from lightning_greedysnake.offload.stats import IOStats
@@ -49,8 +54,14 @@ class _OnSSD:
     """The scratch file (of the offload directory) that holds it."""
     loaded: Staged | None = None
     """The checkpoint's bytes in memory (its reads perhaps still in flight when read ahead)."""
+    read: Future[None] | None = None
+    """The read that fills ``loaded``."""
     on_device: Tensor | None = None
-    """Device tier: the loaded bytes copied to device memory (until release or drop)."""
+    """Device tier: the checkpoint in device memory (until release or drop): the forward's output, or the
+    loaded bytes copied there."""
+    pending: Future[Copy] | None = None
+    """Device tier: the H2D copy into ``on_device`` issued ahead of the op that loads it (resolved once
+    issued, on the read's completion), which that op's compute waits for (:meth:`ActivationStore.load`)."""
 
 
 @dataclass
@@ -62,6 +73,9 @@ class _OnHost:
     landed: Copy
     """The D2H copy that fills ``host``."""
     on_device: Tensor | None = None
+    """The checkpoint in device memory: the forward's output, or ``host`` copied back (until release)."""
+    pending: Copy | None = None
+    """The H2D copy into ``on_device`` issued ahead of the op that loads it, not waited for yet."""
 
 
 class ActivationStore:
@@ -88,6 +102,9 @@ class ActivationStore:
         """The largest checkpoint seen (one unit input of one micro-batch), for planning."""
         self.prefetches = 0
         """SSD checkpoint reads started ahead of need, since construction."""
+        self.device_loads: dict[str, int] = {"ahead": 0, "just_in_time": 0}
+        """Device tier: H2D copies of checkpoints back to the device, issued one op ahead (:meth:`prefetch`)
+        or by the op that loads them, since construction (training thread)."""
         self.files: list[Path] = []
         self._window_counts: list[int] = []
         """Per scratch file, the checkpoints a window saves there (K micro-batches x its units)."""
@@ -158,9 +175,10 @@ class ActivationStore:
             if self._copies is not None and self.tier is Tier.HOST:
                 host = self._copies.empty_host(hidden.numel(), hidden.dtype)
                 # the device tensor stays for the next unit's forward (no wait for the copy there);
-                # released after it, read back for backward
-                self._copied[key] = _OnHost(host, hidden.shape, self._copies.to_host(hidden.reshape(-1), host),
-                                            on_device=hidden)
+                # released after it, read back for backward. Ordering: the D2H copy follows the forward
+                # that produced ``hidden`` (the compute stream's point now: save comes right after it)
+                landed = self._copies.to_host(hidden.reshape(-1), host, after=self._copies.compute_event())
+                self._copied[key] = _OnHost(host, hidden.shape, landed, on_device=hidden)
             else:
                 self._host[key] = hidden
             return
@@ -177,7 +195,9 @@ class ActivationStore:
                 held.view(hidden.dtype, hidden.numel()).copy_(hidden.reshape(-1))
                 write = scratch.submit("write", offset, buf, nbytes)
             else:
-                landed = self._copies.to_host(hidden.reshape(-1), held.view(hidden.dtype, hidden.numel()))
+                # ordering: after the forward that produced ``hidden`` (the compute stream's point now)
+                landed = self._copies.to_host(hidden.reshape(-1), held.view(hidden.dtype, hidden.numel()),
+                                              after=self._copies.compute_event())
                 # the write reads the buffer only once the D2H copy filled it
                 write = then(landed, lambda: scratch.submit("write", offset, buf, nbytes))
             held.track_write(write)
@@ -188,19 +208,24 @@ class ActivationStore:
                                 on_device=hidden if self._copies is not None else None)
 
     def load(self, unit: int, microbatch: int) -> Tensor:
-        """The checkpoint, in memory until :meth:`release` or :meth:`drop`."""
+        """The checkpoint, in memory until :meth:`release` or :meth:`drop`; on a device tier the compute
+        stream's later work waits for its copy to the device."""
         key = (unit, microbatch)
         if not self._scratches:
             copied = self._copied.get(key)
             if copied is None:
                 return self._host[key]
-            if copied.on_device is None:
-                copied.landed.result()  # the H2D below reads what the D2H copy wrote
-                copied.on_device, _ = self._device_copy(copied.host, copied.shape)
-            return copied.on_device
+            if copied.on_device is None:  # (not prefetched: just in time)
+                self._copy_back(copied)
+                self.device_loads["just_in_time"] += 1
+            if copied.pending is not None:
+                assert self._copies is not None
+                self._copies.wait(copied.pending)  # hand-over: the H2D stream -> this op's compute
+                copied.pending = None
+            return copied.on_device  # type: ignore[return-value]
         ck = self._ssd[key]
-        if ck.on_device is not None:
-            return ck.on_device
+        if ck.on_device is not None and ck.pending is None:
+            return ck.on_device  # (the forward's output, kept for the next unit's; or loaded already)
         if ck.loaded is None:
             ck.write.result()  # the read must see the completed write
             held = self._arena.acquire(ck.nbytes, f"checkpoint of unit {unit}")
@@ -212,44 +237,95 @@ class ActivationStore:
             try:
                 self._arena.await_reads(held, label=TensorKind.CHECKPOINTS.value)
             except BaseException:
-                ck.loaded = None  # await_reads gave it back
+                # (await_reads gave it back)
+                ck.loaded, ck.read, ck.on_device, ck.pending = None, None, None, None
                 self._loaded -= 1
                 raise
         host = held.view(ck.dtype, ck.shape.numel())
         if self._copies is None:
             return host.view(ck.shape)
-        if ck.on_device is None:
-            ck.on_device, copy = self._device_copy(host, ck.shape)
+        if ck.pending is not None:
+            copy = ck.pending.result()  # issued as the read completed (just waited for: a moment at most)
+        else:  # (not prefetched: just in time)
+            self.device_loads["just_in_time"] += 1
+            flat, copy = self._copies.to_new_device(host)
+            ck.on_device = flat.view(ck.shape)
             held.track_write(copy)  # the staging buffer goes back only after the copy read it
-        return ck.on_device
-
-    def _device_copy(self, host: Tensor, shape: torch.Size) -> tuple[Tensor, Copy]:
-        """``host`` copied to new device memory, which the compute stream waits for."""
-        assert self._copies is not None
-        flat = self._copies.empty(host.numel(), host.dtype)
-        copy = self._copies.to_device(host, flat)
+        ck.pending = None
         self._copies.wait(copy)  # hand-over: the H2D stream -> the compute stream (the op that loads it)
-        return flat.view(shape), copy
+        return ck.on_device  # type: ignore[return-value]
+
+    def _copy_back(self, copied: _OnHost) -> None:
+        """Start ``copied``'s H2D copy into new device memory, ordered after the D2H copy that filled its
+        host memory (on the device: no host wait) and after no compute."""
+        assert self._copies is not None
+        flat, copied.pending = self._copies.to_new_device(copied.host, after=copied.landed)
+        copied.on_device = flat.view(copied.shape)
 
     def prefetch(self, unit: int, microbatch: int) -> None:
-        """Start reading a checkpoint the engine will need next (from the budget's slack, and only once
-        its write is complete: a read never races the write)."""
-        ck = self._ssd.get((unit, microbatch))
-        if ck is None or ck.loaded is not None or ck.on_device is not None or not ck.write.done():
+        """The op after the current one reads this checkpoint: start bringing it in now. Host checkpoints
+        on a device tier: the H2D copy starts now. SSD: the read starts now (from the budget's slack, and
+        only once its write is complete: a read never races the write), and on a device tier the H2D copy
+        as soon as it lands (on the I/O thread that completes it)."""
+        key = (unit, microbatch)
+        copied = self._copied.get(key)
+        if copied is not None:
+            if copied.on_device is None:
+                self._copy_back(copied)
+                self.device_loads["ahead"] += 1
             return
-        held = self._arena.acquire_optional(ck.nbytes, f"checkpoint of unit {unit} read-ahead")
-        if held is None:
+        ck = self._ssd.get(key)
+        if ck is None or ck.on_device is not None:
             return
-        self._read(ck, held)
-        self.prefetches += 1
+        if ck.loaded is None:
+            if not ck.write.done():
+                return
+            held = self._arena.acquire_optional(ck.nbytes, f"checkpoint of unit {unit} read-ahead")
+            if held is None:
+                return
+            self._read(ck, held)
+            self.prefetches += 1
+        if self._copies is not None and ck.read is not None:
+            self._copy_after_read(ck, ck.read)
+
+    def _copy_after_read(self, ck: _OnSSD, read: Future[None]) -> None:
+        """Issue ``ck``'s H2D copy once ``read`` landed its bytes in ``ck.loaded``: into new memory of the
+        H2D stream's (allocated here, training thread), from the I/O thread that completes the read.
+        ``ck.loaded`` tracks the copy (given back only after it); ``ck.pending`` resolves to it once
+        issued (or fails as the read or the issue did: :meth:`load` raises the read's own error first)."""
+        assert self._copies is not None and ck.loaded is not None
+        copies, held = self._copies, ck.loaded
+        host = held.view(ck.dtype, ck.shape.numel())
+        flat = copies.empty_for_h2d(host.numel(), host.dtype)
+        issued: Future[Copy] = Future()
+
+        def issue() -> Copy:  # on the I/O thread, once the read landed
+            try:
+                copy = copies.to_device(host, flat, after=FRESH)  # (new memory: waits for no compute)
+            except BaseException as err:
+                issued.set_exception(err)
+                raise
+            issued.set_result(copy)
+            return copy
+
+        def not_issued(f: Future[None]) -> None:  # (a failed read: nothing issued; load raises its error)
+            if (err := f.exception()) is not None and not issued.done():
+                issued.set_exception(err)
+
+        landed = then(read, issue)
+        landed.add_done_callback(not_issued)
+        held.track_write(landed)  # the staging buffer goes back only after the copy read it
+        ck.on_device, ck.pending = flat.view(ck.shape), issued
+        self.device_loads["ahead"] += 1
 
     def _read(self, ck: _OnSSD, held: Staged) -> None:
         try:
-            held.track_read(ck.scratch.submit("read", ck.offset, held.buf, ck.nbytes))
+            read = ck.scratch.submit("read", ck.offset, held.buf, ck.nbytes)
+            held.track_read(read)
         except BaseException:
             held.release()
             raise
-        ck.loaded = held
+        ck.loaded, ck.read = held, read
         self._loaded += 1
         self.peak_loaded = max(self.peak_loaded, self._loaded)
 
@@ -257,12 +333,12 @@ class ActivationStore:
         """The op is done with the checkpoint for now; it stays stored (on SSD: its buffer goes back)."""
         ck = self._ssd.get((unit, microbatch))
         if ck is not None:
-            ck.on_device = None  # device memory back to the compute stream's allocator
+            ck.on_device, ck.pending = None, None  # device memory back to its allocator (uses recorded)
             if ck.loaded is not None:
                 self._unload(ck)
         copied = self._copied.get((unit, microbatch))
         if copied is not None:
-            copied.on_device = None  # device memory back to the compute stream's allocator
+            copied.on_device, copied.pending = None, None  # (device memory back to its allocator)
 
     def drop(self, unit: int, microbatch: int) -> None:
         """The checkpoint will not be read again in this window."""
@@ -273,8 +349,8 @@ class ActivationStore:
             self._unload(ck)  # a read-ahead may still be filling it: the handle waits for that
 
     def _unload(self, ck: _OnSSD) -> None:
-        held, ck.loaded = ck.loaded, None
-        ck.on_device = None
+        held, ck.loaded, ck.read = ck.loaded, None, None
+        ck.on_device, ck.pending = None, None
         assert held is not None
         self._loaded -= 1
         held.release()

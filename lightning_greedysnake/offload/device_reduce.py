@@ -9,10 +9,11 @@ host-side all-reduce is skipped for it).
 Ordering: called by the training thread at the unit's gradient-ready op, which every rank reaches in the
 same unit order, on the default process group (which only the training thread uses). On CUDA the
 collective runs on a communication stream that first waits for the compute stream (the gradient's last
-add), so the rest of backward overlaps it; the D2H copy of the result waits for that stream, and every
-tensor used there is recorded on it. (On the simulated device the gloo collective is synchronous, and its
-result is then made to land late, :meth:`SimulatedCopies.land_late`, so a copy that does not wait for
-it copies NaN.)
+add), so the rest of backward overlaps it; the D2H copy of the result waits for the event recorded on that
+stream right after the collective (:meth:`DeviceGradientReducer.after`), not for the compute stream's
+later work, and every tensor used there is recorded on it. (On the simulated device the gloo collective
+is synchronous, and its result is then made to land late, :meth:`SimulatedCopies.land_late`, so a copy
+that does not wait for it copies NaN.)
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class DeviceGradientReducer:
         """CUDA: the communication stream (None on the simulated device)."""
         self._landing: Any = None
         """The simulated device: the last :meth:`reduce`'s result landing late (training thread)."""
+        self._done: Any = None
+        """CUDA: the event on the communication stream after the last collective (training thread)."""
         self.collective_bytes = 0
         """Payload bytes this rank put into the gradient collectives so far (training thread)."""
 
@@ -58,6 +61,8 @@ class DeviceGradientReducer:
         self.stream.wait_stream(compute)  # after the gradient's last add
         with torch.cuda.stream(self.stream):
             yield
+        # hand-over: the collective's result -> the D2H copy of it (``after``), which waits for this only
+        self._done = self.stream.record_event()
         for t in tensors:
             t.record_stream(self.stream)  # freed by the compute stream's allocator only after the collective
 
@@ -100,6 +105,7 @@ class DeviceGradientReducer:
             self._landing = self.copies.land_late(result, result)
 
     def after(self) -> Any:
-        """What a copy of :meth:`reduce`'s result must wait for: the communication stream on CUDA, the
-        late landing on the simulated device (None when synchronous)."""
-        return self.stream if self.stream is not None else self._landing
+        """What a copy of :meth:`reduce`'s result must wait for: the event after the collective on the
+        communication stream on CUDA, the late landing on the simulated device (None when synchronous:
+        the compute stream's work so far)."""
+        return self._done if self.stream is not None else self._landing

@@ -17,12 +17,17 @@ Ordering, written at each hand-over:
   training thread reads it only after the gate showed the unit current, and the compute stream waits
   for that copy before the unit's first op (:meth:`last_write`). The H2D stream runs its copies in
   order, so waiting for the last one waits for every earlier one of the unit.
-- compute -> write: every H2D copy follows the compute stream's work enqueued so far
-  (:class:`~lightning_greedysnake.offload.device.CudaCopies`), and a unit's step is submitted only after
-  its backward was enqueued, so the copy never overwrites weights a queued kernel still reads.
-- write <-> read: the H2D and D2H streams are not ordered with each other, so a read of a unit waits (on
-  the host) for the unit's writes still in flight, and a write for its reads; in the steady state both
-  are long done (a step reads and writes a unit once, in that order, waiting for the read between).
+- compute -> write: before a unit's step is submitted, the training thread records an event on the
+  compute stream after its last read of the unit's weights (:meth:`readers`, ``done=True``: kept in
+  ``_readers_done``); the step's H2D copies into the region wait for that event only, so the copy never
+  overwrites weights a queued kernel still reads, and runs beside the ops queued after it (the rest of
+  backward, the next forward's other units). Acquiring the unit forgets the event (``done=False``); a
+  write with none kept (setup, a checkpoint's restore) waits for the compute stream's point at its issue.
+- write -> read: a D2H copy out of a region waits for the event of the unit's last H2D copy into it (what
+  produced those bytes), on the device; not for the compute stream, which never writes them.
+- read -> write: a write of a unit waits (on the host) for the unit's reads still in flight; in the
+  steady state they are long done (a step reads and writes a unit once, in that order, waiting for the
+  read between).
 
 Threads: the training thread (acquisition, between windows) and the thread running a step (the
 optimizer lane) call in; ``_lock`` guards the tables of copies in flight.
@@ -55,6 +60,10 @@ class DeviceRegions:
         """Per region: the latest H2D copy into it (see the module's docstring: the gate hands it over)."""
         self._reads: dict[int, list[Copy]] = {}
         """Per region: D2H copies out of it not known to have completed."""
+        self._readers_done: dict[int, object] = {}
+        """Per region: the compute stream's event after its last read of the region (set by the training
+        thread before the unit's step is submitted, cleared when it acquires the unit again; read by the
+        thread that runs the step; see the module's docstring)."""
         self._lock = threading.Lock()
 
     def region_bytes(self, unit: int) -> int:
@@ -71,6 +80,18 @@ class DeviceRegions:
         with self._lock:
             return self._last_write.get(unit)
 
+    def readers(self, units: set[int], done: bool) -> None:
+        """Regions ``units``: the compute stream reads them from now on (``done=False``), or its every read
+        of them is enqueued (``done=True``: an event recorded now, which later writes wait for). Training
+        thread."""
+        event = self._copies.compute_event() if done else None
+        with self._lock:
+            for unit in units:
+                if event is None:
+                    self._readers_done.pop(unit, None)
+                else:
+                    self._readers_done[unit] = event
+
     def submit_write(self, unit: int, buf: AlignedBuffer, label: str | None = None,
                      byte_range: tuple[int, int] | None = None) -> Copy:
         """Copy ``buf``'s bytes ``byte_range`` (default: the whole region) into the same bytes of region
@@ -80,7 +101,11 @@ class DeviceRegions:
         self._wait(self._take_reads(unit))  # a D2H copy still reading these bytes finishes first
         memory = self._memory[unit]
         assert memory is not None
-        copy = self._copies.to_device(buf.view(torch.uint8, hi - lo, lo), memory[lo:hi])
+        with self._lock:
+            freed = self._readers_done.get(unit)
+        # ordering: after the compute stream's last read of the region (the event the training thread
+        # recorded before submitting the step), not its later work; none recorded: its point now
+        copy = self._copies.to_device(buf.view(torch.uint8, hi - lo, lo), memory[lo:hi], after=freed)
         with self._lock:
             self._last_write[unit] = copy
         return copy
@@ -90,11 +115,11 @@ class DeviceRegions:
         """Copy region ``unit``'s bytes ``byte_range`` into the same bytes of ``buf`` on the D2H stream."""
         lo, hi = self._range(unit, buf, byte_range)
         last = self.last_write(unit)
-        if last is not None:
-            last.result()  # the streams are not ordered with each other: the unit's last write lands first
         memory = self._memory[unit]
         assert memory is not None
-        copy = self._copies.to_host(memory[lo:hi], buf.view(torch.uint8, hi - lo, lo))
+        # ordering: after the H2D copy that produced these bytes (the unit's last write: the H2D stream
+        # runs in order), on the device; none yet: the compute stream's point now
+        copy = self._copies.to_host(memory[lo:hi], buf.view(torch.uint8, hi - lo, lo), after=last)
         with self._lock:
             self._reads.setdefault(unit, []).append(copy)
         return copy
@@ -135,3 +160,4 @@ class DeviceRegions:
         with self._lock:
             self._last_write.clear()
             self._reads.clear()
+            self._readers_done.clear()

@@ -7,9 +7,10 @@ order), or the step waits for the global norm, the accumulator waits on the ``gr
 
 Device tier (``copies``): the accumulator lives in device memory instead, on the compute stream, and
 leaves it once per window (vertical order): :meth:`take` copies it into a host staging handle on the
-D2H stream; the handle tracks the copy, and whoever reads it (the step job, a write to the tier) waits
-for it first (``wait_reads``). A spilled accumulator comes back with an H2D copy the compute stream
-waits for.
+D2H stream, ordered after the op that produced it (the last add's point on the compute stream, or the
+collective's event); the handle tracks the copy, and whoever reads it (the step job, a write to the tier)
+waits for it first (``wait_reads``). A spilled accumulator comes back with an H2D copy into new memory of
+the H2D stream's (it waits for no queued compute), which the compute stream waits for.
 
 Threads: the training thread, and on CUDA autograd's device thread, which runs the hooks while the
 training thread waits in ``backward()`` (that call is the hand-over). A handle taken with :meth:`take`
@@ -125,12 +126,13 @@ class GradientAccumulator:
         if flat is not None:
             return flat
         numel = self._state.units[u].numel
-        flat = self._copies.empty(numel, torch.float32)
         if u in self._spilled:
             self._spilled.discard(u)
             held = self._arena.stage(TensorKind.GRADIENTS, u, read=True)
             try:
-                copy = self._copies.to_device(held.view(torch.float32, numel), flat)
+                # new memory of the H2D stream's: the copy waits for no queued compute (the adds before it
+                # went into the accumulator taken when it spilled)
+                flat, copy = self._copies.to_new_device(held.view(torch.float32, numel))
                 held.track_write(copy)  # the host bytes stay until the copy is done
                 self._copies.wait(copy)  # hand-over: the H2D stream -> the compute stream's next add
             finally:
@@ -138,6 +140,7 @@ class GradientAccumulator:
                 # it here (a host wait, in the horizontal order and deferred clipping only)
                 held.release()
         else:
+            flat = self._copies.empty(numel, torch.float32)  # (the compute stream's: it writes it first)
             self._has_grad[u] = [False] * len(self._state.units[u].params)  # (not zeroed: see _complete)
         self._on_device[u] = flat
         return flat
@@ -190,9 +193,12 @@ class GradientAccumulator:
             host = held.view(torch.float32, numel)
             host[:lo].zero_()
             host[lo + flat.numel():].zero_()
-            # ordered after the compute stream's last add into ``flat`` (and the collective on it); the
-            # device memory goes back to the compute stream's allocator here, the copy's stream recorded
-            held.track_read(self._copies.to_host(flat, host[lo : lo + flat.numel()], after=after))
+            # ordering: the copy follows the op that produced ``flat``, no later one: the collective on it
+            # (its stream's event), else the compute stream's point now, right after the last add (and
+            # _complete's zeroing) were enqueued. The device memory goes back to its allocator here, the
+            # copy's stream recorded on it
+            produced = after if after is not None else self._copies.compute_event()
+            held.track_read(self._copies.to_host(flat, host[lo : lo + flat.numel()], after=produced))
         except BaseException:
             held.release()
             raise

@@ -14,16 +14,21 @@ training thread reads the prefetch table for a unit only once the gate shows the
 Device tier (``copies``: a GPU, or the simulated device). The staged host weights stay the unit's host
 handle exactly as above (the step job still takes it over); the compute weights the parameters are
 bound to are a device copy of them, made on the H2D stream (:meth:`acquire`) or ahead of need
-(:meth:`prefetch`, once the host bytes are in). The host handle tracks that copy, so it is changed or
-given back only once the copy is done; the compute stream waits for the copy's event before the
-unit's first op. Device memory is the compute stream's (see :class:`~lightning_greedysnake.offload.
-device.CudaCopies`); ``_on_device`` and ``_device_prefetch`` belong to the training thread.
+(:meth:`prefetch`, once the host bytes are in), into new memory of the H2D stream's, so the copy waits
+for none of the ops queued on the compute stream (see :mod:`~lightning_greedysnake.offload.device`). The
+host handle tracks that copy, so it is changed or given back only once the copy is done; the compute
+stream waits for the copy's event before the unit's first op, and the memory goes back to the allocator
+after the compute stream's uses (recorded on it); ``_on_device`` and ``_device_prefetch`` belong to the
+training thread.
 
 Device-resident weights (``offload.weights='device'`` on a device tier): the unit's compute weights
 live in device memory for the whole run (:class:`~lightning_greedysnake.offload.device_regions.
 DeviceRegions`); acquiring binds the parameters to them once the gate shows the unit current and the
 compute stream waits for the step's last H2D copy into them. Nothing is staged, prefetched or donated:
-the step stages its own copy on the host.
+the step stages its own copy on the host. The hand-over the other way: before the unit's step is
+submitted (:meth:`drop_prefetch`) the training thread records an event on the compute stream after its
+last read of them, which the step's H2D writes wait for (and nothing queued after it); acquiring the unit
+again forgets that event (compute reads them again).
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ class WeightsResidency:
         if self._arena.regions.on_device(TensorKind.WEIGHTS, unit):
             assert self._copies is not None
             flat, last_write = self._arena.device_tensor(TensorKind.WEIGHTS, unit, self.compute_dtype)
+            self._arena.device_readers(TensorKind.WEIGHTS, unit, done=False)  # compute reads them from now on
             if last_write is not None:
                 self._copies.wait(last_write)  # hand-over: the step's H2D copy -> the compute stream
             self._held[unit] = None
@@ -150,8 +156,9 @@ class WeightsResidency:
         ``held`` tracks the copy (its bytes must not change, nor it be given back, before it is done)."""
         assert self._copies is not None
         numel = self._state.units[unit].numel
-        flat = self._copies.empty(numel, self.compute_dtype)
-        copy = self._copies.to_device(held.view(self.compute_dtype, numel), flat)
+        # new memory of the H2D stream's: a prefetch waits for none of the ops queued on the compute stream
+        # (it overlaps them); the compute stream waits for the copy at acquisition
+        flat, copy = self._copies.to_new_device(held.view(self.compute_dtype, numel))
         held.track_write(copy)
         return flat, copy
 
@@ -223,7 +230,12 @@ class WeightsResidency:
 
     def drop_prefetch(self, unit: int) -> None:
         """Forget ``unit``'s prefetch (its step is about to change the weights); the buffer comes back
-        once the read is done."""
+        once the read is done. Device-resident weights: every compute read of them in this window is
+        enqueued by now (training thread, before the step is submitted): the event recorded here is what
+        the step's H2D writes into them wait for, not the compute stream's later work."""
+        if self._arena.regions.on_device(TensorKind.WEIGHTS, unit):
+            self._arena.device_readers(TensorKind.WEIGHTS, unit, done=True)
+            return
         with self._lock:
             held = self._prefetched.pop(unit, None)
         self._device_prefetch.pop(unit, None)  # (its copy is tracked by ``held``)

@@ -336,6 +336,16 @@ class StagingArena:
         index = self.slots.index(kind, u)
         return regions.tensor(index, dtype, self.state.units[u].numel), regions.last_write(index)
 
+    def device_readers(self, kind: TensorKind, u: int, *, done: bool) -> None:
+        """Unit ``u``'s device-resident regions of ``kind`` (every slot): the compute stream starts
+        reading them (``done=False``, at acquisition), or every read of them is enqueued (``done=True``,
+        before the unit's step is submitted; the event recorded now is what the step's H2D writes into
+        them wait for). Training thread."""
+        regions = self.regions.of(kind, u)
+        assert isinstance(regions, DeviceRegions)
+        indices = {self.slots.index(kind, u), self.slots.index(kind, u, next_slot=True)}
+        regions.readers(indices, done)
+
     # -- staging (any thread; each handle then belongs to the caller) ---------------------------------
     def stage(self, kind: TensorKind, u: int, *, read: bool, label: str | None = None,
               ranges: list[tuple[int, int]] | None = None, wait: bool = True) -> Staged:

@@ -25,11 +25,14 @@ from tests.integration.test_equivalence import assert_matches, reference, run
 
 class DeviceTierSeen(L.Callback):
     """Records, during training, that the parameters were bound to device memory (not to the host
-    staging buffers) and how many copies the device tier made."""
+    staging buffers) and how many copies the device tier made; at the end, the copies that waited for
+    the compute stream and how activation checkpoints came back to the device."""
 
     def __init__(self) -> None:
         self.copies: SimulatedCopies | None = None
         self.bound_to_device: list[bool] = []
+        self.compute_waits: dict[str, int] = {}
+        self.checkpoint_loads: dict[str, int] = {}
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         manager = trainer.strategy.tensor_manager
@@ -45,6 +48,11 @@ class DeviceTierSeen(L.Callback):
             host_ptrs = range(host.buf.tensor.data_ptr(), host.buf.tensor.data_ptr() + host.buf.nbytes)
             self.bound_to_device.append(all(p.data_ptr() not in host_ptrs for p in weights.params[unit]))
 
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        assert self.copies is not None
+        self.compute_waits = dict(self.copies.compute_waits)
+        self.checkpoint_loads = dict(self._manager.activations.device_loads)
+
 
 @pytest.fixture
 def simulated(monkeypatch):
@@ -59,6 +67,10 @@ PLACEMENTS = {
     "split": {"weights": {"host": 0.5, "ssd": 0.5}, "optimizer_states": {"host": 0.5, "ssd": 0.5}},
 }
 
+CHECKPOINTS_ON = {"ssd": "host", "host": "device", "ssd-everything": "ssd", "host-weights-ssd-state": "host",
+                  "split": "host"}
+"""Where each placement keeps the activation checkpoints."""
+
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
@@ -70,6 +82,17 @@ def test_the_device_tier_matches_lightning(simulated, placement, schedule):
     assert_matches(got, ref)
     assert seen.copies is not None and seen.copies.counts.copies > 0
     assert seen.bound_to_device and all(seen.bound_to_device)
+    # no H2D copy waited for the compute stream (none of these placements keeps weights on the device,
+    # whose writes wait for the event after their last read): prefetches overlap the ops queued before
+    assert seen.compute_waits.get("h2d", 0) == 0, seen.compute_waits
+    # activation checkpoints come back one op ahead of the op that loads them: always from host memory,
+    # from SSD where the read-ahead found room and the checkpoint's write was done
+    tier = CHECKPOINTS_ON[placement]
+    if tier == "host":
+        loads = seen.checkpoint_loads
+        assert loads["just_in_time"] == 0 and loads["ahead"] > 0, loads
+    elif tier == "ssd":
+        assert seen.checkpoint_loads["ahead"] > 0, seen.checkpoint_loads
 
 
 @pytest.mark.parametrize(("alpha", "lag"), [(0.0, 0), (0.5, 2)])

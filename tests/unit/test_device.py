@@ -244,6 +244,119 @@ def test_a_copy_after_another_streams_work_waits_for_it_and_copies_nan_if_not():
         copies.close()
 
 
+# -- the two-engine time model: a copy waits for its events, not for the compute queued before it --------
+N_QUEUED = 8
+OP_S = 1e-3
+"""Compute ops queued ahead of a copy, and each one's simulated duration (a copy of a few KB: a few us)."""
+
+
+@pytest.fixture
+def timed():
+    """The simulated device with deterministic copy durations (no random delay: the timeline is exact)."""
+    c = SimulatedCopies(max_delay_s=0.0, seed=0, bytes_per_s=1e9, latency_s=1e-6)
+    yield c
+    c.close()
+
+
+def test_an_h2d_prefetch_issued_behind_queued_compute_finishes_before_it(timed):
+    """A weights prefetch (or a checkpoint's load) issued while N ops are queued on the compute stream runs
+    on the copy engine beside them: done before the first of them is. Copies that waited for the whole
+    compute stream (the old rule) ran after the N ops, and the op that needs the copy stalled."""
+    queued = [timed.queue_compute(OP_S, f"op {i}") for i in range(N_QUEUED)]
+    src = host(timed, torch.arange(1000.0))
+    dst, copy = timed.to_new_device(src)
+    assert copy.event.at < queued[0].at  # (the old rule: after queued[-1])
+    timed.wait(copy)
+    timed.queue_compute(OP_S, "the op that uses it")
+    assert timed.compute_stalled_s == 0.0 and torch.equal(dst, src)
+    assert timed.compute_waits["h2d"] == 0
+
+
+def test_a_d2h_copy_waits_for_the_op_that_produced_its_source_not_the_ops_after_it(timed):
+    """A gradient or checkpoint leaves the device once the op producing it is done, while later ops run."""
+    src = timed.empty(1000, torch.float32).copy_(torch.arange(1000.0))  # (the host ran the producing op)
+    produced = timed.queue_compute(OP_S, "the producing op")
+    after = [timed.queue_compute(OP_S, f"op {i}") for i in range(N_QUEUED)]
+    out = timed.empty_host(1000, torch.float32)
+    copy = timed.to_host(src, out, after=produced)
+    assert produced.at <= timed.timeline[-1].start and copy.event.at < after[0].at
+    copy.result()
+    assert torch.equal(out, torch.arange(1000.0))
+
+
+def test_a_write_of_resident_weights_waits_for_their_last_read_only(timed):
+    """A step's H2D copy into a device-resident weights region follows the event recorded after the
+    compute stream's last read of it (before the step was submitted), and runs beside the ops queued
+    after that; a D2H read of the region follows the write that produced its bytes, on the device."""
+    from lightning_greedysnake.offload.device_regions import DeviceRegions
+
+    regions = DeviceRegions("weights", [4096], timed)
+    buf = AlignedBuffer(4096)
+    buf.pin(timed.pin, timed.unpin)
+    back = AlignedBuffer(4096)
+    back.pin(timed.pin, timed.unpin)
+    try:
+        regions.readers({0}, done=False)  # acquired: the unit's backward reads it
+        last_read = timed.queue_compute(OP_S, "backward of the unit")
+        regions.readers({0}, done=True)  # the step is submitted
+        later = [timed.queue_compute(OP_S, f"op {i}") for i in range(N_QUEUED)]  # the rest of backward
+        buf.view(torch.float32, 1024).copy_(torch.arange(1024.0))
+        write = regions.submit_write(0, buf)
+        assert last_read.at <= write.event.at < later[0].at  # (the old rule: after later[-1])
+        read = regions.submit_read(0, back)
+        assert write.event.at < read.event.at < later[0].at
+        read.result()
+        assert torch.equal(back.view(torch.float32, 1024), torch.arange(1024.0))
+    finally:
+        regions.close()
+        buf.close()
+        back.close()
+
+
+def test_a_host_checkpoint_is_copied_back_one_op_ahead_of_the_op_that_loads_it(timed):
+    """The engine hints the next op's checkpoint before the current op's compute is enqueued: its H2D copy
+    is issued then (after the D2H copy that saved it, on the device), overlaps the current op, and the
+    op that loads it waits for nothing."""
+    from lightning_greedysnake.config import OffloadConfig
+    from lightning_greedysnake.offload.activations import ActivationStore
+    from lightning_greedysnake.offload.stats import IOStats
+
+    config = OffloadConfig.everywhere("host")
+    store = ActivationStore(None, config, IOStats(), timed)  # type: ignore[arg-type]  # (host: no staging)
+    hidden = timed.empty(1000, torch.float32).copy_(torch.arange(1000.0))  # unit 0's output: unit 1's input
+    timed.queue_compute(OP_S, "F 0.0")
+    store.save(1, 0, hidden)
+    store.release(1, 0)  # after F 1.0: device memory gone, the host copy stays for backward
+    for i in range(N_QUEUED):
+        timed.queue_compute(OP_S, f"the rest of the window, op {i}")
+    store.prefetch(1, 0)  # before B 2.0's compute (the op before B 1.0)
+    current = timed.queue_compute(OP_S, "B 2.0")
+    loaded = store.load(1, 0)  # B 1.0
+    timed.queue_compute(OP_S, "B 1.0")
+    labels = [span.label for span in timed.timeline]
+    h2d = next(span for span in timed.timeline if span.stream == "h2d")
+    assert labels.index(h2d.label) < labels.index("B 2.0")  # issued one op ahead
+    assert h2d.end < current.at and timed.compute_stalled_s == 0.0
+    assert store.device_loads == {"ahead": 1, "just_in_time": 0}
+    assert torch.equal(loaded, torch.arange(1000.0))
+    store.drop(1, 0)
+
+
+def test_an_h2d_copy_that_waits_for_nothing_must_write_fresh_memory(timed):
+    """Where CUDA would let such a copy overwrite memory under a queued kernel, the simulator refuses it:
+    only memory from empty_for_h2d, and only once, is written with no event to wait for."""
+    from lightning_greedysnake.offload.device import FRESH, UnorderedDeviceWriteError
+
+    src = host(timed, torch.ones(16))
+    with pytest.raises(UnorderedDeviceWriteError, match="waits for no compute event"):
+        timed.to_device(src, timed.empty(16, torch.float32), after=FRESH)  # the compute stream's memory
+    fresh = timed.empty_for_h2d(16, torch.float32)
+    timed.to_device(src, fresh, after=FRESH).result()
+    with pytest.raises(UnorderedDeviceWriteError):
+        timed.to_device(src, fresh, after=FRESH)  # filled once: the compute stream may be reading it now
+    timed.to_device(src, fresh, after=timed.compute_event()).result()  # after its last use: fine
+
+
 # -- CUDA copies, run on the CPU against a recording stand-in for torch.cuda ------------------------------
 class _FakeEvent:
     made: list[_FakeEvent] = []
@@ -265,13 +378,13 @@ class _FakeEvent:
 
 class _FakeStream:
     def __init__(self, device: object = None) -> None:
-        pass
+        self.waited: list[object] = []
 
     def wait_stream(self, other: object) -> None:
-        pass
+        self.waited.append(other)
 
     def wait_event(self, event: object) -> None:
-        pass
+        self.waited.append(event)
 
 
 @pytest.fixture
@@ -283,7 +396,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    _FakeEvent.recorded_streams = []
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: _FakeEvent.recorded_streams.append((self.data_ptr(), stream)))
     return _FakeEvent
 
 
@@ -302,3 +417,26 @@ def test_cuda_copy_completions_block_in_the_driver_instead_of_spinning(fake_cuda
     # a default event's synchronize spins a core per copy in flight; a blocking one sleeps
     assert all(e.blocking for e in waited)
     assert {name for e in waited for name in e.synchronized_on} == {"greedysnake-h2d-events", "greedysnake-d2h-events"}
+
+
+def test_cuda_copies_wait_for_their_events_only(fake_cuda):
+    """The CUDA path of the rule: a prefetch's copy stream waits for nothing (its memory is allocated for
+    it, and recorded on the compute stream that uses it); a D2H copy for the event after the producing
+    op; a write of used memory for the event that freed it. Never the compute stream itself."""
+    from lightning_greedysnake.offload.device import CudaCopies
+
+    copies = CudaCopies(torch.device("cpu"))
+    try:
+        dst, copy = copies.to_new_device(torch.arange(8.0))
+        assert copies.h2d.waited == []
+        assert (dst.data_ptr(), copies.compute) in fake_cuda.recorded_streams  # freed after compute's uses
+        produced = copies.compute_event()
+        copies.to_host(dst, torch.empty(8), after=produced).result(timeout=5)
+        assert copies.d2h.waited == [produced]
+        freed = copies.compute_event()
+        copies.to_device(torch.ones(8), copies.empty(8, torch.float32), after=freed).result(timeout=5)
+        assert copies.h2d.waited == [freed]
+        copy.result(timeout=5)
+        assert copies.compute not in copies.h2d.waited + copies.d2h.waited
+    finally:
+        copies.close()
