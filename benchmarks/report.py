@@ -270,6 +270,14 @@ SECTIONS: tuple[Section, ...] = (
                                          "at the probed speeds, every element at the optimizer's kernel rate); "
                                          "the disk's busy fraction and bandwidth while busy, the queue depth, the "
                                          "lane's CPU seconds apart from its waits on reads."),
+         Result("compare_issue54_v2_seq32", "Issue 54 after the double-buffered staging of `auto=False` and the "
+                                            "deferred parts read on the lane (5415b48, 6641462), at 418287b "
+                                            "against df7c63f, bf16-mixed, sequence 32, three rounds alternating, "
+                                            "with `lightning_auto`: `vs_limit` and `roofline_s` are the physical "
+                                            "terms only (the same round's `gs_default` step, the I/O counters' "
+                                            "bytes at the probed speeds, the optimizer's kernel rate)."),
+         Result("compare_issue54_v2_seq128", "The same at sequence 128, 418287b, three rounds alternating (no "
+                                             "baseline tree: the session's time)."),
          Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
                                                  "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
                                                  "Muon) against the element-wise path (`gs_vertical`), every kind "
