@@ -17,7 +17,7 @@ from lightning_greedysnake.offload.device import SIMULATE_ENV
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.planner import measure
 from lightning_greedysnake.planner.threads import optimizer_threads
-from lightning_greedysnake.strategy import run as run_module
+from lightning_greedysnake.strategy import setup_context
 from lightning_greedysnake.strategy.planning import planner, unit_size
 from tests.integration.test_equivalence import run
 
@@ -64,7 +64,7 @@ class LaneThreads(L.Callback):
 
 @pytest.fixture
 def sixteen_cores(monkeypatch):
-    monkeypatch.setattr(run_module, "available_cores", lambda: CORES)
+    monkeypatch.setattr(setup_context, "available_cores", lambda: CORES)
     rates: list[int | None] = []
     real = measure.optimizer_rate
 
