@@ -145,7 +145,8 @@ SECTIONS: tuple[Section, ...] = (
         "Every kind on SSD for both systems. `gs_vertical` is `auto=False` (ZeRO-Infinity's placement, the fixed "
         "alpha, lag, recompute and the automatic staging budget); `gs_auto` plans the rest over the same "
         "placement; `lightning_auto` is Lightning's default strategy in memory, for reference. "
-        "`fraction_of_roofline` is the planner's roofline over the measured step.",
+        "`fraction_of_roofline` here is the planner's roofline (its compute measured inside the SSD run) over the "
+        "measured step; from `compare_issue54_v2` on, `compare.py` writes the physical limit there instead.",
         (Result("compare_seq128_v3", "Sequence 128, K=8, bf16-mixed."),
          Result("compare_seq32_v3", "Sequence 32, K=8, where a micro-batch's weight traffic outweighs its "
                                     "compute.")),

@@ -55,7 +55,7 @@ class PartStepper:
         self.read_ahead_by_unit: dict[int, int] = {}
         """Per unit, its steps (first parts) that found their reads done (likewise)."""
 
-    # -- read-ahead (training thread; the lane for part 1) ----------------------------------------------------------------------
+    # -- read-ahead (training thread; the lane for part 1) ---------------------------------------------------
     def read_ahead(self, unit: int, unit_need_bytes: int, last: bool = True, part: int = 0) -> bool:
         """Read ``unit``'s master weights and optimizer state for its coming step of ``part`` (that part's
         range) where they live on SSD and the budget allows, all or nothing: half a read-ahead would
