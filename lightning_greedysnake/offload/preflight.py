@@ -27,11 +27,13 @@ def disk_free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def human_bytes(nbytes: int) -> str:
+def human_bytes(nbytes: int, decimals: int = 1) -> str:
+    """``nbytes`` in the largest binary unit under 1024 of it; ``decimals`` where a sum of rounded terms must
+    still add up (the peak: 1.23 GiB, not 1.2 GiB, when its terms are 1.20 GiB and 31.2 MiB)."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+            return f"{value:.{decimals}f} {unit}" if unit != "B" else f"{int(value)} B"
         value /= 1024
     raise AssertionError
 
