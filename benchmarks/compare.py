@@ -46,10 +46,12 @@ optimizer state on NVMe), the peer of greedysnake with its state on SSD; ``deeps
 both in host memory (ZeRO-Offload), the peer of greedysnake with its state in RAM (the defaults where the
 host budget holds the model's state)."""
 
-SYSTEMS = ["gs_vertical", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
+SYSTEMS = ["gs_vertical", "gs_vertical_ram", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
            "gs_auto_ssd_bf16_state", "gs_vertical_whole", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
-placement, every kind on SSD, alpha 0.25, lag 2); ``gs_planned``: it with the planner's choice, planned
+placement, every kind on SSD, alpha 0.25, lag 2); ``gs_vertical_ram``: the same fixed settings with every
+kind in RAM (the same schedule, recompute, lag and lane without the disk: the step and the lane's CPU that
+``gs_vertical``'s are set against, ``vs_same_in_ram`` and ``lane_cpu_vs_ram``); ``gs_planned``: it with the planner's choice, planned
 from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
 (``auto=True``: placement planned at setup, the rest after the second step) with ``--host-budget-gb``;
 ``gs_auto_ssd``: the defaults with every kind on SSD (ZeRO-Infinity's placement given explicitly; the
@@ -155,6 +157,8 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     if system in ("gs_auto_ssd", "gs_auto_ssd_bf16_state"):
         settings = {"offload": {kind: "ssd" for kind in ("weights", "master_weights", "optimizer_states", "gradients")}}
         offload.pop("buffer_budget_bytes")
+    if system == "gs_vertical_ram":
+        settings = {"auto": False, "offload": {kind.value: "host" for kind in TensorKind}}
     if system == "gs_default":
         settings = {}
         offload.pop("buffer_budget_bytes")
@@ -270,7 +274,8 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str | None = None) -> None:
     """Each row's ratios against the rows of its K and round (the medians against the medians): tokens/s
     against each DeepSpeed peer (``vs_deepspeed``, ``vs_deepspeed_cpu``) and, for greedysnake's rows,
     against Lightning in memory (``vs_lightning_auto``) and the baseline tree (``vs_baseline``); step time
-    against the vertical and RAM presets; the roofline's fraction of the step."""
+    against the vertical and RAM presets; the roofline's fraction of the step; for ``gs_vertical``'s kin,
+    step and lane CPU against the same settings in RAM (``gs_vertical_ram``)."""
     for row in rows:
         same_k = {r["system"]: r for r in rows if r["k"] == row["k"] and r.get("round") == row.get("round")}
         for peer in DEEPSPEED:
@@ -302,6 +307,21 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str | None = None) -> None:
             row["vs_limit"] = round(row["step_s"] / terms[binds], 3)
             row["fraction_of_roofline"] = round(terms[binds] / row["step_s"], 3)
             row["binds"] = binds
+        same = same_k.get("gs_vertical_ram")
+        if row["system"] in AUTO_FALSE_ON_SSD and same is not None:
+            # against the same fixed settings in RAM: the same compute (recompute included), lane and lag, so
+            # what remains is the disk's cost; the lane's CPU seconds against the same jobs without reads
+            row["vs_same_in_ram"] = round(row["step_s"] / same["step_s"], 3)
+            if row.get("disk_s"):
+                row["vs_limit_same_schedule"] = round(row["step_s"] / max(same["step_s"], row["disk_s"],
+                                                                           row.get("optimizer_s", 0.0)), 3)
+            if same.get("optimizer_cpu_s"):
+                row["lane_cpu_vs_ram"] = round(row["optimizer_cpu_s"] / same["optimizer_cpu_s"], 3)
+
+
+AUTO_FALSE_ON_SSD = ("gs_vertical", "gs_bf16_state", "gs_8bit_state", "gs_vertical_whole")
+"""The systems with ``gs_vertical``'s fixed settings and every kind on SSD: ``gs_vertical_ram`` is their
+same-schedule reference in RAM."""
 
 
 def main() -> None:
@@ -378,7 +398,8 @@ def main() -> None:
         rows = _medians(rows) + rows
     add_ratios(rows, args.baseline)
     print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_deepspeed_cpu",
-                       "vs_lightning_auto", "vs_baseline", "vs_limit", "binds", "disk_busy_fraction", "read_GBps_busy",
+                       "vs_lightning_auto", "vs_baseline", "vs_limit", "binds", "vs_same_in_ram",
+                       "vs_limit_same_schedule", "lane_cpu_vs_ram", "disk_busy_fraction", "read_GBps_busy",
                        "write_GBps_busy", "queue_depth", "optimizer_cpu_s", "optimizer_read_wait_s",
                        "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
     out = Path(args.out)
