@@ -22,9 +22,9 @@ fixed settings until ``auto=True``'s plan after step 2, and the step after the p
 Writes a table, ``benchmarks/results/compare.json`` and a plot of tokens/s against K per system with
 greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench]``): of physical terms only,
 max(the same round's ``gs_default`` step: compute with every kind in RAM; the I/O counters' bytes over the
-probed bandwidths, reads and writes added; the parameters over the optimizer's kernel rate), in ``roofline_s``
-(= ``limit_s``), the step's multiple of it (``vs_limit``), its fraction (``fraction_of_roofline``) and the term
-that binds (``binds``), for every row with SSD traffic when ``gs_default`` ran in the same round.
+probed bandwidths (probed again before each round), reads and writes added; the parameters over the
+optimizer's kernel rate), in ``roofline_s`` (= ``limit_s``), the step's multiple of it (``vs_limit``), its
+fraction (``fraction_of_roofline``) and the term that binds (``binds``), for every row with SSD traffic when ``gs_default`` ran in the same round.
 """
 
 from __future__ import annotations
@@ -350,6 +350,7 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(child(args), default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
         return
+    from lightning_greedysnake.planner.measure import disk_bandwidth
     from _common import (
         MODEL_FLAGS,
         baseline_tree,
@@ -372,6 +373,11 @@ def main() -> None:
         try:
             for k in args.ks:
                 for round_ in range(args.rounds):
+                    if round_:  # a shared disk drifts 2-3x between minutes: each round's disk term at the
+                        # speed probed right before it (the children compute disk_s from these flags)
+                        args.read_bps, args.write_bps = disk_bandwidth(Path(tmp), repeats=3)
+                        print(f"  disk before round {round_}: read {args.read_bps / 1e9:.2f} GB/s, write "
+                              f"{args.write_bps / 1e9:.2f} GB/s", file=sys.stderr)
                     # each round starts one system later: no system always runs first in a round (after the
                     # disk probe) or right after the same neighbour (a process that freed gigabytes, or
                     # DeepSpeed's): a slot's bias lands on every system alike
@@ -387,7 +393,8 @@ def main() -> None:
                             if system == "gs_planned":
                                 extra_flags += ["--plan", json.dumps(_plan_for(rows, args, k))]
                             row = run_child(__file__, f"{system}:{k}", args, flags, extra_flags, package_root=root)
-                            row.update(system=label, seq=args.seq, round=round_)
+                            row.update(system=label, seq=args.seq, round=round_,
+                                       probe_GBps=[round(args.read_bps / 1e9, 3), round(args.write_bps / 1e9, 3)])
                             rows.append(row)
                             print(f"  done {label} K={k} round {round_}: {row['tokens_per_s']} tokens/s",
                                   file=sys.stderr)
