@@ -24,7 +24,8 @@ greedysnake vertical's roofline (``compare.png``, needs ``pip install -e .[bench
 max(the same round's ``gs_default`` step: compute with every kind in RAM; the I/O counters' bytes over the
 probed bandwidths (probed again before each round), reads and writes added; the parameters over the
 optimizer's kernel rate), in ``roofline_s`` (= ``limit_s``), the step's multiple of it (``vs_limit``), its
-fraction (``fraction_of_roofline``) and the term that binds (``binds``), for every row with SSD traffic when ``gs_default`` ran in the same round.
+fraction (``fraction_of_roofline``) and the term that binds (``binds``), for every row with SSD traffic
+when ``gs_default`` ran in the same round.
 """
 
 from __future__ import annotations
