@@ -16,15 +16,12 @@ so does every save.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_greedysnake.checkpoint import CheckpointError, is_checkpoint_dir
-from lightning_greedysnake.checkpoint.plain import plain_checkpoint
-from lightning_greedysnake.strategy.checkpoints import resume_path
+from lightning_greedysnake.strategy.checkpoints import LIGHTNING, resume_path
 
 
 class GreedySnakeCheckpointIO(TorchCheckpointIO):
@@ -34,10 +31,5 @@ class GreedySnakeCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Callable | None = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
         path = resume_path(path)  # a directory whose first save was killed: refused naming the fixes
-        if is_checkpoint_dir(path):
-            return plain_checkpoint(path)
-        if Path(path).is_dir():
-            raise CheckpointError(
-                f"ckpt_path={str(path)!r} is a directory but not a greedysnake checkpoint (no CURRENT file). "
-                "Fix: pass a checkpoint file, or the NAME.ckpt directory a greedysnake run's ModelCheckpoint wrote.")
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return LIGHTNING.load(path, lambda: super(GreedySnakeCheckpointIO, self).load_checkpoint(
+            path, map_location=map_location, weights_only=weights_only))

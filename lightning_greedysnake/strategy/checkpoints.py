@@ -64,7 +64,7 @@ class CheckpointSeam:
         lightning(checkpoint, filepath, storage_options)
 
     def load(self, path: Any, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        return plain_checkpoint(path) if is_checkpoint_dir(path) else lightning()
+        return load_path(path, plain_checkpoint, lightning)
 
     def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
                    lightning: Callable[[Mapping[str, Any], bool], None]) -> None:
@@ -77,6 +77,22 @@ class CheckpointSeam:
     def load_optimizer(self, optimizer: Any, checkpoint: Mapping[str, Any],
                        lightning: Callable[[Mapping[str, Any]], None]) -> None:
         lightning(checkpoint)
+
+
+def load_path(path: Any, read_directory: Callable[[Any], dict[str, Any]],
+              lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The one way a checkpoint path (after :func:`resume_path`) is loaded, by the strategy and by
+    :class:`~lightning_greedysnake.strategy.checkpoint_io.GreedySnakeCheckpointIO`: a greedysnake directory
+    by ``read_directory`` (streamed into a run's tensor manager, or gathered in memory), any other directory
+    refused naming the fix (where ``torch.load`` would say a bare ``IsADirectoryError``), a file by
+    Lightning (``lightning``)."""
+    if is_checkpoint_dir(path):
+        return read_directory(path)
+    if "://" not in str(path) and Path(path).is_dir():
+        raise CheckpointError(
+            f"ckpt_path={str(path)!r} is a directory but not a greedysnake checkpoint (no CURRENT file). "
+            "Fix: pass a checkpoint file, or the NAME.ckpt directory a greedysnake run's ModelCheckpoint wrote.")
+    return lightning()
 
 
 def _source(module: Any) -> Any:
@@ -252,7 +268,7 @@ class StreamedCheckpoints(CheckpointSeam):
                                          version=version, previous=None if manager.shard else self._last_saved)
 
     def load(self, path: Any, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        return load_streamed(path) if is_checkpoint_dir(path) else lightning()
+        return load_path(path, load_streamed, lightning)
 
     def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
                    lightning: Callable[[Mapping[str, Any], bool], None]) -> None:

@@ -299,7 +299,8 @@ def test_export_to_a_plain_lightning_checkpoint_resumes_under_the_default_strate
 
 def test_the_checkpoint_io_plugin_resumes_a_directory_under_the_default_strategy(tmp_path):
     """``Trainer(strategy="auto", plugins=[GreedySnakeCheckpointIO()])`` resumes from the directory itself
-    (no export step) where greedysnake resumes; a directory that is no checkpoint is refused with the fix."""
+    (no export step) where greedysnake resumes; a directory that is no checkpoint is refused with the fix, by
+    the plugin and by greedysnake alike."""
     _fit(GreedySnakeStrategy(auto=False), tmp_path / "g", max_epochs=1)
     ckpt = str(tmp_path / "g" / "last.ckpt")
     plugin = {"plugins": [GreedySnakeCheckpointIO()]}
@@ -313,3 +314,6 @@ def test_the_checkpoint_io_plugin_resumes_a_directory_under_the_default_strategy
     with pytest.raises(CheckpointError, match=r"is a directory but not a greedysnake checkpoint.*Fix"):
         make_trainer("auto", 3, max_epochs=3, default_root_dir=tmp_path / "c", **plugin).fit(
             TinyGPTModule(lr=3e-3), token_loader(BATCHES), ckpt_path=str(tmp_path / "empty"))
+    # greedysnake itself loads a path the same one way (strategy/checkpoints.py load_path): the same refusal
+    with pytest.raises(CheckpointError, match=r"is a directory but not a greedysnake checkpoint.*Fix"):
+        _fit(GreedySnakeStrategy(auto=False), tmp_path / "d", ckpt_path=str(tmp_path / "empty"))
