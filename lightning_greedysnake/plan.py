@@ -12,18 +12,23 @@ measurements, the choice as a table, and the settings to pass to ``GreedySnakeSt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 
+from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.engine import SavedBytes
-from lightning_greedysnake.models import GPT, GPTConfig
+from lightning_greedysnake.models import GPT, GPTConfig, make_units
+from lightning_greedysnake.models.adapters import chain_of
 from lightning_greedysnake.planner import Machine, UnitCost, plan
 from lightning_greedysnake.planner.measure import available_cores, disk_bandwidth, optimizer_rate
 from lightning_greedysnake.planner.plan import merge
 from lightning_greedysnake.planner.threads import optimizer_threads
 from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size
+from lightning_greedysnake.strategy.planning.placement import planned_costs
+from lightning_greedysnake.tensor_manager import state_layout
 
 
 def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype, repeats: int = 3
@@ -48,6 +53,24 @@ def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtyp
     return fwd, bwd, counter.nbytes
 
 
+def gpt_costs(config: GPTConfig, dtype: torch.dtype, forward_s: float, backward_s: float, activation_bytes: int
+              ) -> list[UnitCost]:
+    """The cost model's units (one block each, every kind on SSD) of the GPT as the tensor manager lays it
+    out (the strategy's own :func:`~lightning_greedysnake.tensor_manager.state_layout` of the model built on
+    the meta device, AdamW's state: the embedding in the first unit, the head in the last), with each
+    block's measured times."""
+    with torch.device("meta"):
+        model = GPT(config)
+    chain = chain_of(model)
+    assert chain is not None
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = state_layout(make_units(chain, 1), {}, optimizer, OffloadConfig().placed(), dtype)
+    last = len(state.units) - 1
+    return [dataclasses.replace(cost, forward_s=forward_s, backward_s=backward_s, activation_bytes=activation_bytes,
+                                recompute_s=forward_s if u < last else 0.0)
+            for u, cost in enumerate(planned_costs(state, OffloadConfig().placed(), alpha=0.0, device_tier=False))]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-embd", type=int, default=1024)
@@ -69,12 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     read_bps, write_bps = disk_bandwidth(Path(args.offload_dir), nbytes=args.probe_mb << 20)
     rate = optimizer_rate(threads=optimizer_threads(available_cores(), device_tier=torch.cuda.is_available()))
     fwd, bwd, act = block_times(config, args.micro_batch, args.seq, torch.bfloat16 if bf16 else torch.float32)
-    block_params = 12 * args.n_embd**2 + 13 * args.n_embd
-    wsize = 2 if bf16 else 4
-    units = [UnitCost(fwd, bwd, weight_bytes=wsize * block_params, grad_bytes=4 * block_params,
-                      master_bytes=4 * block_params if bf16 else 0, state_bytes=8 * block_params,
-                      params=block_params, recompute_s=fwd if i < args.n_layer - 1 else 0.0,
-                      activation_bytes=act) for i in range(args.n_layer)]
+    units = gpt_costs(config, torch.bfloat16 if bf16 else torch.float32, fwd, bwd, act)
     checkpoint_bytes = args.micro_batch * args.seq * args.n_embd * (2 if bf16 else 4)
     machine = Machine(read_bps, write_bps, rate)
     budget = int(args.host_budget_gb * 2**30)

@@ -130,6 +130,33 @@ def test_the_plan_command_measures_and_prints_a_strategy(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plan_commands_units_are_the_tensor_managers(dtype, tmp_path):
+    """One unit-cost model: the plan command sizes a GPT's units as the tensor manager lays them out (the
+    embedding in the first unit, the head in the last, regions aligned), not by a formula of its own."""
+    from lightning_greedysnake import GPT, GPTConfig, OffloadConfig
+    from lightning_greedysnake.models import find_layered_model, make_units
+    from lightning_greedysnake.plan import gpt_costs
+    from lightning_greedysnake.planner.measure import unit_costs
+    from lightning_greedysnake.tensor_manager import TieredTensorStore
+
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=64, block_size=8)
+    model = GPT(config)
+    _, _, chain = find_layered_model(model)
+    manager = TieredTensorStore(make_units(chain, 1), {}, torch.optim.AdamW(model.parameters()),
+                                OffloadConfig().placed(), compute_dtype=dtype, lag=0)
+    try:
+        manager.open(tmp_path)
+        sizes = ("weight_bytes", "grad_bytes", "master_bytes", "state_bytes", "params")
+        expected = [{f: getattr(c, f) for f in sizes} for c in unit_costs(manager)]
+    finally:
+        manager.close()
+    costs = gpt_costs(config, dtype, 0.5, 1.5, 7)
+    assert [{f: getattr(c, f) for f in sizes} for c in costs] == expected
+    assert sum(c.params for c in costs) == sum(p.numel() for p in model.parameters())
+    assert [(c.forward_s, c.backward_s, c.recompute_s) for c in costs] == [(0.5, 1.5, 0.5)] * 2 + [(0.5, 1.5, 0.0)]
+
+
 def test_on_a_disk_bound_machine_deferral_only_costs_and_alpha_stays_zero():
     slow_disk = Machine(read_bytes_per_s=2e8, write_bytes_per_s=2e8, optimizer_elements_per_s=1e12)
     choice = plan(layers(), slow_disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
