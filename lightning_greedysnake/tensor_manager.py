@@ -49,7 +49,7 @@ from lightning_greedysnake.layout import (
 )
 from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload import unit_values
-from lightning_greedysnake.offload.activations import ActivationStore
+from lightning_greedysnake.offload.activations import ActivationStore, CheckpointTierPlan
 from lightning_greedysnake.offload.device import DeviceCopies, named_sync
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.offload.gradients import GradientAccumulator
@@ -127,7 +127,7 @@ class TieredTensorStore:
                  copies: DeviceCopies | None = None, loss_scaler: Any = None,
                  data_parallel: DataParallelHooks | None = None,
                  gradient_observer: Callable[[int, Tensor], None] | None = None, optimizer_threads: int = 1,
-                 checkpoint_plan: tuple[int, Callable[[str], None]] | None = None,
+                 checkpoint_plan: CheckpointTierPlan | None = None,
                  deferred_gradients_only: float | None = None, contract: OptimizerContract | None = None,
                  double_buffered: bool = False) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.

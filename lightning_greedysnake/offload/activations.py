@@ -43,6 +43,17 @@ from lightning_greedysnake.offload.stats import IOStats
 from lightning_greedysnake.offload.tiers import SSDScratch
 
 
+@dataclass(frozen=True)
+class CheckpointTierPlan:
+    """``auto=True`` with ``offload.checkpoints`` unset: the activation checkpoints' tier is decided at their
+    first save, when their size is known: host memory while a window's fit ``share_bytes``, else SSD."""
+
+    share_bytes: int
+    """Their share of the host budget (1/8 of it)."""
+    report: Callable[[str], None]
+    """Says where they went, once (rank zero's info)."""
+
+
 @dataclass
 class _OnSSD:
     offset: int
@@ -80,7 +91,7 @@ class _OnHost:
 
 class ActivationStore:
     def __init__(self, arena: StagingArena, config: OffloadConfig, stats: IOStats,
-                 copies: DeviceCopies | None = None, plan: tuple[int, Callable[[str], None]] | None = None) -> None:
+                 copies: DeviceCopies | None = None, plan: CheckpointTierPlan | None = None) -> None:
         """``plan``: ``auto=True`` with ``offload.checkpoints`` unset, their share of the host budget and
         where to report: the first save, which knows the checkpoints' size, keeps a window's checkpoints
         in host memory if they fit that share, else puts them on SSD (where the run has an offload
@@ -118,7 +129,8 @@ class ActivationStore:
 
     def _decide(self, nbytes: int) -> None:
         assert self._plan is not None
-        (share, report), self._plan = self._plan, None
+        plan, self._plan = self._plan, None
+        share, report = plan.share_bytes, plan.report
         count = self._window[0] * max(0, self._window[1] - 1)
         need = count * nbytes
         if need <= share:

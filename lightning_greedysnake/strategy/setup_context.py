@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import Unit
+from lightning_greedysnake.offload.activations import CheckpointTierPlan
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.preflight import new_owner
 from lightning_greedysnake.planner.measure import available_cores
@@ -90,7 +91,7 @@ class SetupPlan:
     config: GreedySnakeConfig
     placement: PlacementPlan | None
     units: list[Unit]
-    checkpoints: tuple[int, Callable[[str], None]] | None
+    checkpoints: CheckpointTierPlan | None
     schedule_note: str | None = None
     """Why the schedule was planned horizontal (None: not planned), said after the placement table
     (:meth:`Planner.report_setup`)."""

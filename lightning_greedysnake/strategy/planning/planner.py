@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Split, Tier
 from lightning_greedysnake.models import LayerChain, make_units
+from lightning_greedysnake.offload.activations import CheckpointTierPlan
 from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.optim.contract import OptimizerContract
@@ -152,7 +153,7 @@ class Planner:
                              clip_norm=clip_norm, device=device)
         units = make_units(chain, lpu)
         settings = dataclasses.replace(settings, layers_per_unit=lpu)
-        checkpoints = ((budget // CHECKPOINT_SHARE, ctx.report)
+        checkpoints = (CheckpointTierPlan(budget // CHECKPOINT_SHARE, ctx.report)
                        if settings.auto and settings.offload.checkpoints is None else None)
         if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
             config, note = self.scheduled(settings.resolved())
