@@ -141,12 +141,15 @@ class PartStepper:
 
     # -- stepping (the thread running the step) -------------------------------------------------------------
     def step_part(self, unit: int, part: int, grad: Tensor, weights_held: StagedBuffer | None,
-                  hyper: list[dict[str, Any]], has_grad: list[bool], reads_out: Callable[[], None] | None = None) -> None:
+                  hyper: list[dict[str, Any]], has_grad: list[bool], reads_out: Callable[[], None] | None = None,
+                  grad_reads: StagedBuffer | None = None) -> None:
         """Step part ``part`` of ``unit``. ``grad``: the unit's flat fp32 gradient; ``weights_held``: its
         compute weights still in memory (the acquired buffer; its owner gives it back), if any;
         ``reads_out``: called once this part's reads are under way and its read-ahead taken over, before
         it waits for them (the lane starts the reads of the jobs queued behind it:
-        :meth:`~lightning_greedysnake.optim.lane.StepLane.start_aheads`)."""
+        :meth:`~lightning_greedysnake.optim.lane.StepLane.start_aheads`); ``grad_reads``: the handle ``grad``
+        views, its read still in flight (a deferred part's gradient from its tier): awaited with this part's
+        own reads, given back by its owner (the caller), whatever happens here."""
         opt = self._unit_optimizers[unit]
         assert opt is not None
         lo, hi = opt.part_range(part)
@@ -208,6 +211,8 @@ class PartStepper:
             raise
         self._staging.await_reads(*owned)  # (all of them given back if a read failed)
         try:
+            if grad_reads is not None:
+                grad_reads.wait_reads()  # (issued before this part's: landed by now, as a rule)
             if weights_held is not None:
                 weights_held.wait_io()  # changed in place below: its last write-behind must be done
             mflat = master.view(torch.float32, lay.numel)

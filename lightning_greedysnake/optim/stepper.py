@@ -288,11 +288,13 @@ class UnitStepper:
                 assert opt is not None
                 lo, hi = opt.part_range(1)
                 if lo < hi:  # (a rank's chunk may end before the split: nothing deferred on this rank)
-                    held = self._staging.stage(TensorKind.GRADIENTS, unit, read=True,
+                    # the gradient's read goes out with the part's own (one wait for all: step_part)
+                    held = self._staging.stage(TensorKind.GRADIENTS, unit, read=True, wait=False,
                                                ranges=self.state.byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
                     try:
                         flat = held.view(torch.float32, self.state.units[unit].numel)
-                        self.parts.step_part(unit, 1, flat, None, hyper, has_grad, reads_out=self.lane.start_aheads)
+                        self.parts.step_part(unit, 1, flat, None, hyper, has_grad, reads_out=self.lane.start_aheads,
+                                             grad_reads=held)
                     finally:
                         held.release()
                 self._complete(unit)
