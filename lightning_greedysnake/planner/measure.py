@@ -215,8 +215,12 @@ def _optimizer_rate(numel: int, repeats: int, optimizer: Any, shape: tuple[int, 
 
 def unit_times(spans: dict[str, list[tuple[float, float, str]]], num_units: int
                ) -> tuple[list[float], list[float]]:
-    """Mean forward and backward (recompute included) seconds per micro-batch of each unit, from the
-    compute lane of a trace (op names ``F{u}.{m}``, ``B{u}.{m}``, ``L{u}.{m} forward/backward``)."""
+    """Forward and backward (recompute included) seconds per micro-batch of each unit, from the compute
+    lane of a trace (op names ``F{u}.{m}``, ``B{u}.{m}``, ``L{u}.{m} forward/backward``): the fastest of its
+    micro-batches, the op's time with nothing else on the cores. The rest are slowed by whatever ran beside
+    them (on shared cores the optimizer lane's kernels and the I/O threads, which the roofline counts as
+    terms of their own: counted again in the compute, they made a disk-bound backward look compute-bound
+    and moved the optimizer's I/O into the forward, where the disk binds)."""
     fwd: dict[int, list[float]] = {}
     bwd: dict[int, list[float]] = {}
     for start, end, name in spans.get("compute", []):
@@ -229,7 +233,8 @@ def unit_times(spans: dict[str, list[tuple[float, float, str]]], num_units: int
         else:
             bwd.setdefault(unit, []).append(end - start)
 
-    def mean(values: list[float]) -> float:
-        return sum(values) / len(values) if values else 0.0
+    def fastest(values: list[float]) -> float:
+        return min(values, default=0.0)
 
-    return [mean(fwd.get(u, [])) for u in range(num_units)], [mean(bwd.get(u, [])) for u in range(num_units)]
+    return ([fastest(fwd.get(u, [])) for u in range(num_units)],
+            [fastest(bwd.get(u, [])) for u in range(num_units)])

@@ -157,6 +157,19 @@ def test_the_plan_commands_units_are_the_tensor_managers(dtype, tmp_path):
     assert [(c.forward_s, c.backward_s, c.recompute_s) for c in costs] == [(0.5, 1.5, 0.5)] * 2 + [(0.5, 1.5, 0.0)]
 
 
+def test_unit_times_take_each_ops_time_with_nothing_beside_it():
+    """The plan's compute per unit is the fastest of its micro-batches' ops: the others ran beside the
+    optimizer lane or the I/O threads, costs the roofline counts apart (a mean counted them twice)."""
+    from lightning_greedysnake.planner.measure import unit_times
+
+    spans = {"compute": [(0.0, 0.010, "F0.0"), (0.010, 0.030, "F0.1"),  # the second slowed by the lane
+                         (0.030, 0.035, "L1.0 forward"), (0.035, 0.055, "L1.0 backward"),
+                         (0.055, 0.105, "B0.1"), (0.105, 0.135, "B0.0")],
+             "optimizer": [(0.012, 0.028, "optimizer")]}
+    fwd, bwd = unit_times(spans, 2)
+    assert fwd == pytest.approx([0.010, 0.005]) and bwd == pytest.approx([0.030, 0.020])
+
+
 def test_on_a_disk_bound_machine_deferral_only_costs_and_alpha_stays_zero():
     slow_disk = Machine(read_bytes_per_s=2e8, write_bytes_per_s=2e8, optimizer_elements_per_s=1e12)
     choice = plan(layers(), slow_disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
