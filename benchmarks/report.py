@@ -279,6 +279,16 @@ SECTIONS: tuple[Section, ...] = (
                                             "bytes at the probed speeds, the optimizer's kernel rate)."),
          Result("compare_issue54_v2_seq128", "The same at sequence 128, 418287b, three rounds alternating (no "
                                              "baseline tree: the session's time)."),
+         Result("compare_issue54_v4_seq32", "Issue 54 after the warm-step plan took each unit's compute as its "
+                                            "fastest micro-batch (9be6a90) and a deferred part's gradient read "
+                                            "went out with its own (fe0c31e), against 48a0697, bf16-mixed, "
+                                            "sequence 32, three rounds alternating, the disk probed before each "
+                                            "round: `gs_auto_ssd` is the defaults with every kind on SSD (the "
+                                            "plan's alpha, lag and recompute), `gs_vertical_ram` the fixed "
+                                            "settings of `gs_vertical` with every kind in RAM (`vs_same_in_ram`, "
+                                            "`lane_cpu_vs_ram`: the same schedule and lane without the disk)."),
+         Result("compare_issue54_v4_seq128", "The same at sequence 128, 9be6a90, three rounds alternating (no "
+                                             "baseline tree: the session's time)."),
          Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
                                                  "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
                                                  "Muon) against the element-wise path (`gs_vertical`), every kind "
