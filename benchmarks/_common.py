@@ -316,6 +316,18 @@ def add_machine_args(parser: Any) -> None:
         parser.add_argument(f"--{name}", type=float, default=0.0, help="==SUPPRESS==")  # argparse.SUPPRESS
 
 
+def probe_disk(args: Any, directory: str, quick: bool = False) -> None:
+    """O_DIRECT (read, write) bandwidth of ``directory`` onto ``args.read_bps``/``args.write_bps``: 256 MiB each
+    way, the best of three (``quick``: 8 MiB once). :func:`measure_machine`'s probe, and ``compare.py``'s
+    again before each round."""
+    from pathlib import Path
+
+    from lightning_greedysnake.planner.measure import disk_bandwidth
+
+    args.read_bps, args.write_bps = disk_bandwidth(Path(directory), nbytes=(8 if quick else 256) << 20,
+                                                   repeats=1 if quick else 3)
+
+
 def measure_machine(args: Any, directory: str, quick: bool = False, device_tier: bool | None = None) -> None:
     """O_DIRECT bandwidth of ``directory`` (256 MiB each way, the best of three) and the optimizer's rate,
     onto ``args`` (once, in the parent). The rate is measured at the intra-op threads greedysnake's optimizer
@@ -325,15 +337,14 @@ def measure_machine(args: Any, directory: str, quick: bool = False, device_tier:
     optimizer (a dry run's numbers, seconds sooner and meaningless)."""
     from pathlib import Path
 
-    from lightning_greedysnake.planner.measure import available_cores, disk_bandwidth, optimizer_rate
+    from lightning_greedysnake.planner.measure import available_cores, optimizer_rate
     from lightning_greedysnake.planner.threads import optimizer_threads
 
     if device_tier is None:
         import torch
 
         device_tier = torch.cuda.is_available()
-    args.read_bps, args.write_bps = disk_bandwidth(Path(directory), nbytes=(8 if quick else 256) << 20,
-                                                   repeats=1 if quick else 3)
+    probe_disk(args, directory, quick)
     args.opt_threads = optimizer_threads(available_cores(), device_tier=device_tier)
     args.opt_rate = (optimizer_rate(numel=1 << 16, threads=args.opt_threads) if quick
                      else optimizer_rate(threads=args.opt_threads))

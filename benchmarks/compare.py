@@ -47,13 +47,13 @@ optimizer state on NVMe), the peer of greedysnake with its state on SSD; ``deeps
 both in host memory (ZeRO-Offload), the peer of greedysnake with its state in RAM (the defaults where the
 host budget holds the model's state)."""
 
-SYSTEMS = ["gs_vertical", "gs_vertical_ram", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state",
-           "gs_auto_ssd_bf16_state", "gs_vertical_whole", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
+SYSTEMS = ["gs_vertical", "gs_vertical_ram", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu",
+           "gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state", "gs_vertical_whole", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_vertical_ram``: the same fixed settings with every
 kind in RAM (the same schedule, recompute, lag and lane without the disk: the step and the lane's CPU that
-``gs_vertical``'s are set against, ``vs_same_in_ram`` and ``lane_cpu_vs_ram``); ``gs_planned``: it with the planner's choice, planned
-from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
+``gs_vertical``'s are set against, ``vs_same_in_ram`` and ``lane_cpu_vs_ram``); ``gs_planned``: it with the
+planner's choice, planned from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
 (``auto=True``: placement planned at setup, the rest after the second step) with ``--host-budget-gb``;
 ``gs_auto_ssd``: the defaults with every kind on SSD (ZeRO-Infinity's placement given explicitly; the
 unit size, alpha, lag, recompute and the staging budget planned);
@@ -351,12 +351,12 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(child(args), default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
         return
-    from lightning_greedysnake.planner.measure import disk_bandwidth
     from _common import (
         MODEL_FLAGS,
         baseline_tree,
         measure_machine,
         print_table,
+        probe_disk,
         remove_baseline_tree,
         run_child,
         write_result,
@@ -376,7 +376,7 @@ def main() -> None:
                 for round_ in range(args.rounds):
                     if round_:  # a shared disk drifts 2-3x between minutes: each round's disk term at the
                         # speed probed right before it (the children compute disk_s from these flags)
-                        args.read_bps, args.write_bps = disk_bandwidth(Path(tmp), repeats=3)
+                        probe_disk(args, tmp)
                         print(f"  disk before round {round_}: read {args.read_bps / 1e9:.2f} GB/s, write "
                               f"{args.write_bps / 1e9:.2f} GB/s", file=sys.stderr)
                     # each round starts one system later: no system always runs first in a round (after the
@@ -394,8 +394,8 @@ def main() -> None:
                             if system == "gs_planned":
                                 extra_flags += ["--plan", json.dumps(_plan_for(rows, args, k))]
                             row = run_child(__file__, f"{system}:{k}", args, flags, extra_flags, package_root=root)
-                            row.update(system=label, seq=args.seq, round=round_,
-                                       probe_GBps=[round(args.read_bps / 1e9, 3), round(args.write_bps / 1e9, 3)])
+                            probe = [round(args.read_bps / 1e9, 3), round(args.write_bps / 1e9, 3)]
+                            row.update(system=label, seq=args.seq, round=round_, probe_GBps=probe)
                             rows.append(row)
                             print(f"  done {label} K={k} round {round_}: {row['tokens_per_s']} tokens/s",
                                   file=sys.stderr)

@@ -53,8 +53,8 @@ def block_times(config: GPTConfig, micro_batch: int, seq: int, dtype: torch.dtyp
     return fwd, bwd, counter.nbytes
 
 
-def gpt_costs(config: GPTConfig, dtype: torch.dtype, forward_s: float, backward_s: float, activation_bytes: int
-              ) -> list[UnitCost]:
+def gpt_costs(config: GPTConfig, dtype: torch.dtype, forward_s: float, backward_s: float,
+              activation_bytes: int) -> list[UnitCost]:
     """The cost model's units (one block each, every kind on SSD) of the GPT as the tensor manager lays it
     out (the strategy's own :func:`~lightning_greedysnake.tensor_manager.state_layout` of the model built on
     the meta device, AdamW's state: the embedding in the first unit, the head in the last), with each
@@ -64,11 +64,12 @@ def gpt_costs(config: GPTConfig, dtype: torch.dtype, forward_s: float, backward_
     chain = chain_of(model)
     assert chain is not None
     optimizer = torch.optim.AdamW(model.parameters())
-    state = state_layout(make_units(chain, 1), {}, optimizer, OffloadConfig().placed(), dtype)
-    last = len(state.units) - 1
+    on_ssd = OffloadConfig().placed()  # (every kind on SSD: auto=False's placement)
+    state = state_layout(make_units(chain, 1), {}, optimizer, on_ssd, dtype)
+    costs = planned_costs(state, on_ssd, alpha=0.0, device_tier=False)
+    last = len(costs) - 1
     return [dataclasses.replace(cost, forward_s=forward_s, backward_s=backward_s, activation_bytes=activation_bytes,
-                                recompute_s=forward_s if u < last else 0.0)
-            for u, cost in enumerate(planned_costs(state, OffloadConfig().placed(), alpha=0.0, device_tier=False))]
+                                recompute_s=forward_s if u < last else 0.0) for u, cost in enumerate(costs)]
 
 
 def main(argv: list[str] | None = None) -> None:

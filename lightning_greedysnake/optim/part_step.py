@@ -141,8 +141,8 @@ class PartStepper:
 
     # -- stepping (the thread running the step) -------------------------------------------------------------
     def step_part(self, unit: int, part: int, grad: Tensor, weights_held: StagedBuffer | None,
-                  hyper: list[dict[str, Any]], has_grad: list[bool], reads_out: Callable[[], None] | None = None,
-                  grad_reads: StagedBuffer | None = None) -> None:
+                  hyper: list[dict[str, Any]], has_grad: list[bool],
+                  reads_out: Callable[[], None] | None = None, grad_reads: StagedBuffer | None = None) -> None:
         """Step part ``part`` of ``unit``. ``grad``: the unit's flat fp32 gradient; ``weights_held``: its
         compute weights still in memory (the acquired buffer; its owner gives it back), if any;
         ``reads_out``: called once this part's reads are under way and its read-ahead taken over, before

@@ -293,8 +293,8 @@ class UnitStepper:
                                                ranges=self.state.byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
                     try:
                         flat = held.view(torch.float32, self.state.units[unit].numel)
-                        self.parts.step_part(unit, 1, flat, None, hyper, has_grad, reads_out=self.lane.start_aheads,
-                                             grad_reads=held)
+                        self.parts.step_part(unit, 1, flat, None, hyper, has_grad,
+                                             reads_out=self.lane.start_aheads, grad_reads=held)
                     finally:
                         held.release()
                 self._complete(unit)

@@ -220,7 +220,9 @@ def unit_times(spans: dict[str, list[tuple[float, float, str]]], num_units: int
     micro-batches, the op's time with nothing else on the cores. The rest are slowed by whatever ran beside
     them (on shared cores the optimizer lane's kernels and the I/O threads, which the roofline counts as
     terms of their own: counted again in the compute, they made a disk-bound backward look compute-bound
-    and moved the optimizer's I/O into the forward, where the disk binds)."""
+    and moved the optimizer's I/O into the forward, where the disk binds). This assumes a window's
+    micro-batches alike in shape; where their lengths vary (padding per batch) it is the shortest one's
+    time, which only plans for a faster compute than the mean: a speed decision, never the results'."""
     fwd: dict[int, list[float]] = {}
     bwd: dict[int, list[float]] = {}
     for start, end, name in spans.get("compute", []):

@@ -239,12 +239,13 @@ class HostMemory:
                    f"{human_bytes(self.state_bytes)}{within}.")
         else:
             end = f"{back.why[0].upper()}{back.why[1:]}."
-        rss = (f"its RSS at setup ({human_bytes(self.process_bytes, 2)}: Python, torch, the data, the model as built)"
-               if self.process_bytes else f"the model as built ({human_bytes(self.built_bytes, 2)})")
+        rss = (f"its RSS at setup ({human_bytes(self.process_bytes, 2)}: Python, torch, the data, the model as "
+               "built)" if self.process_bytes else f"the model as built ({human_bytes(self.built_bytes, 2)})")
         return (f"greedysnake host memory: the host budget ({human_bytes(self.budget_bytes)}) covers what the tensor "
                 f"manager keeps in RAM (the kinds placed there, staging, activation checkpoints); this run's "
                 f"placement keeps {human_bytes(self.regions_bytes)} there, and up to {human_bytes(self.pool_bytes)} of "
-                f"staging. Not in it: {built}. {end} Expect the process to peak near {human_bytes(self.peak_bytes, 2)}: "
+                f"staging. Not in it: {built}. {end} Expect the process to peak near "
+                f"{human_bytes(self.peak_bytes, 2)}: "
                 f"{rss} and what greedysnake holds ({human_bytes(self.held_bytes)}), plus the activation checkpoints "
                 f"kept in RAM (said at their first save) and your model's activations {TERMS}.")
 
