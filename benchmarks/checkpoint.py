@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, system: str) -> dict[str, Any]:
                     times[key] = time.perf_counter() - t0
                 manager = getattr(trainer.strategy, "tensor_manager", None)
                 if manager is not None:
-                    extra["state_bytes"] = sum(v for k, v in manager.ssd_bytes().items()
+                    extra["state_bytes"] = sum(v for k, v in manager.placement.ssd_bytes().items()
                                                if k in ("weights", "master_weights", "optimizer_states"))
 
     def trainer(max_steps: int, callbacks: list) -> L.Trainer:

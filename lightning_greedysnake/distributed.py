@@ -7,14 +7,14 @@ Every function here is collective: all ranks call it with the same arguments, in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_greedysnake.checkpoint.streamed import StateSource
 from lightning_greedysnake.layout import ParamSlot, UnitLayout
+from lightning_greedysnake.unit_state import UnitValues
 
 
 def gather_chunks(flat: Tensor, bounds: list[tuple[int, int]], rank: int, group: Any = None) -> int:
@@ -36,24 +36,15 @@ def gather_chunks(flat: Tensor, bounds: list[tuple[int, int]], rank: int, group:
     return chunk * flat.element_size()
 
 
-class ShardedStore(StateSource, Protocol):
-    """The tensor manager of one rank with partitioned state, as the gathers read it."""
-
-    @property
-    def slots(self) -> tuple[str, ...]: ...
-
-    def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]: ...
-
-
 class ShardedStateView:
     """The tensor manager as a checkpoint save sees it, with each unit's master weights and optimizer
     state assembled from every rank's chunk (masked to the chunk, then summed over the ranks). Every
     method that reads state is collective."""
 
-    def __init__(self, manager: ShardedStore, rank: int, world: int) -> None:
+    def __init__(self, manager: UnitValues, rank: int, world: int) -> None:
         self.manager = manager
         self.rank, self.world = rank, world
-        self.group = getattr(manager, "host_group", None)
+        self.group = manager.host_group
         """The process group for host tensors (gloo beside NCCL; None: the default group)."""
 
     @property

@@ -27,6 +27,7 @@ threads complete transfers and give buffers back. Each component's docstring say
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,9 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import OffloadConfig, TensorKind
-from lightning_greedysnake.io import IOConfig, IOEngine, OffloadFile, default_engine
+from lightning_greedysnake.io import IOConfig, IOEngine, default_engine
 from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.layout import (
     PARAM_ALIGN_NUMEL,
@@ -48,21 +48,22 @@ from lightning_greedysnake.layout import (
     split_align_numel,
 )
 from lightning_greedysnake.models import Unit
-from lightning_greedysnake.offload import unit_values
 from lightning_greedysnake.offload.activations import ActivationStore, CheckpointTierPlan
 from lightning_greedysnake.offload.device import DeviceCopies, named_sync
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.offload.gradients import GradientAccumulator
 from lightning_greedysnake.offload.pool import BufferPool
+from lightning_greedysnake.offload.regions import RegionPlacement
 from lightning_greedysnake.offload.residency import UpdateGate, WeightsResidency
 from lightning_greedysnake.offload.staging import StagingArena
 from lightning_greedysnake.offload.stats import IOStats
-from lightning_greedysnake.optim import ClipPolicy, UnitOptimizer, UnitStepper
+from lightning_greedysnake.optim import ClipPolicy, UnitStepper
 from lightning_greedysnake.optim.contract import OptimizerContract, optimizer_contract
 from lightning_greedysnake.optim.lane import StepLane
 from lightning_greedysnake.optim.protocols import StepCollectives
 from lightning_greedysnake.optim.state_format import StateFormat, state_format_for
 from lightning_greedysnake.step_modes import StepMode, step_mode
+from lightning_greedysnake.unit_state import UnitValues
 
 __all__ = ["ClipPolicy", "TieredTensorStore"]
 
@@ -206,12 +207,16 @@ class TieredTensorStore:
         self.activations = ActivationStore(self.arena, config, self.stats, copies, checkpoint_plan)
         self.steps: StepMode = mode(self.stepper, self.grads, self.weights, self.host_group)
         """How the window's units are stepped (in line, deferred for clipping, speculative): chosen here, once."""
+        self.values = UnitValues(self.arena, self.stepper, self.weights, self.grads.where, optimizer, compute_dtype,
+                                 self.state_format, self.drain, self.host_group)
+        """Whole units' weights and optimizer state in and out of the tiers (initialization, checkpoints,
+        the end of a run)."""
 
     # -- views of the components (read-only) ------------------------------------------------------------
     @property
-    def offload_dir(self) -> Path | None:
-        """The first offload directory (None: none)."""
-        return self.offload_dirs[0] if self.offload_dirs else None
+    def placement(self) -> RegionPlacement:
+        """Where each kind's regions of each unit live, and their sizes."""
+        return self.arena.regions
 
     @property
     def layouts(self) -> tuple[UnitLayout, ...]:
@@ -222,24 +227,12 @@ class TieredTensorStore:
         return self.state.num_units
 
     @property
-    def shard(self) -> tuple[int, int] | None:
-        return self.state.shard
-
-    @property
     def pool(self) -> BufferPool:
         return self.arena.budget.pool
 
     @property
-    def min_budget_bytes(self) -> int:
-        return self.arena.budget.minimum_bytes
-
-    @property
     def files(self) -> list[Path]:
         return [*self.arena.regions.files, *self.activations.files]
-
-    @property
-    def alpha(self) -> float:
-        return self.stepper.alpha
 
     @property
     def host_registrations(self) -> int:
@@ -250,19 +243,6 @@ class TieredTensorStore:
     def optimizer_threads(self) -> int:
         """The optimizer lane's intra-op threads."""
         return self.stepper.lane.threads
-
-    @property
-    def lag(self) -> int:
-        return self.stepper.lag
-
-    @property
-    def unit_optimizers(self) -> list[UnitOptimizer | None]:
-        return self.stepper.unit_optimizers
-
-    @property
-    def weight_loads(self) -> dict[int, int]:
-        """Times each unit's compute weights were acquired, since construction."""
-        return self.weights.weight_loads
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -288,63 +268,6 @@ class TieredTensorStore:
         lo, hi = self.stepper.deferred_range(u)
         return sum(b - a for a, b in self.state.byte_ranges(kind, u, lo, hi)) if lo < hi else 0
 
-    def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]:
-        """The element range of unit ``u`` that ``rank`` (default: this process) steps."""
-        return self.state.bounds(u, rank)
-
-    def ssd_bytes(self, directory: int | None = None) -> dict[str, int]:
-        """Bytes each SSD-resident kind keeps in offload directory ``directory`` (by index, as striped
-        by ``arena.regions.stripe``; None: in all of them), for preflight."""
-        return self.arena.regions.ssd_bytes(directory)
-
-    def open_files(self) -> list[OffloadFile]:
-        """The offload files open now (each kind's regions, the checkpoint scratch)."""
-        return [*self.arena.regions.open_files(), *self.activations.open_files()]
-
-    # -- state between windows ------------------------------------------------------------------------------
-    # A unit's whole values in and out of its tiers (initialization, checkpoints, the end of a run): by the
-    # training thread between windows, pending steps drained first where they would race.
-    def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
-        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
-        self.stepper.parts.drop_read_ahead(u)  # read before these new values
-        unit_values.write_unit(self.arena, u, values, self.compute_dtype)
-
-    def unit_master_weights(self, u: int) -> list[Tensor]:
-        """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
-        self.drain()
-        return unit_values.read_unit(self.arena, u, self.compute_dtype)
-
-    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
-        """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout
-        (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
-        assert self.optimizer is not None
-        self.drain()
-        self.stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
-        return opt_state.unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u,
-                                              self.state_format.codec)
-
-    def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
-        """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
-        assert self.optimizer is not None
-        self.drain()
-        self.stepper.parts.drop_read_ahead(u)  # read before this new state
-        opt_state.load_unit_optimizer_state(self.arena, self.unit_optimizers[u], self.slots, u, entries,
-                                            self.state_format.codec)
-
-    def optimizer_state(self) -> dict[int, dict[str, Any]]:
-        """The optimizer's per-parameter state in ``torch.optim`` form (the ``state`` entry of
-        ``optimizer.state_dict()``). Holds it all in memory: checkpoints stream it unit by unit."""
-        assert self.optimizer is not None
-        return opt_state.optimizer_state(self.optimizer, self.grads.where, self.num_units, self.unit_optimizer_state)
-
-    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
-        """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
-        assert self.optimizer is not None
-        self.drain()
-        for u, entries in opt_state.split_optimizer_state(self.optimizer, self.grads.where, state).items():
-            self.load_unit_optimizer_state(u, entries)
-        self.flush()
-
     # -- lifetime -------------------------------------------------------------------------------------------
     def open(self, offload_dirs: Path | list[Path] | None, io_engine: IOEngine | None = None) -> None:
         """Create the host regions and the preallocated offload files (after preflight), in one offload
@@ -361,7 +284,6 @@ class TieredTensorStore:
             engines = [io_engine or default_engine(io, on_request=self.stats.record_request) for _ in dirs]
             self._engines = list({id(e): e for e in engines}.values())  # (a given engine serves every one)
         try:
-            self.arena.regions.stripe(max(1, len(dirs)))
             self.arena.regions.open(dirs, engines)
             self.activations.open(dirs, engines)
         except BaseException:
@@ -373,7 +295,7 @@ class TieredTensorStore:
 
         Called once, after the model exists (and after a checkpoint's weights were loaded into it)."""
         for u in range(self.num_units):
-            self.load_unit_weights(u, [p.data for p in self.params[u]])
+            self.values.load_unit_weights(u, [p.data for p in self.params[u]])
             self.weights.unbind(u)
         self.flush()
         self.grads.register_hooks()
@@ -385,7 +307,7 @@ class TieredTensorStore:
         for u in range(self.num_units):
             self.weights.materialize(u)
             init_unit(u)
-            self.load_unit_weights(u, [p.data for p in self.params[u]])
+            self.values.load_unit_weights(u, [p.data for p in self.params[u]])
             self.weights.unbind(u)
             trim_heap(self.layouts[u].numel * 4)
         self.flush()
@@ -401,12 +323,16 @@ class TieredTensorStore:
         """Wait for every write in flight (raises the first I/O error)."""
         self.arena.flush()
 
-    def reconfigure(self, alpha: float, lag: int, buffer_budget_bytes: int) -> None:
-        """Change alpha, lag and the staging budget between steps (the planner's choice): drains every
-        pending step, re-splits each unit's optimizer keeping its state, resizes the lane and the pool."""
+    def reconfigure(self, alpha: float, lag: int, offload: OffloadConfig) -> None:
+        """Change alpha, lag and the staging budget (``offload.buffer_budget_bytes``: nothing else of
+        ``offload`` may change) between steps (the planner's choice): drains every pending step, re-splits
+        each unit's optimizer keeping its state, resizes the lane and the pool."""
+        assert offload.buffer_budget_bytes is not None, "a plan names its staging budget"
+        assert dataclasses.replace(offload, buffer_budget_bytes=self.config.buffer_budget_bytes) == self.config
         self.drain()
         self.stepper.reconfigure(alpha, lag)
-        self.arena.budget.set_budget(buffer_budget_bytes, lag)
+        self.arena.budget.set_budget(offload.buffer_budget_bytes, lag)
+        self.config = offload
         # once, with nothing in flight: the heap the steps before the plan freed (on the lane's thread
         # too, which a synchronous step no longer uses) goes back to the OS; without it a run with every
         # kind in RAM crept from step to step after the plan
@@ -491,10 +417,6 @@ class TieredTensorStore:
 
     def drop_activation(self, unit: int, microbatch: int) -> None:
         self.activations.drop(unit, microbatch)
-
-    @property
-    def num_checkpoints(self) -> int:
-        return self.activations.num_checkpoints
 
     def gradient_ready(self, unit: int) -> None:
         """``unit``'s gradient for this window is complete: to the step mode (stepped now, or waiting on its

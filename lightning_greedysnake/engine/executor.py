@@ -221,7 +221,7 @@ class WindowEngine:
         """Run with ``config`` (resolved: the warm-step plan's) from the next window on."""
         assert self._window is None, "replan inside a window"
         if not config.is_resolved:
-            raise ValueError(f"the engine needs resolved settings (GreedySnakeConfig.resolved()), not {config}")
+            raise ValueError(f"the engine needs settings with every value in effect (GreedySnakeConfig.resolved), not {config}")
         self.config = config
 
     # -- window lifecycle ---------------------------------------------------------------------------

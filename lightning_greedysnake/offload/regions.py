@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from lightning_greedysnake.config import REGION_KINDS, OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import IOEngine, OffloadFile, align_up
@@ -68,6 +69,20 @@ class SlotMap:
             self._slot[kind][u] = slot
 
 
+class RegionPlacement(Protocol):
+    """Where each kind's regions of each unit live and their sizes, as placed (read-only: what reports
+    and plans read of a :class:`RegionMap`)."""
+
+    state: StateLayout
+    unit_tiers: dict[TensorKind, list[Tier]]
+
+    def ssd_bytes(self, directory: int | None = None) -> dict[str, int]: ...
+
+    def host_bytes(self) -> int: ...
+
+    def host_unit_bytes(self, u: int, kinds: tuple[TensorKind, ...] = REGION_KINDS) -> int: ...
+
+
 class RegionMap:
     """Every kind's per-unit regions (host buffers, device memory, or an SSD file per offload directory).
     Striped and opened by the training thread before training, read by every thread that stages; the
@@ -95,9 +110,9 @@ class RegionMap:
         self._device: dict[TensorKind, DeviceRegions] = {}
         self._ssd: dict[TensorKind, dict[int, SSDRegions]] = {}
         """Per kind, per offload directory (index), the SSD regions of the units striped there."""
-        self._directory: dict[TensorKind, list[int | None]] = {}
-        """Per kind, each unit's offload directory (index), set by :meth:`stripe`."""
-        self.stripe(1)
+        self.num_dirs = max(1, len(config.paths or ()))
+        self._directory = self._stripe(self.num_dirs)
+        """Per kind, each unit's offload directory (index): striped over the configuration's directories."""
         self.files: list[Path] = []
 
     def open(self, offload_dirs: list[Path], engines: list[IOEngine]) -> None:
@@ -105,6 +120,7 @@ class RegionMap:
         both: its host units' regions in RAM, its SSD units' in files. With several directories (one
         per SSD, each with its engine) a kind's SSD units are striped over them unit by unit: the i-th
         SSD unit in directory ``i % len(offload_dirs)``, one file of the kind in each."""
+        assert not offload_dirs or len(offload_dirs) == self.num_dirs, "opened in the directories it was striped over"
         n = self.state.num_units
         try:
             for kind in REGION_KINDS:
@@ -134,14 +150,17 @@ class RegionMap:
             self.close()
             raise
 
-    def stripe(self, num_dirs: int) -> None:
-        """Stripe every kind's SSD units over ``num_dirs`` offload directories (before :meth:`open`)."""
+    def _stripe(self, num_dirs: int) -> dict[TensorKind, list[int | None]]:
+        """Every kind's SSD units striped over ``num_dirs`` offload directories (the configuration's):
+        each unit's directory (index), None off SSD."""
+        out = {}
         for kind, tiers in self.unit_tiers.items():
             on_ssd = [u for u, t in enumerate(tiers) if t is Tier.SSD and self.state.region_bytes(kind, u)]
             where: list[int | None] = [None] * len(tiers)
             for i, u in enumerate(on_ssd):
                 where[u] = i % num_dirs
-            self._directory[kind] = where
+            out[kind] = where
+        return out
 
     def wait_all(self) -> None:
         """Wait for every transfer in flight on the regions (raises the first I/O error)."""

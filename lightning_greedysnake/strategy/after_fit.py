@@ -22,12 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import TensorKind, Tier
-from lightning_greedysnake.io.aligned import ALIGN_BYTES
 from lightning_greedysnake.steps import step_done, step_running
-from lightning_greedysnake.strategy.host_memory import WEIGHT_KINDS, HandBack
+from lightning_greedysnake.strategy.host_memory import HandBack
 from lightning_greedysnake.tensor_manager import TieredTensorStore
+from lightning_greedysnake.unit_state import UnitReader
 
 FAILED_WAIT_S = 10.0
 """After a failure, the longest a pending step waits for staging memory before giving up."""
@@ -83,7 +82,7 @@ class UnusableUntilLoaded:
 def return_optimizer_state(manager: TieredTensorStore, optimizer: Any, per_unit: dict[int, dict[int, dict[str, Any]]]) -> None:
     """Every unit's per-parameter state (``per_unit[u]``: ``unit_state(u)``, the manager's own or gathered
     over the ranks) into the user's optimizer, as ``torch.optim`` keeps it (its tensors taken as they are)."""
-    state = opt_state.optimizer_state(optimizer, manager.grads.where, manager.num_units, per_unit.__getitem__)
+    state = manager.values.optimizer_state(per_unit.__getitem__)
     for entry in state.values():  # quantized state comes back dequantized, as plain tensors (not its codes)
         for key in [k for k in entry if k.partition(".")[0] in manager.slots and "." in k]:
             del entry[key]
@@ -104,7 +103,7 @@ def steps_held(manager: TieredTensorStore, global_step: int) -> str:
 def where_state_is(manager: TieredTensorStore) -> str:
     """Where the model's trained weights and optimizer state live in the tiers, in words: host memory,
     the device, the offload files, as this run placed them."""
-    regions = manager.arena.regions
+    regions = manager.placement
     tiers = {tier for kind in (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS, TensorKind.OPTIMIZER_STATES)
              for tier, size in zip(regions.unit_tiers[kind], regions.state.all_region_bytes(kind), strict=True)
              if size}
@@ -113,13 +112,13 @@ def where_state_is(manager: TieredTensorStore) -> str:
     return " and ".join(names[t] for t in (Tier.HOST, Tier.DEVICE, Tier.SSD) if t in tiers) or "host memory"
 
 
-def hand_back(manager: TieredTensorStore, view: Any, layered: nn.Module, plan: HandBack, *, name: str, failed: bool,
+def hand_back(manager: TieredTensorStore, view: UnitReader, layered: nn.Module, plan: HandBack, *, name: str, failed: bool,
               distributed: bool, global_step: int, warn: Callable[[str], None]) -> UnusableUntilLoaded | None:
     """Give the module (and the user's optimizer, ``manager.optimizer``) the state in ``manager``'s tiers
     that ``plan`` returns, before they close, unit by unit: each unit's RAM regions are freed once it is
     back, and the staging is held to ``plan.staging_bytes``, so the hand-back stays within what setup
-    planned. ``view``'s ``unit_master_weights(u)`` and ``unit_optimizer_state(u)`` read unit ``u``'s
-    (``manager`` itself, or gathered over the ranks with partitioned state). ``name``: the user's model, as
+    planned. ``view`` reads the whole units (``manager.values`` itself, or gathered over the ranks with
+    partitioned state). ``name``: the user's model, as
     messages name it. Returns the hooks that make the module (or the optimizer) fail on first use where its
     state did not come back."""
     optimizer = manager.optimizer
@@ -144,26 +143,10 @@ def hand_back(manager: TieredTensorStore, view: Any, layered: nn.Module, plan: H
     if not plan.weights:
         return unusable(f"greedysnake did not give {name}'s trained weights back ({plan.why}); they were {kept}. "
                         f"{load}.")
-    if failed:
-        # a buffer an interrupted thread never gave back must not hold teardown for minutes: a step that
-        # cannot get memory fails soon, and the module is then marked unusable instead
-        manager.pool.wait_timeout_s = min(manager.pool.wait_timeout_s, FAILED_WAIT_S)
     states = optimizer is not None and plan.state
     try:
-        manager.drain()  # the pending steps complete: the last complete update
-        regions = manager.arena.regions
-        if plan.staging_bytes is not None:  # one unit's staging from here on (and what an interrupted step holds)
-            # (the plan is rank 0's: a rank whose chunk of a unit is larger keeps room for its own)
-            own = max((regions.staged_unit_bytes(u) for u in range(manager.num_units)), default=0)
-            manager.pool.shrink(max(plan.staging_bytes, own, ALIGN_BYTES) + manager.pool.in_use_bytes)
-        per_unit = {}
-        for u in range(manager.num_units):  # (what comes back takes the place of what is freed, as planned)
-            regions.release_host(u, (TensorKind.GRADIENTS,))
-            manager.weights.restore(u, view.unit_master_weights(u))
-            regions.release_host(u, WEIGHT_KINDS)
-            if states:
-                per_unit[u] = view.unit_optimizer_state(u)
-            regions.release_host(u, (TensorKind.OPTIMIZER_STATES,))
+        per_unit = manager.values.hand_back(view, with_state=states, staging_bytes=plan.staging_bytes,
+                                            wait_timeout_s=FAILED_WAIT_S if failed else None)
         if states:
             return_optimizer_state(manager, optimizer, per_unit)
     except Exception as e:  # noqa: BLE001 - reported on first use, the original error is already raised

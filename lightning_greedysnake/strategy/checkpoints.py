@@ -39,7 +39,7 @@ from lightning_greedysnake.checkpoint.streamed import (
 )
 from lightning_greedysnake.distributed import ShardedStateView, join_save
 from lightning_greedysnake.strategy.lightning_api import last_checkpoint_candidates, redirect_checkpoint_load
-from lightning_greedysnake.tensor_manager import TieredTensorStore
+from lightning_greedysnake.unit_state import UnitValues
 
 
 class CheckpointSeam:
@@ -204,9 +204,10 @@ class StreamedCheckpoints(CheckpointSeam):
     """The seam of a run with the tensor manager: checkpoints stream to and from its tiers, never
     gathered (rank 0 writes the directory; with partitioned state every rank contributes its chunks)."""
 
-    def __init__(self, manager: TieredTensorStore, *, rank: int, world: int, layered_prefix: str,
+    def __init__(self, values: UnitValues, *, rank: int, world: int, layered_prefix: str,
                  precision: str) -> None:
-        self.manager = manager
+        self.values = values
+        """The tensor manager's whole units, which checkpoints stream from and into."""
         self.rank, self.world = rank, world
         self.layered_prefix = layered_prefix
         """The layered model's path in the LightningModule with its dot ("" at the top)."""
@@ -216,26 +217,26 @@ class StreamedCheckpoints(CheckpointSeam):
         """Checkpoints loaded into the tensor manager: a save after one never links an earlier save's files."""
 
     def _view(self) -> Any:
-        return ShardedStateView(self.manager, self.rank, self.world) if self.manager.shard else self.manager
+        return ShardedStateView(self.values, self.rank, self.world) if self.values.shard else self.values
 
     def module_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Every unit parameter as a :class:`StreamedTensor` placeholder that :meth:`save` streams."""
-        for u in range(self.manager.num_units):
-            for i, slot in enumerate(self.manager.layouts[u].params):
+        for u in range(self.values.num_units):
+            for i, slot in enumerate(self.values.layouts[u].params):
                 if slot.name in state:
                     state[slot.name] = StreamedTensor(u, i, slot.shape)
         return state
 
     def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
         master: Callable[[int], list[Tensor]] = self._view().unit_master_weights
-        for u in range(self.manager.num_units):
-            for slot, value in zip(self.manager.layouts[u].params, master(u), strict=True):
+        for u in range(self.values.num_units):
+            for slot, value in zip(self.values.layouts[u].params, master(u), strict=True):
                 if slot.name in state:
                     state[slot.name] = value
         return state
 
     def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-        if self.manager.optimizer is None:
+        if self.values.optimizer is None:
             return lightning(optimizer)
         state = optimizer.state_dict()
         state["state"] = STREAMED_STATE  # streamed unit by unit by save
@@ -253,9 +254,9 @@ class StreamedCheckpoints(CheckpointSeam):
                 f"checkpoint path {filepath!r}: greedysnake saves to a local or mounted filesystem (it streams "
                 "every unit and renames atomically). Fix: save locally and copy the directory afterwards."
             )
-        manager = self.manager
-        with_optimizer = checkpoint.get("optimizer_states") is not None and manager.optimizer is not None
-        if manager.shard is not None and self.rank != 0:
+        values = self.values
+        with_optimizer = checkpoint.get("optimizer_states") is not None and values.optimizer is not None
+        if values.shard is not None and self.rank != 0:
             join_save(self._view(), with_optimizer)  # rank 0 writes
             return
         if self.rank != 0:
@@ -265,7 +266,7 @@ class StreamedCheckpoints(CheckpointSeam):
         step = checkpoint.get("global_step")
         version = None if step is None else (step, self._loads)
         self._last_saved = save_streamed(self._view(), checkpoint, filepath, self.layered_prefix, self.precision,
-                                         version=version, previous=None if manager.shard else self._last_saved)
+                                         version=version, previous=None if values.shard else self._last_saved)
 
     def load(self, path: Any, lightning: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return load_path(path, load_streamed, lightning)
@@ -273,11 +274,11 @@ class StreamedCheckpoints(CheckpointSeam):
     def load_model(self, module: Any, checkpoint: Mapping[str, Any], strict: bool,
                    lightning: Callable[[Mapping[str, Any], bool], None]) -> None:
         self._loads += 1
-        load_model_into(self.manager, module, checkpoint["state_dict"], strict, source=_source(module))
+        load_model_into(self.values, module, checkpoint["state_dict"], strict, source=_source(module))
 
     def load_optimizer(self, optimizer: Any, checkpoint: Mapping[str, Any],
                        lightning: Callable[[Mapping[str, Any]], None]) -> None:
-        if self.manager.optimizer is None:
+        if self.values.optimizer is None:
             return lightning(checkpoint)
         (opt_state,) = checkpoint["optimizer_states"]
-        load_optimizer_into(self.manager, optimizer, opt_state)
+        load_optimizer_into(self.values, optimizer, opt_state)

@@ -253,7 +253,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
         """``trainer.init_module(empty_init=True)``: with the tensor manager, build the model on the meta
         device; setup then materializes it one unit at a time straight into its tiers."""
-        if empty_init and self.settings.resolved().offload.uses_tensor_manager:
+        if empty_init and self.config.offload.uses_tensor_manager:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
         else:
@@ -280,7 +280,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     def _hand_back(self, run: Run, manager: TieredTensorStore, failed: bool) -> None:
         """The LightningModule should be usable after fit, as with any other strategy."""
-        view = ShardedStateView(manager, self.global_rank, self.world_size) if manager.shard else manager
+        values = manager.values
+        view = ShardedStateView(values, self.global_rank, self.world_size) if values.shard else values
         assert run.hand_back is not None  # (planned with the tensor manager)
         self._unusable = after_fit.hand_back(
             manager, view, run.layered, run.hand_back, name=run.name, failed=failed, distributed=self.is_distributed,
@@ -410,7 +411,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         entry = run.telemetry.record()
         run.guard.check_gradients(manager.stepper.take_nonfinite(), step)
         if plan_due:  # between windows: the engine reads its settings op by op
-            run.replan(run.planner.plan_warm_step(manager, run.engine.activation_bytes, run.config))
+            run.apply(run.planner.plan_warm_step(manager, run.engine.activation_bytes, run.config))
         progress.log_step(trainer, entry)
         return output
 

@@ -34,6 +34,7 @@ from lightning_greedysnake.strategy.report import TERMS
 
 if TYPE_CHECKING:
     from lightning_greedysnake.tensor_manager import TieredTensorStore
+from lightning_greedysnake.unit_state import WEIGHT_KINDS
 
 FP32_BYTES = 4
 """The optimizer's state comes back as ``torch.optim`` keeps it: fp32 tensors the size of the parameter,
@@ -45,7 +46,6 @@ KEEP = ("save a checkpoint during fit, which streams the state unit by unit from
 """How to keep what the hand-back does not return (said at setup, and on first use after fit)."""
 
 
-WEIGHT_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS)
 
 
 def process_rss_bytes() -> int:
@@ -124,15 +124,14 @@ class HostMemory:
            process_bytes: int = 0) -> HostMemory:
         """From the tensor manager's units, the tiers its regions are placed on and its staging budget
         (before it opens); ``process_bytes``: the process's RSS now (:func:`process_rss_bytes`)."""
-        regions = manager.arena.regions
+        regions = manager.placement
         slots = len(manager.slots) if manager.optimizer is not None else 0
         units = [UnitBytes(sum(p.numel() * dtype.itemsize for p, dtype in
                                zip(manager.params[u], manager.weights.dtypes[u], strict=True)),
                            manager.layouts[u].trainable_numel * FP32_BYTES * slots,
                            regions.host_unit_bytes(u, (TensorKind.GRADIENTS,)), regions.host_unit_bytes(u, WEIGHT_KINDS),
                            regions.host_unit_bytes(u, (TensorKind.OPTIMIZER_STATES,))) for u in range(manager.num_units)]
-        staging = max((regions.staged_unit_bytes(u) for u in range(manager.num_units)), default=0)
-        return cls(budget_bytes, built_bytes, units, staging, manager.config.return_weights, bounded,
+        return cls(budget_bytes, built_bytes, units, manager.values.staging_bytes, manager.config.return_weights, bounded,
                    manager.pool.budget_bytes, process_bytes)
 
     @property

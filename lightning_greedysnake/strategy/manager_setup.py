@@ -172,11 +172,10 @@ def open_tensor_manager(ctx: SetupContext, manager: TieredTensorStore, directory
     that gets nothing. On a failure everything taken is given back."""
     try:
         if manager.config.uses_ssd or directory.given:
-            manager.arena.regions.stripe(len(directory.dirs))  # (what each directory keeps, for its preflight)
-            needs = [manager.ssd_bytes(d) for d in range(len(directory.dirs))]
+            needs = [manager.placement.ssd_bytes(d) for d in range(len(directory.dirs))]  # (striped as configured)
             reports = directory.prepare(ctx.default_root, needs, ctx.global_rank, ctx.local_rank, ctx.is_distributed,
                                         fixes=disk_fixes(manager, needs))
-            ctx.report(directory.text(reports, empty_note, kinds_without_bytes(manager.arena.regions, on_ssd=True)))
+            ctx.report(directory.text(reports, empty_note, kinds_without_bytes(manager.placement, on_ssd=True)))
             manager.open(directory.paths)
             directory.record(manager.files)  # (greedysnake's mark on its own files, in the lock records)
         else:

@@ -108,7 +108,7 @@ def _placed(manager: TieredTensorStore, kind: str) -> str | None:
     region_kind = next((k for k in REGION_KINDS if k.value == kind), None)
     if region_kind is None:
         return None
-    regions = manager.arena.regions
+    regions = manager.placement
     tiers = Counter(tier.value for tier, size in zip(regions.unit_tiers[region_kind],
                                                      regions.state.all_region_bytes(region_kind), strict=True)
                     if size)

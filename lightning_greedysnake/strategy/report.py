@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lightning_greedysnake.config import REGION_KINDS, TensorKind, Tier
 from lightning_greedysnake.layout import StateLayout
-from lightning_greedysnake.offload.regions import RegionMap
+from lightning_greedysnake.offload.regions import RegionPlacement
 
 GLOSSARY = "docs/concepts/glossary.md"
 """The glossary page (in the repository and the documentation site) of the terms the report uses."""
@@ -31,7 +31,7 @@ def why_empty(state: StateLayout, kind: TensorKind) -> str:
     return "no trainable parameters"
 
 
-def kinds_without_bytes(regions: RegionMap, on_ssd: bool = False) -> dict[str, str]:
+def kinds_without_bytes(regions: RegionPlacement, on_ssd: bool = False) -> dict[str, str]:
     """Each region kind that keeps no bytes where it is placed, with why: no unit has a region of it
     (``none: ...``: master weights under 32-true), or it is placed on SSD and nothing is ever written there
     (in the vertical order only a gradient's deferred part waits on its tier: with alpha 0, none).

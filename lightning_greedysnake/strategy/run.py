@@ -7,7 +7,7 @@ plan); :func:`cut_model` finds the layered model and cuts it into units (before 
 :func:`open_run` plans the run (the planner's setup plan, with ``auto=True``), builds the tensor
 manager, the engine and the window's helpers, and returns them as one :class:`Run`, whose ``config`` is
 the one resolved configuration every part was built from (a new one after the warm-step plan,
-:meth:`Run.replan`).
+:meth:`Run.apply`).
 
 Threads: all of it runs on the training thread, at setup, between windows and at teardown.
 """
@@ -126,10 +126,17 @@ class Run:
     def tensor_manager(self) -> TieredTensorStore | None:
         return self.store if isinstance(self.store, TieredTensorStore) else None
 
-    def replan(self, config: GreedySnakeConfig) -> None:
-        """The warm-step plan's settings, from the next window on (between windows)."""
-        self.config = config
+    def apply(self, config: GreedySnakeConfig) -> None:
+        """The warm-step plan's settings, from the next window on (between windows): every part of the run
+        takes them from this one object, the tensor manager (alpha, lag, the staging budget), the engine
+        (recompute) and :attr:`config`."""
+        if config is self.config:
+            return
+        manager = self.tensor_manager
+        if manager is not None:
+            manager.reconfigure(config.alpha, config.lag, config.offload)
         self.engine.replan(config)
+        self.config = config
 
     def close(self, before_store: Callable[[TieredTensorStore], None] | None = None) -> None:
         """Close the engine, then (``before_store``: the hand-back of the trained state) the store, then
@@ -187,7 +194,7 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
     built_bytes = 0 if cut.on_meta else sum(p.numel() * p.element_size() for p in module.parameters())
     manager = new_tensor_manager(ctx, planned, module, optimizer, contract, clip, shard)
     try:
-        planner.report_setup(planned, kinds_without_bytes(manager.arena.regions))
+        planner.report_setup(planned, kinds_without_bytes(manager.placement))
         memory = HostMemory.of(planner.host_budget_bytes, built_bytes, manager, bounded=config.auto,
                                process_bytes=process_rss_bytes())  # (before the manager allocates anything)
         if config.auto:  # (a host budget was planned within: say what it covers, and what comes back)
@@ -206,7 +213,7 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
     timer = compute_timer_for(ctx.device, lambda name, a, b: lanes.add("compute", a, b, name))
     engine = WindowEngine(cut.chain, planned.units, config, manager, ctx.device, ctx.precision.forward_context,
                           timer=timer, rng=TrainingRng(ctx.device, ctx.report))
-    checkpoints = StreamedCheckpoints(manager, rank=ctx.global_rank, world=ctx.world_size,
+    checkpoints = StreamedCheckpoints(manager.values, rank=ctx.global_rank, world=ctx.world_size,
                                       layered_prefix=f"{cut.path}." if cut.path else "",
                                       precision=str(ctx.precision.precision))
     return Run(cut, engine, guard, planner, directories, checkpoints=checkpoints, placement=planned.placement,

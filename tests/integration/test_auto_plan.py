@@ -27,11 +27,12 @@ ALL_SSD = {kind: "ssd" for kind in ("weights", "master_weights", "optimizer_stat
 
 
 class Applied(L.Callback):
-    """What the tensor manager runs with after the first-step plan."""
+    """What the tensor manager, the engine and the run's configuration run with after the first-step plan."""
 
     def on_train_end(self, trainer, module):
-        manager = trainer.strategy.tensor_manager
-        self.alpha, self.lag, self.budget = manager.alpha, manager.lag, manager.pool.budget_bytes
+        manager, run = trainer.strategy.tensor_manager, trainer.strategy._run
+        self.alpha, self.lag, self.budget = manager.stepper.alpha, manager.stepper.lag, manager.pool.budget_bytes
+        self.config, self.engine_config = run.config, run.engine.config
 
 
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
@@ -47,6 +48,10 @@ def test_auto_plans_the_unset_settings_after_the_first_step_and_stays_exact(sche
     assert choice.host_bytes <= 1 << 30
     assert (applied.alpha, applied.lag, applied.budget) == (choice.alpha, choice.lag, choice.buffer_budget_bytes)
     assert strategy.config.recompute == choice.recompute  # applied (keeping graphs is a choice too)
+    # the plan applied once reaches every part: the run's configuration says what the manager runs with
+    config = applied.config
+    assert (config.alpha, config.lag, config.offload.buffer_budget_bytes) == (applied.alpha, applied.lag, applied.budget)
+    assert applied.engine_config is config
     assert "greedysnake auto plan" in caplog.text and "predicted step (s)" in caplog.text
     assert "binding resource" in caplog.text and "read" in caplog.text  # the disk was measured
     # a CPU run: the lane shares the training's cores, and a synchronous step's rate was measured too
@@ -125,8 +130,9 @@ def test_reconfiguring_alpha_and_lag_mid_run_keeps_the_optimizer_state():
 
         def on_train_batch_end(self, trainer, module, *args):
             manager = trainer.strategy.tensor_manager
-            if trainer.global_step == 1 and manager.alpha == 0.5:
-                manager.reconfigure(alpha=0.0, lag=2, buffer_budget_bytes=manager.pool.budget_bytes)
+            if trainer.global_step == 1 and manager.stepper.alpha == 0.5:
+                manager.reconfigure(alpha=0.0, lag=2, offload=dataclasses.replace(manager.config,
+                                                                              buffer_budget_bytes=manager.pool.budget_bytes))
                 Switch.fired = True
 
     ref = _fit(GreedySnakeStrategy(auto=False, alpha=0.5, lag=0))
@@ -152,7 +158,9 @@ def test_auto_can_switch_to_kept_graphs_mid_run_exactly():
                 Switch.fired = True
                 assert set(strategy.engine.activation_bytes) >= {0, 1}  # measured at the first recompute
                 assert all(v > 0 for v in strategy.engine.activation_bytes.values())
-                strategy._run.replan(dataclasses.replace(strategy.config, recompute=False))
+                budget = dataclasses.replace(strategy.config.offload,
+                                             buffer_budget_bytes=strategy.tensor_manager.pool.budget_bytes)
+                strategy._run.apply(dataclasses.replace(strategy.config, recompute=False, offload=budget))
 
     def fit(callbacks: list) -> dict:
         L.seed_everything(0, verbose=False)

@@ -46,7 +46,7 @@ class ComputeDtype(UnitGradients):
         manager = trainer.strategy.tensor_manager
         if manager is not None:
             self.compute_dtype = manager.compute_dtype
-            self.ssd_bytes = manager.ssd_bytes()
+            self.ssd_bytes = manager.placement.ssd_bytes()
 
 
 def greedysnake_bf16(

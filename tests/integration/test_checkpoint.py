@@ -140,7 +140,7 @@ def test_saving_streams_one_unit_at_a_time(tmp_path):
 
     class Spy(L.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            manager = trainer.strategy.tensor_manager
+            manager = trainer.strategy.tensor_manager.values  # (what checkpoints stream from)
             for name in ("unit_master_weights", "unit_optimizer_state"):
                 original = getattr(manager, name)
 

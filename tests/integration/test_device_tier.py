@@ -181,7 +181,7 @@ class Registrations(L.Callback):
 
     def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
         manager = trainer.strategy.tensor_manager
-        self.budget, self.minimum = manager.pool.budget_bytes, manager.min_budget_bytes
+        self.budget, self.minimum = manager.pool.budget_bytes, manager.arena.budget.minimum_bytes
         if trainer.global_step == 1 and not hasattr(self, "after_first"):
             self.after_first, self.unserved_first = manager.host_registrations, manager.pool.unserved_growths
         self.total = manager.host_registrations

@@ -69,7 +69,7 @@ class Resident(L.Callback):
         self.weights_bytes = sum(self.manager.region_bytes(TensorKind.WEIGHTS, u) for u in range(self.manager.num_units))
         itemsize = torch.empty((), dtype=self.manager.compute_dtype).element_size()
         self.used_bytes = sum(self.manager.layouts[u].numel * itemsize * loads
-                              for u, loads in self.manager.weight_loads.items())
+                              for u, loads in self.manager.weights.weight_loads.items())
         """Each unit's weights (unpadded) times its acquisitions (uses) during training."""
         self.manager = None
 
@@ -156,9 +156,9 @@ class MinimumAfterThePlan(L.Callback):
 
         manager = trainer.strategy.tensor_manager
         arena = manager.arena
-        self.lag = manager.lag
+        self.lag = manager.stepper.lag
         self.minimum = arena.budget.minimum_bytes - arena.budget._checkpoint_reserve
-        self.expected = staging_budget_of(manager.state, manager.config, manager.lag, device_tier=True).minimum_bytes
+        self.expected = staging_budget_of(manager.state, manager.config, manager.stepper.lag, device_tier=True).minimum_bytes
 
 
 def test_the_first_step_plans_staging_minimum_counts_the_steps_copy_of_resident_weights(simulated):

@@ -72,9 +72,9 @@ CHILD = textwrap.dedent("""
         def on_train_start(self, trainer, module):
             super().on_train_start(trainer, module)
             manager = getattr(trainer.strategy, "tensor_manager", None)
-            where = manager.offload_dir.name if manager is not None and manager.offload_dir else None
+            where = manager.offload_dirs[0].name if manager is not None and manager.offload_dirs else None
             self.disk = {}
-            if manager is not None and manager.offload_dir:  # bytes really allocated per file
+            if manager is not None and manager.offload_dirs:  # bytes really allocated per file
                 self.disk = {p.name: [os.stat(p).st_blocks * 512, os.stat(p).st_size] for p in manager.files}
             names = [where] * trainer.world_size
             if trainer.world_size > 1:

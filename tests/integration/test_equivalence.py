@@ -237,7 +237,7 @@ def test_validate_test_predict_without_fit():
 
 class WeightLoads(L.Callback):
     def on_train_end(self, trainer: Any, module: Any) -> None:
-        self.loads = dict(trainer.strategy.store.weight_loads)
+        self.loads = dict(trainer.strategy.store.weights.weight_loads)
         self.steps = trainer.global_step
 
 

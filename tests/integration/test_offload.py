@@ -37,10 +37,10 @@ class Snapshot(L.Callback):
         self.stats = manager.stats.copy()
         self.region_bytes = {kind.value: [manager.region_bytes(kind, u) for u in range(manager.num_units)]
                              for kind in REGION_KINDS}
-        self.loads = dict(manager.weight_loads)
+        self.loads = dict(manager.weights.weight_loads)
         self.steps = trainer.global_step
         self.files = list(manager.files)
-        self.direct = {str(f.path): _has_o_direct(f.fd) for f in manager.open_files()}
+        self.direct = {str(f.path): _has_o_direct(f.fd) for f in [*manager.arena.regions.open_files(), *manager.activations.open_files()]}
 
 
 def _has_o_direct(fd: int | None) -> bool:
@@ -503,7 +503,7 @@ def test_the_smallest_budget_still_trains_exactly():
             pass
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            probe["min"] = trainer.strategy.tensor_manager.min_budget_bytes
+            probe["min"] = trainer.strategy.tensor_manager.arena.budget.minimum_bytes
 
     _fit(GreedySnakeStrategy(auto=False), 2, callbacks=[Budget()])
     ref_trainer, ref = _fit(GreedySnakeStrategy(auto=False), 2)
@@ -541,7 +541,7 @@ def test_a_truncated_offload_file_is_a_named_error_not_garbage(tmp_path):
     class Truncate(L.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
             if trainer.global_step == 1:
-                os.truncate(trainer.strategy.tensor_manager.offload_dir / "weights.bin", 0)
+                os.truncate(trainer.strategy.tensor_manager.offload_dirs[0] / "weights.bin", 0)
 
     L.seed_everything(0, verbose=False)
     trainer = make_trainer(GreedySnakeStrategy(auto=False, offload_dir=tmp_path), 2, max_epochs=1, callbacks=[Truncate()])
@@ -586,7 +586,7 @@ def test_spare_budget_reads_every_coming_step_ahead_in_order():
             strategy = trainer.strategy
             manager = strategy.tensor_manager
             last = manager.layouts[manager.num_units - 1].params[0].name
-            seen["min"] = [manager.min_budget_bytes]
+            seen["min"] = [manager.arena.budget.minimum_bytes]
 
             def hook(name: str, grad: torch.Tensor) -> None:  # on the lane, as each unit's step runs
                 if name == last:  # the window's first step: which other units' reads are under way
@@ -616,7 +616,7 @@ def test_spare_budget_reads_the_windows_last_step_ahead_and_keeps_its_weights_ex
 
     class Budget(L.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            probe["min"] = trainer.strategy.tensor_manager.min_budget_bytes
+            probe["min"] = trainer.strategy.tensor_manager.arena.budget.minimum_bytes
 
     _fit(GreedySnakeStrategy(auto=False), 2, callbacks=[Budget()], precision=precision)
     tight_snap, roomy_snap = Snapshot(), Snapshot()
@@ -650,7 +650,7 @@ def test_each_deferred_part_is_read_while_the_one_before_it_steps_and_nothing_ch
 
     class Budget(L.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            probe["min"] = trainer.strategy.tensor_manager.min_budget_bytes
+            probe["min"] = trainer.strategy.tensor_manager.arena.budget.minimum_bytes
 
     _fit(GreedySnakeStrategy(auto=False), 2, callbacks=[Budget()], precision="bf16-mixed", steps=1)
     tight_snap, roomy_snap = Snapshot(), Snapshot()
@@ -680,7 +680,7 @@ def test_ssd_checkpoints_are_read_back_just_in_time_within_the_documented_budget
 
     class Budget(L.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            probe.setdefault("min", trainer.strategy.tensor_manager.min_budget_bytes)
+            probe.setdefault("min", trainer.strategy.tensor_manager.arena.budget.minimum_bytes)
 
         def on_train_end(self, trainer: Any, module: Any) -> None:
             probe["peak_loaded"] = trainer.strategy.tensor_manager.activations.peak_loaded
@@ -740,7 +740,7 @@ def test_the_gradients_file_keeps_only_what_can_wait_there(alpha, clip, whole, t
         def on_train_end(self, trainer: Any, module: Any) -> None:
             manager = trainer.strategy.tensor_manager
             manager.drain()
-            seen["counted"] = manager.ssd_bytes().get("gradients", 0)
+            seen["counted"] = manager.placement.ssd_bytes().get("gradients", 0)
             st = os.stat(tmp_path / "off" / "gradients.bin")
             seen["allocated"] = st.st_blocks * 512
             seen["written"] = sum(c.bytes_written for (kind, _), c in manager.stats.copy()._counters.items()

@@ -121,7 +121,7 @@ def test_a_failed_background_step_surfaces_in_the_training_thread(tmp_path):
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
             if trainer.global_step == 1:
                 trainer.strategy.tensor_manager.drain()
-                os.truncate(trainer.strategy.tensor_manager.offload_dir / "optimizer_states.bin", 0)
+                os.truncate(trainer.strategy.tensor_manager.offload_dirs[0] / "optimizer_states.bin", 0)
 
     L.seed_everything(0, verbose=False)
     trainer = make_trainer(GreedySnakeStrategy(auto=False, offload_dir=tmp_path, lag=2), 2, max_epochs=1, callbacks=[Truncate()])
@@ -225,7 +225,7 @@ def test_the_automatic_budget_reads_the_last_step_ahead_from_what_the_minimum_re
         def on_train_end(self, trainer: Any, module: Any) -> None:
             manager = trainer.strategy.tensor_manager
             seen.update(ahead=manager.stepper.parts.read_ahead_by_unit.get(0, 0), steps=trainer.global_step,
-                        slack=manager.pool.budget_bytes - manager.min_budget_bytes,
+                        slack=manager.pool.budget_bytes - manager.arena.budget.minimum_bytes,
                         state=manager.region_bytes(TensorKind.OPTIMIZER_STATES, 0))
 
     ref, _ = _fit(GreedySnakeStrategy(auto=False, offload=ON_DEVICE), False, WideEmbedding, _wide_loader(), k=2, epochs=1)

@@ -54,9 +54,9 @@ class Seen(GradRecorder):
             return
         manager.drain()
         self.stats = manager.stats.copy()
-        self.deferred = [opt.part_range(1) for opt in manager.unit_optimizers if opt is not None]
+        self.deferred = [opt.part_range(1) for opt in manager.stepper.unit_optimizers if opt is not None]
         self.probes = manager.state_format.codec.probes if manager.state_format.codec else 0
-        self.optimizer_state = manager.optimizer_state()
+        self.optimizer_state = manager.values.optimizer_state()
 
 
 def fit(strategy: Any, optimizer: str, n_embd: int, steps: int = 4) -> tuple[dict[str, torch.Tensor], Seen]:

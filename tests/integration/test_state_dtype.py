@@ -27,7 +27,7 @@ class Seen(UnitGradients):
         manager.drain()
         self.state_bytes = [manager.region_bytes(TensorKind.OPTIMIZER_STATES, u) for u in range(manager.num_units)]
         self.stats = manager.stats.copy()
-        self.optimizer_state = manager.optimizer_state()
+        self.optimizer_state = manager.values.optimizer_state()
 
 
 def fit(dtype: str, steps: int, precision: str = "32-true", n_embd: int = 16,
@@ -129,10 +129,10 @@ class _MomentsAt(L.Callback):
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step == 1 and not hasattr(self, "first"):
-            self.first = trainer.strategy.tensor_manager.optimizer_state()  # (drains the lane first)
+            self.first = trainer.strategy.tensor_manager.values.optimizer_state()  # (drains the lane first)
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
-        self.last = trainer.strategy.tensor_manager.optimizer_state()
+        self.last = trainer.strategy.tensor_manager.values.optimizer_state()
 
 
 class _GradientInTheFirstStepOnly(TinyGPTModule):

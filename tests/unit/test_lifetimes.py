@@ -72,7 +72,7 @@ def _half_read_ahead(tmp_path: Path) -> tuple[TieredTensorStore, GatedEngine, in
     lay = store.layouts[unit]
     state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(s.shape), "exp_avg_sq": torch.zeros(s.shape)}
              for i, s in enumerate(lay.params)}
-    store.load_unit_optimizer_state(unit, state)  # the step now reads its state too
+    store.values.load_unit_optimizer_state(unit, state)  # the step now reads its state too
     store.flush()
     master_bytes = lay.nbytes(4)
     filler = store.pool.acquire(store.pool.budget_bytes - store.pool.in_use_bytes - master_bytes)
@@ -170,7 +170,7 @@ def test_new_16_bit_weights_are_cast_from_master_before_master_goes_back(tmp_pat
         model[unit](torch.randn(4, 64, dtype=torch.bfloat16)).float().square().sum().backward()
         store.gradient_ready(unit)  # lag 0: stepped right here
         store.release_unit(unit)
-        master = store.unit_master_weights(unit)
+        master = store.values.unit_master_weights(unit)
         store.acquire_unit(unit)
         compute = [p.data.clone() for p in store.params[unit]]
         store.release_unit(unit)
@@ -275,7 +275,7 @@ def test_a_read_dropped_in_flight_never_lands_in_a_buffer_handed_out_again(tmp_p
             again = store.pool.acquire(nbytes, what="the test, after the read landed")
             assert again is not None
             store.pool.release(again)
-        for got, want in zip(store.unit_master_weights(unit), expected, strict=True):
+        for got, want in zip(store.values.unit_master_weights(unit), expected, strict=True):
             assert torch.equal(got, want)
         store.acquire_unit(unit)
         for p, want in zip(store.params[unit], expected, strict=True):

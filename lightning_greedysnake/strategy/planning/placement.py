@@ -153,12 +153,12 @@ def as_placement(sizes: list[int], host_units: int, device_units: int = 0) -> Ti
     return placement
 
 
-def place_kinds(settings: GreedySnakeConfig, state: StateLayout, k: int, budget: int, *, speculative: bool,
-                clip_norm: bool, device: DeviceSide) -> tuple[int, PlacementPlan]:
-    """The first window's lag and the placement plan of the kinds ``settings`` leave unset (``auto=True``
-    with at least one), within ``budget``: pure, every rank computes the same from the same inputs.
-    Raises ``ValueError`` when the staging alone exceeds the budget."""
-    fixed = settings.resolved()
+def place_kinds(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, state: StateLayout, k: int, budget: int, *,
+                speculative: bool, clip_norm: bool, device: DeviceSide) -> tuple[int, PlacementPlan]:
+    """The first window's lag and the placement plan of the kinds ``settings`` (the user's) leave unset
+    (``auto=True`` with at least one), within ``budget``; ``fixed``: the settings in effect before this
+    plan (:attr:`Planner.config`). Pure: every rank computes the same from the same inputs. Raises
+    ``ValueError`` when the staging alone exceeds the budget."""
     planned = settings.offload.unset() & set(REGION_KINDS)
     every_ssd = fixed.offload.placed({kind: Tier.SSD for kind in planned})
     n = state.num_units
@@ -188,12 +188,14 @@ def place_kinds(settings: GreedySnakeConfig, state: StateLayout, k: int, budget:
                                given_device=given_device)
 
 
-def placed_config(settings: GreedySnakeConfig, state: StateLayout, lag: int, plan: PlacementPlan) -> GreedySnakeConfig:
-    """The settings in effect with ``plan``'s placement of the unset kinds and the first window's ``lag``."""
+def placed_config(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, state: StateLayout, lag: int,
+                  plan: PlacementPlan) -> GreedySnakeConfig:
+    """``fixed`` (the settings in effect before this plan) with ``plan``'s placement of the kinds
+    ``settings`` (the user's) leave unset, and the first window's ``lag``."""
     placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units,
                                     plan.kinds[kind.value].device_units)
                  for kind in settings.offload.unset() & set(REGION_KINDS)}
-    return dataclasses.replace(settings.resolved(placement), lag=lag)
+    return dataclasses.replace(fixed, offload=settings.offload.placed(placement), lag=lag)
 
 
 def empty_path_note(settings: GreedySnakeConfig, config: GreedySnakeConfig, plan: PlacementPlan | None) -> str:

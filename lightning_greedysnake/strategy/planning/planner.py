@@ -152,17 +152,17 @@ class Planner:
         lpu = self.unit_size(chain, optimizer, contract, dtype, shard, speculative=speculative,
                              clip_norm=clip_norm, device=device)
         units = make_units(chain, lpu)
-        settings = dataclasses.replace(settings, layers_per_unit=lpu)
+        fixed = dataclasses.replace(self.config, layers_per_unit=lpu)
         checkpoints = (CheckpointTierPlan(budget // CHECKPOINT_SHARE, ctx.report)
                        if settings.auto and settings.offload.checkpoints is None else None)
         if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
-            config, note = self.scheduled(settings.resolved())
+            config, note = self.scheduled(fixed)
             return SetupPlan(config, None, units, checkpoints, note)
         state = state_layout(units, {}, optimizer, settings.offload.placed(), dtype, shard, contract)
-        lag, placement = place_kinds(settings, state, ctx.accumulate, budget, speculative=speculative,
+        lag, placement = place_kinds(settings, fixed, state, ctx.accumulate, budget, speculative=speculative,
                                      clip_norm=clip_norm, device=device)
         placement = ctx.broadcast(placement)  # every rank runs rank 0's (the same: the same budget and sizes)
-        config, note = self.scheduled(placed_config(settings, state, lag, placement))
+        config, note = self.scheduled(placed_config(settings, fixed, state, lag, placement))
         return SetupPlan(config, placement, units, checkpoints, note)
 
     def report_setup(self, planned: SetupPlan, notes: dict[str, str]) -> None:
@@ -200,14 +200,14 @@ class Planner:
         budget; where none can be measured, 1 (and the report says why)."""
         ctx, settings = self.ctx, self.ctx.settings
         if settings.layers_per_unit is not None or not settings.auto:
-            return settings.resolved().layers_per_unit
+            return self.config.layers_per_unit
         if len(chain.blocks) < CANDIDATES[1]:  # (one candidate: nothing to measure)
             return 1
         result: int | str = 1
         disk: DiskProbe | None = None
         if ctx.is_global_zero:
             try:
-                scores = score_sizes(settings, candidate_layouts(settings, chain, optimizer, contract, dtype, shard),
+                scores = score_sizes(settings, self.config, candidate_layouts(settings, chain, optimizer, contract, dtype, shard),
                                      optimizer, ctx.accumulate, self.host_budget_bytes, speculative=speculative,
                                      clip_norm=clip_norm, default_root=ctx.default_root, device=device,
                                      optimizer_threads=ctx.optimizer_threads, shape=contract.probe_shape)
@@ -246,9 +246,9 @@ class Planner:
 
     def plan_warm_step(self, manager: TieredTensorStore, activation_bytes: dict[int, int],
                        config: GreedySnakeConfig) -> GreedySnakeConfig:
-        """Measure, plan the unset ones of :data:`FIRST_STEP_SETTINGS` (every rank runs rank 0's choice),
-        reconfigure ``manager``; returns the config in effect from the next window on (its ``recompute`` is
-        the engine's)."""
+        """Measure, plan the unset ones of :data:`FIRST_STEP_SETTINGS` (every rank runs rank 0's choice);
+        returns the config in effect from the next window on, with the staging budget chosen (``config``
+        itself where nothing was planned), which :meth:`Run.apply` gives every part of the run."""
         ctx, k = self.ctx, self.ctx.accumulate
         self.pending = False
         warm = config  # (the settings the warm step ran with)
@@ -262,7 +262,7 @@ class Planner:
         fwd, bwd = self.unit_seconds = unit_times(manager.stats.lanes.spans(self.since, float("inf")),
                                                   manager.num_units)
         costs = unit_costs(manager, fwd, bwd, activation_bytes)
-        budget = self.host_budget_bytes - manager.arena.regions.host_bytes()
+        budget = self.host_budget_bytes - manager.placement.host_bytes()
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
         lags = (0, 1, 2) if "lag" in unset else (config.lag,)
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
@@ -289,8 +289,8 @@ class Planner:
         if machine is None:  # (this rank could not measure; rank 0 could: its choice stands)
             machine = self.machine = Machine(math.inf, math.inf, math.inf)
         staging = explicit_budget if explicit_budget is not None else choice.buffer_budget_bytes
-        manager.reconfigure(choice.alpha, choice.lag, staging)
-        config = dataclasses.replace(config, alpha=choice.alpha, lag=choice.lag, recompute=choice.recompute)
+        config = dataclasses.replace(config, alpha=choice.alpha, lag=choice.lag, recompute=choice.recompute,
+                                     offload=dataclasses.replace(config.offload, buffer_budget_bytes=staging))
         bound = predict(costs, machine, config.schedule.value, k).bound
         inline = (f", {machine.inline_rate / 1e6:.0f} M on the training thread"
                   if machine.inline_optimizer_elements_per_s else "")

@@ -71,10 +71,11 @@ class UnitSizeScores(NamedTuple):
     """Where the disk was probed (the offload paths' filesystems); empty: not probed, nothing moves."""
 
 
-def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any, k: int, budget: int,
-                *, speculative: bool, clip_norm: bool, default_root: Path, device: DeviceSide,
+def score_sizes(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any,
+                k: int, budget: int, *, speculative: bool, clip_norm: bool, default_root: Path, device: DeviceSide,
                 optimizer_threads: int, shape: tuple[int, ...] | None = None) -> UnitSizeScores:
-    """Place each candidate within ``budget`` (one whose staging alone exceeds it is left out, by the
+    """``settings``: the user's; ``fixed``: the settings in effect before the plan (:attr:`Planner.config`).
+    Place each candidate within ``budget`` (one whose staging alone exceeds it is left out, by the
     placement or the roofline's plan), measure the disks at their request sizes and the optimizer, and
     score them (:func:`score_candidates`). ``shape``: the optimizer's rate measured on a parameter of
     this shape (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.probe_shape`)."""
@@ -82,12 +83,12 @@ def score_sizes(settings: GreedySnakeConfig, layouts: dict[int, StateLayout], op
     for lpu, state in layouts.items():
         try:
             if settings.offload.unset() & set(REGION_KINDS):
-                lag, placement = place_kinds(settings, state, k, budget, speculative=speculative,
+                lag, placement = place_kinds(settings, fixed, state, k, budget, speculative=speculative,
                                              clip_norm=clip_norm, device=device)
-                config = placed_config(settings, state, lag, placement)
+                config = placed_config(settings, fixed, state, lag, placement)
                 room = budget - sum(kind.host_bytes for kind in placement.kinds.values())
             else:  # every kind placed by the user (the roofline's plan still bounds each size's staging)
-                config, room = settings.resolved(), budget
+                config, room = fixed, budget
         except ValueError:
             continue  # its staging alone exceeds the budget
         costs = planned_costs(state, config.offload, config.alpha or 0.0, device.tier)

@@ -1,0 +1,138 @@
+"""Whole units in and out of their tiers outside any window: initialization, checkpoints, the end of a
+run. The training thread calls everything here, with pending optimizer steps drained first where they
+would race (:class:`UnitValues`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_greedysnake.checkpoint import optimizer_state as opt_state
+from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.io.aligned import ALIGN_BYTES
+from lightning_greedysnake.offload import unit_values
+from lightning_greedysnake.offload.residency import WeightsResidency
+from lightning_greedysnake.offload.staging import StagingArena
+from lightning_greedysnake.optim import UnitStepper
+from lightning_greedysnake.optim.state_format import StateFormat
+
+WEIGHT_KINDS = (TensorKind.WEIGHTS, TensorKind.MASTER_WEIGHTS)
+"""The kinds a unit's weights come back from (its compute weights; master weights under 16-bit)."""
+
+
+class UnitReader(Protocol):
+    """Reads whole units: this process's :class:`UnitValues`, or a gather of every rank's chunks of them
+    (data parallel with partitioned state)."""
+
+    def unit_master_weights(self, u: int) -> list[Tensor]: ...
+
+    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]: ...
+
+
+class UnitValues:
+    """Each unit's weights and optimizer state as whole tensors, in and out of the tiers (the training
+    thread, between windows). A read-ahead of a unit's optimizer step is dropped where its values are
+    read out or replaced under it. Owns the end-of-fit hand-back (:meth:`hand_back`)."""
+
+    def __init__(self, arena: StagingArena, stepper: UnitStepper, weights: WeightsResidency,
+                 where: dict[int, tuple[int, int]], optimizer: torch.optim.Optimizer | None,
+                 compute_dtype: torch.dtype, state_format: StateFormat, drain: Callable[[], None],
+                 host_group: Any = None) -> None:
+        """``where``: each parameter's unit and index in it (the gradient accumulator's); ``drain``: completes
+        every pending optimizer step and write (the tensor manager's); ``host_group``: data parallel's
+        process group for host tensors (None: the default group)."""
+        self._arena = arena
+        self._stepper = stepper
+        self._weights = weights
+        self._where = where
+        self.optimizer = optimizer
+        self._dtype = compute_dtype
+        self._codec = state_format.codec
+        self.drain = drain
+        """Complete every pending optimizer step and write (before reading state from outside a window)."""
+        self.flush = arena.flush
+        """Wait for every write in flight (raises the first I/O error)."""
+        self.host_group = host_group
+        self.params = weights.params
+        self.slots = stepper.slots
+        state = arena.state
+        self.layouts, self.num_units, self.shard, self.bounds = state.units, state.num_units, state.shard, state.bounds
+        regions = arena.regions
+        self.staging_bytes = max((regions.staged_unit_bytes(u) for u in range(self.num_units)), default=0)
+        """Pool bytes reading one whole unit out of its tiers stages at most (its weights, master weights
+        and optimizer state off the host tier, as placed): what the hand-back holds, planned at setup."""
+
+    def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
+        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
+        self._stepper.parts.drop_read_ahead(u)  # read before these new values
+        unit_values.write_unit(self._arena, u, values, self._dtype)
+
+    def unit_master_weights(self, u: int) -> list[Tensor]:
+        """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
+        self.drain()
+        return unit_values.read_unit(self._arena, u, self._dtype)
+
+    def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
+        """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout
+        (parameters the optimizer has not stepped yet are absent). Drains pending steps first."""
+        assert self.optimizer is not None
+        self.drain()
+        self._stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
+        return opt_state.unit_optimizer_state(self._arena, self._stepper.unit_optimizers[u], self._stepper.slots,
+                                              u, self._codec)
+
+    def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
+        """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
+        assert self.optimizer is not None
+        self.drain()
+        self._stepper.parts.drop_read_ahead(u)  # read before this new state
+        opt_state.load_unit_optimizer_state(self._arena, self._stepper.unit_optimizers[u], self._stepper.slots,
+                                            u, entries, self._codec)
+
+    def optimizer_state(self, per_unit: Callable[[int], dict[int, dict[str, Any]]] | None = None
+                        ) -> dict[int, dict[str, Any]]:
+        """The optimizer's per-parameter state in ``torch.optim`` form (the ``state`` entry of
+        ``optimizer.state_dict()``), from ``per_unit(u)`` (default: :meth:`unit_optimizer_state`). Holds it
+        all in memory: checkpoints stream it unit by unit."""
+        assert self.optimizer is not None
+        return opt_state.optimizer_state(self.optimizer, self._where, self.num_units,
+                                         per_unit or self.unit_optimizer_state)
+
+    def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None:
+        """Inverse of :meth:`optimizer_state`: scatter a ``torch.optim`` state into the units."""
+        assert self.optimizer is not None
+        self.drain()
+        for u, entries in opt_state.split_optimizer_state(self.optimizer, self._where, state).items():
+            self.load_unit_optimizer_state(u, entries)
+        self.flush()
+
+    def hand_back(self, reader: UnitReader, *, with_state: bool, staging_bytes: int | None,
+                  wait_timeout_s: float | None = None) -> dict[int, dict[int, dict[str, Any]]]:
+        """Give the parameters their trained values back, unit by unit, freeing each unit's RAM regions
+        once it is back (what comes back takes the place of what is freed, as planned at setup). Returns
+        each unit's optimizer state as ``reader`` read it (empty unless ``with_state``).
+
+        Every pending step completes first (the last complete update). ``staging_bytes``: the staging the
+        hand-back may hold from here on (None: the run's, unchanged), at least one unit's of this process
+        (:attr:`staging_bytes`: a rank whose chunk of a unit is larger than rank 0's keeps room for its own)
+        and what an interrupted step still holds. ``wait_timeout_s``: after a failure, the longest a pending
+        step waits for staging memory (a buffer an interrupted thread never gave back must not hold teardown
+        for minutes)."""
+        pool, regions = self._arena.budget.pool, self._arena.regions
+        if wait_timeout_s is not None:
+            pool.wait_timeout_s = min(pool.wait_timeout_s, wait_timeout_s)
+        self.drain()
+        if staging_bytes is not None:
+            pool.shrink(max(staging_bytes, self.staging_bytes, ALIGN_BYTES) + pool.in_use_bytes)
+        per_unit = {}
+        for u in range(self.num_units):
+            regions.release_host(u, (TensorKind.GRADIENTS,))
+            self._weights.restore(u, reader.unit_master_weights(u))
+            regions.release_host(u, WEIGHT_KINDS)
+            if with_state:
+                per_unit[u] = reader.unit_optimizer_state(u)
+            regions.release_host(u, (TensorKind.OPTIMIZER_STATES,))
+        return per_unit
