@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, system: str) -> dict[str, Any]:
     return {
         "system": system, "params": n_params, "save_s": round(times["save_s"], 3),
         "second_save_s": round(times["second_save_s"], 3), "load_s": round(times["load_s"], 3),
-        "checkpoint_bytes": ckpt_bytes, "model_state_bytes": state,
+        "unit_input_bytes": ckpt_bytes, "model_state_bytes": state,
         "checkpoint_over_state": round(ckpt_bytes / state, 3),
         "two_saves_bytes": both_bytes, "two_saves_over_state": round(both_bytes / state, 3),
         "save_GBps": round(ckpt_bytes / times["save_s"] / 1e9, 2),

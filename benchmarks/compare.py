@@ -150,7 +150,7 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
                     "recompute": chosen["recompute"]}
         offload.update(buffer_budget_bytes=chosen["buffer_budget_bytes"])
         if chosen["recompute"]:
-            offload.update(checkpoints=chosen["checkpoints"])
+            offload.update(activations=chosen["activations"])
         extra["plan"] = chosen
     if system == "gs_auto":
         settings = {"auto_host_budget_bytes": int(args.host_budget_gb * 2**30)}
@@ -223,7 +223,7 @@ def _plan_for(rows: list[dict[str, Any]], args: argparse.Namespace, k: int) -> d
     units = [UnitCost(**u) for u in measured["units"]]
     itemsize = 2 if args.precision == "bf16-mixed" else 4
     choice = plan(units, Machine(args.read_bps, args.write_bps, args.opt_rate), k,
-                  int(args.host_budget_gb * 2**30), checkpoint_bytes=args.seq * args.n_embd * itemsize)
+                  int(args.host_budget_gb * 2**30), unit_input_bytes=args.seq * args.n_embd * itemsize)
     return dataclasses.asdict(choice)
 
 
@@ -337,8 +337,8 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=0.0,
                         help="greedysnake's offload.buffer_budget_bytes in GiB (0: its default)")
     parser.add_argument("--host-budget-gb", type=float, default=4.0,
-                        help="host memory the planner may use for gs_planned (staging and checkpoints) and "
-                             "gs_auto (per process: the kinds it keeps in RAM, staging, checkpoints)")
+                        help="host memory the planner may use for gs_planned (staging and saved activations) and "
+                             "gs_auto (per process: the kinds it keeps in RAM, staging, saved activations)")
     parser.add_argument("--plan", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compare.json"))

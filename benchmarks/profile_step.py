@@ -6,7 +6,7 @@
     python benchmarks/profile_step.py --system greedysnake_ssd --precision bf16-mixed --seq 32 --no-profile
 
 ``greedysnake_ssd`` puts every kind on SSD (``auto=False``) and prints, per step, where the step waits: the
-training thread on reads (weights, activation checkpoints) and on the optimizer, the optimizer lane's CPU time
+training thread on reads (weights, saved activations) and on the optimizer, the optimizer lane's CPU time
 apart from its waits on reads, the disk's busy fraction (a request in flight), the bandwidth it achieved while
 busy against the probe's, the mean queue depth and request size (``StepTelemetry``).
 

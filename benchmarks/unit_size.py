@@ -58,7 +58,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(Notes())
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as d:
-        strategy = GreedySnakeStrategy(layers_per_unit=lpu, offload=dict(placement, path=d, checkpoints="host"))
+        strategy = GreedySnakeStrategy(layers_per_unit=lpu, offload=dict(placement, path=d, activations="host"))
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=False,
                             accumulate_grad_batches=args.k, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[Timer()])

@@ -97,8 +97,8 @@ def finetune(args: argparse.Namespace, work: Path) -> None:
     before = mean_loss(base, data.val_dataloader())
     del base
 
-    # the state on SSD (the offload directory: <work>/greedysnake_offload); gradients and activation
-    # checkpoints are left to the planner
+    # the state on SSD (the offload directory: <work>/greedysnake_offload); gradients and saved
+    # activations are left to the planner
     strategy = GreedySnakeStrategy(offload={"weights": "ssd", "master_weights": "ssd", "optimizer_states": "ssd"})
     traffic = SSDTraffic()
     trainer = L.Trainer(

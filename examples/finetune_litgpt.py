@@ -41,7 +41,7 @@ class PlacementReport(L.Callback):
             print(f"placement (planned):\n{plan.table()}")
         elif hasattr(strategy, "config"):
             offload = strategy.config.offload
-            kinds = ("weights", "master_weights", "optimizer_states", "gradients", "checkpoints")
+            kinds = ("weights", "master_weights", "optimizer_states", "gradients", "activations")
             print("placement: " + ", ".join(f"{k}={getattr(offload, k)}" for k in kinds))
         else:
             print(f"placement: everything on the device ({type(strategy).__name__})")

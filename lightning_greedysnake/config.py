@@ -132,7 +132,7 @@ class TensorKind(str, enum.Enum):
     ``offload.optimizer_state_dtype=bfloat16``."""
     GRADIENTS = "gradients"
     """fp32 accumulated gradients that must wait (the horizontal order, or norm clipping)."""
-    CHECKPOINTS = "checkpoints"
+    ACTIVATIONS = "activations"
     """Each unit's input per micro-batch, kept for the recomputing backward."""
 
 
@@ -142,7 +142,7 @@ REGION_KINDS = tuple(TensorKind(name) for name in REGION_KIND_NAMES)
 
 FIXED_PLACEMENT = {
     TensorKind.WEIGHTS: Tier.SSD, TensorKind.MASTER_WEIGHTS: Tier.SSD, TensorKind.OPTIMIZER_STATES: Tier.SSD,
-    TensorKind.GRADIENTS: Tier.SSD, TensorKind.CHECKPOINTS: Tier.HOST,
+    TensorKind.GRADIENTS: Tier.SSD, TensorKind.ACTIVATIONS: Tier.HOST,
 }
 """Where an unset kind goes with ``auto=False``: ZeRO-Infinity's placement."""
 
@@ -151,7 +151,7 @@ FIXED_PLACEMENT = {
 class OffloadConfig:
     """Where each kind of tensor lives, and the tensor manager's resources (Hydra group
     ``strategy.offload``). The default is ZeRO-Infinity's placement: weights, master weights, optimizer
-    states and waiting gradients on SSD, activation checkpoints in host memory."""
+    states and waiting gradients on SSD, saved activations in host memory."""
 
     path: str | list[str] | None = None
     """The offload directory (a local NVMe SSD), or a list of them, one per SSD: each kind's SSD units
@@ -181,9 +181,11 @@ class OffloadConfig:
     """Where fp32 gradients that must wait live (the horizontal order's partial sums, the deferred
     ``alpha`` range, everything under norm clipping): ``host`` or ``ssd``, or split between them by whole
     units. ``None`` (unset): planned at setup (``auto=True``), or ``ssd`` with ``auto=False``."""
-    checkpoints: Tier | None = None
-    """``None`` (unset): with ``auto=True`` decided at the first save (``host`` while a window's
-    checkpoints fit 1/8 of the host budget, else ``ssd``); with ``auto=False`` ``host``."""
+    activations: Tier | None = None
+    """Where the saved activations live: each unit's input per micro-batch, kept from its forward for
+    the recomputing backward (``host``, ``ssd`` or ``device``; the setting was called ``checkpoints``).
+    ``None`` (unset): with ``auto=True`` decided at the first save (``host`` while a window's activations
+    fit 1/8 of the host budget, else ``ssd``); with ``auto=False`` ``host``."""
 
     optimizer_state_dtype: str = "float32"
     """The dtype the optimizer's per-element state is kept in between steps (on its tier and on the way
@@ -196,7 +198,7 @@ class OffloadConfig:
 
     buffer_budget_bytes: int | None = None
     """Host bytes the tensor manager may hold in staging buffers (weights being used or prefetched, the
-    optimizer's working set, checkpoints in flight). ``None``: the least that works for ``lag`` (the
+    optimizer's working set, saved activations in flight). ``None``: the least that works for ``lag`` (the
     training thread's unit and ``lag`` queued steps hold weights and gradient, the running step its
     master and state), plus room to prefetch the next unit's weights, plus 16 MiB; with ``auto=False`` also a
     second optimizer working set (the largest unit's step), so that the next step's reads overlap the current
@@ -338,6 +340,11 @@ class OffloadConfig:
         if isinstance(value, OffloadConfig):
             return value
         if isinstance(value, Mapping):
+            if "checkpoints" in value:  # (the old name of the saved activations' placement)
+                raise ValueError(
+                    f"offload.checkpoints={value['checkpoints']!r}: the setting is now offload.activations (where "
+                    "the saved activations live; 'checkpoint' names only training checkpoints). Fix: "
+                    f"offload.activations={value['checkpoints']!r}, or strategy.offload.activations=... with Hydra.")
             known = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(value) - known)
             if unknown:
@@ -372,7 +379,7 @@ class GreedySnakeConfig:
 
     layers_per_unit: int | None = None
     """Blocks per unit. A unit is what is loaded, checkpointed and recomputed as one piece: only each
-    unit's input is kept per micro-batch, so larger units keep fewer checkpoints, make larger SSD
+    unit's input is kept per micro-batch, so larger units keep fewer saved activations, make larger SSD
     requests and stage more host memory. ``None`` (unset): 1, and with ``auto=True`` chosen at setup
     among 1, 2, 4 and 8 from the offload disks' bandwidth at each size's requests, each size's
     placement within the host budget and the optimizer's rate (printed as a table)."""
@@ -416,13 +423,13 @@ class GreedySnakeConfig:
     disks (each path) and the optimizer, take each unit's compute time from that step, and apply the
     planner's alpha, lag, staging budget and recompute (printed as a table with the predicted step time
     and the binding resource). ``False``: every unset setting takes its fixed default (ZeRO-Infinity's
-    placement, alpha 0.25, lag 2, recompute, the minimum staging budget). Unset checkpoint placement
-    is decided at the first save (RAM while a window's checkpoints fit their share of the host budget,
+    placement, alpha 0.25, lag 2, recompute, the minimum staging budget). Unset ``offload.activations``
+    is decided at the first save (RAM while a window's saved activations fit their share of the host budget,
     else SSD). Unset ``layers_per_unit`` is chosen at setup (see its field)."""
 
     auto_host_budget_bytes: int | None = None
     """Host memory the planner may use, per process, for the tensor manager: the kinds it keeps in RAM,
-    its staging buffers and the activation checkpoints in host memory. ``None``: half of the memory
+    its staging buffers and the saved activations in host memory. ``None``: half of the memory
     available (``MemAvailable``) at setup, shared by the processes on the node."""
 
     auto_device_budget_bytes: int | None = None

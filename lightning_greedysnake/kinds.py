@@ -3,5 +3,5 @@
 read them here, in this order (the reports' too)."""
 
 REGION_KIND_NAMES = ("weights", "master_weights", "optimizer_states", "gradients")
-"""Each unit's values of these kinds live in one region (in RAM, on SSD or on the device); activation
-checkpoints are per micro-batch instead."""
+"""Each unit's values of these kinds live in one region (in RAM, on SSD or on the device); saved
+activations are per micro-batch instead."""

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=8, help="micro-batches per step (accumulate_grad_batches)")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="bf16-mixed")
     parser.add_argument("--offload-dir", default=".", help="where the offload files will live")
-    parser.add_argument("--host-budget-gb", type=float, default=8.0, help="host memory for staging and checkpoints")
+    parser.add_argument("--host-budget-gb", type=float, default=8.0, help="host memory for staging and saved activations")
     parser.add_argument("--probe-mb", type=int, default=256, help="size of the bandwidth probe file")
     args = parser.parse_args(argv)
 
@@ -94,20 +94,20 @@ def main(argv: list[str] | None = None) -> None:
     rate = optimizer_rate(threads=optimizer_threads(available_cores(), device_tier=torch.cuda.is_available()))
     fwd, bwd, act = block_times(config, args.micro_batch, args.seq, torch.bfloat16 if bf16 else torch.float32)
     units = gpt_costs(config, torch.bfloat16 if bf16 else torch.float32, fwd, bwd, act)
-    checkpoint_bytes = args.micro_batch * args.seq * args.n_embd * (2 if bf16 else 4)
+    unit_input_bytes = args.micro_batch * args.seq * args.n_embd * (2 if bf16 else 4)
     machine = Machine(read_bps, write_bps, rate)
     budget = int(args.host_budget_gb * 2**30)
     plans = plans_by_size({n: (merge(units, n), machine) for n in CANDIDATES if n <= args.n_layer}, args.k, budget,
-                          checkpoint_bytes)  # (the unit size by setup's rule; the rest as the warm-step plan)
+                          unit_input_bytes)  # (the unit size by setup's rule; the rest as the warm-step plan)
     # (where no size fits, plan says why)
-    choice = plans[choose_unit_size(plans)] if plans else plan(units, machine, args.k, budget, checkpoint_bytes)
+    choice = plans[choose_unit_size(plans)] if plans else plan(units, machine, args.k, budget, unit_input_bytes)
     print(f"measured: SSD {machine.disk}; optimizer "
           f"{rate / 1e6:.0f} M elements/s; block forward {fwd * 1e3:.1f} ms, recompute+backward {bwd * 1e3:.1f} ms")
     print(choice.table())
     print(
         f"\nGreedySnakeStrategy(alpha={choice.alpha}, lag={choice.lag}, layers_per_unit={choice.layers_per_unit}, "
         f"recompute={choice.recompute}, offload={{"
-        + (f"'checkpoints': '{choice.checkpoints}', " if choice.recompute else "")
+        + (f"'activations': '{choice.activations}', " if choice.recompute else "")
         + f"'buffer_budget_bytes': {choice.buffer_budget_bytes}}})"
     )
 

@@ -1,5 +1,5 @@
 """The tensor manager: each unit's weights, master weights, optimizer state, waiting gradients and
-activation checkpoints on the tier the placement names, and the optimizer step that streams them.
+saved activations on the tier the placement names, and the optimizer step that streams them.
 
 It is a composition of components, each one owner of one concern (this module only wires them and
 routes the :class:`~lightning_greedysnake.offload.TensorStore` protocol to them):
@@ -11,14 +11,14 @@ routes the :class:`~lightning_greedysnake.offload.TensorStore` protocol to them)
   parameters, prefetch, the :class:`~lightning_greedysnake.offload.residency.UpdateGate`;
 - :class:`~lightning_greedysnake.offload.gradients.GradientAccumulator`: hooks, flat fp32 gradients,
   spill, norms;
-- :class:`~lightning_greedysnake.offload.activations.ActivationStore`: activation checkpoints;
+- :class:`~lightning_greedysnake.offload.activations.ActivationStore`: saved activations;
 - :class:`~lightning_greedysnake.optim.UnitStepper`: each unit's optimizer step on the lane, through
   the staging Protocols;
 - :class:`~lightning_greedysnake.step_modes.StepMode`: how a window's units are stepped (in line,
   deferred for clipping, speculative for fp16), chosen once at construction;
-- :mod:`~lightning_greedysnake.offload.unit_values` and :mod:`~lightning_greedysnake.checkpoint.optimizer_state`:
+- :class:`~lightning_greedysnake.unit_state.UnitValues` (:attr:`TieredTensorStore.values`): whole units'
   weights and optimizer state in and out of the tiers between windows (initialization, checkpoints, the
-  end of a run), which this store routes there itself.
+  end of a run).
 
 Threads: the training thread calls everything here; the optimizer lane runs the stepper's jobs; I/O
 threads complete transfers and give buffers back. Each component's docstring says what it shares.
@@ -48,7 +48,7 @@ from lightning_greedysnake.layout import (
     split_align_numel,
 )
 from lightning_greedysnake.models import Unit
-from lightning_greedysnake.offload.activations import ActivationStore, CheckpointTierPlan
+from lightning_greedysnake.offload.activations import ActivationStore, ActivationTierPlan
 from lightning_greedysnake.offload.device import DeviceCopies, named_sync
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.offload.gradients import GradientAccumulator
@@ -128,7 +128,7 @@ class TieredTensorStore:
                  copies: DeviceCopies | None = None, loss_scaler: Any = None,
                  data_parallel: DataParallelHooks | None = None,
                  gradient_observer: Callable[[int, Tensor], None] | None = None, optimizer_threads: int = 1,
-                 checkpoint_plan: CheckpointTierPlan | None = None,
+                 activation_plan: ActivationTierPlan | None = None,
                  deferred_gradients_only: float | None = None, contract: OptimizerContract | None = None,
                  double_buffered: bool = False) -> None:
         """Lays the units out; touches no file (see :meth:`open`), so sizes are known for preflight.
@@ -146,7 +146,7 @@ class TieredTensorStore:
         ``optimizer_threads``: the optimizer lane's intra-op threads (planned by the strategy).
         ``double_buffered``: unless ``config`` gives a staging budget, the staging rule's double-buffered
         one (:mod:`~lightning_greedysnake.planner.staging`; ``auto=False``'s), not the automatic one.
-        ``checkpoint_plan``: the activation checkpoints' tier, planned at their first save (see
+        ``activation_plan``: the saved activations' tier, planned at their first save (see
         :class:`~lightning_greedysnake.offload.activations.ActivationStore`).
         ``contract``: how the optimizer is stepped (:func:`~lightning_greedysnake.optim.contract.
         optimizer_contract`, decided once per run; default: decided here, ``optimizer_path='auto'``).
@@ -204,7 +204,7 @@ class TieredTensorStore:
                                    contract=self.contract)
         self.grads = GradientAccumulator(self.arena, self.state, self.params, copies,
                                          data_parallel.device_reducer if data_parallel is not None else None)
-        self.activations = ActivationStore(self.arena, config, self.stats, copies, checkpoint_plan)
+        self.activations = ActivationStore(self.arena, config, self.stats, copies, activation_plan)
         self.steps: StepMode = mode(self.stepper, self.grads, self.weights, self.host_group)
         """How the window's units are stepped (in line, deferred for clipping, speculative): chosen here, once."""
         self.values = UnitValues(self.arena, self.stepper, self.weights, self.grads.where, optimizer, compute_dtype,
@@ -245,9 +245,9 @@ class TieredTensorStore:
         return self.stepper.lane.threads
 
     @property
-    def checkpoint_bytes(self) -> int:
-        """The largest activation checkpoint seen (one unit input of one micro-batch), for planning."""
-        return self.activations.checkpoint_bytes
+    def unit_input_bytes(self) -> int:
+        """The largest saved activation seen (one unit input of one micro-batch), for planning."""
+        return self.activations.unit_input_bytes
 
     @property
     def optimizer_wait_seconds(self) -> float:
@@ -279,7 +279,7 @@ class TieredTensorStore:
         self.offload_dirs = dirs
         engines: list[IOEngine] = []
         assert dirs or not config.uses_ssd, "an SSD tier needs an offload directory"
-        if dirs:  # (with nothing else there, a directory the user named may still take the checkpoints)
+        if dirs:  # (with nothing else there, a directory the user named may still take the saved activations)
             io = IOConfig(config.io_threads, config.io_chunk_bytes, config.direct_io)
             engines = [io_engine or default_engine(io, on_request=self.stats.record_request) for _ in dirs]
             self._engines = list({id(e): e for e in engines}.values())  # (a given engine serves every one)
@@ -451,7 +451,7 @@ class TieredTensorStore:
         return self.steps.finish(inv_scale)
 
     def end_window(self, completed: bool = True) -> None:
-        """Forget the window's checkpoints; an abandoned window (``completed=False``) also loses its
+        """Forget the window's saved activations; an abandoned window (``completed=False``) also loses its
         gradients, as Lightning's own ``zero_grad`` would drop them. A completed window's gradients are
         all stepped already, or (deferred mode) wait for :meth:`finish_step`."""
         self.activations.end_window()

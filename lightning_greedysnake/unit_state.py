@@ -13,8 +13,7 @@ from torch import Tensor
 from lightning_greedysnake.checkpoint import optimizer_state as opt_state
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.io.aligned import ALIGN_BYTES
-from lightning_greedysnake.offload import unit_values
-from lightning_greedysnake.offload.residency import WeightsResidency
+from lightning_greedysnake.offload.residency import WeightsResidency, slot_view
 from lightning_greedysnake.offload.staging import StagingArena
 from lightning_greedysnake.optim import UnitStepper
 from lightning_greedysnake.optim.state_format import StateFormat
@@ -66,14 +65,48 @@ class UnitValues:
         and optimizer state off the host tier, as placed): what the hand-back holds, planned at setup."""
 
     def load_unit_weights(self, u: int, values: list[Tensor]) -> None:
-        """Set unit ``u``'s weights (and master weights) from full-precision tensors in layout order."""
+        """Set unit ``u``'s weights (and master weights, under a 16-bit compute dtype) from full-precision
+        tensors in layout order."""
         self._stepper.parts.drop_read_ahead(u)  # read before these new values
-        unit_values.write_unit(self._arena, u, values, self._dtype)
+        arena, lay = self._arena, self.layouts[u]
+        weights = arena.stage(TensorKind.WEIGHTS, u, read=False)
+        flat = weights.view(self._dtype, lay.numel)
+        for slot, value in zip(lay.params, values, strict=True):
+            slot_view(flat, slot).copy_(value.detach())
+        arena.put_back(TensorKind.WEIGHTS, u, weights)
+        if arena.state.region_bytes(TensorKind.MASTER_WEIGHTS, u):
+            master = arena.stage(TensorKind.MASTER_WEIGHTS, u, read=False)
+            mflat = master.view(torch.float32, lay.numel)
+            for slot, value in zip(lay.params, values, strict=True):
+                if slot.group is not None:
+                    slot_view(mflat, slot).copy_(value.detach())
+            ranges = arena.state.chunk_ranges(TensorKind.MASTER_WEIGHTS, u)
+            arena.put_back(TensorKind.MASTER_WEIGHTS, u, master, ranges)
 
     def unit_master_weights(self, u: int) -> list[Tensor]:
         """Unit ``u``'s full-precision weights as new tensors in layout order (for state dicts)."""
         self.drain()
-        return unit_values.read_unit(self._arena, u, self._dtype)
+        arena, lay = self._arena, self.layouts[u]
+        has_master = bool(arena.state.region_bytes(TensorKind.MASTER_WEIGHTS, u))
+        weights = arena.stage(TensorKind.WEIGHTS, u, read=True)
+        try:
+            flat = weights.view(self._dtype, lay.numel)
+            dtype = torch.float32 if arena.state.separate_master else self._dtype
+            # (a trained parameter's value comes from the master weights below: no copy of it made here)
+            out = [torch.empty(0) if has_master and slot.group is not None
+                   else slot_view(flat, slot).to(dtype, copy=True) for slot in lay.params]
+        finally:
+            weights.release()
+        if has_master:
+            master = arena.stage(TensorKind.MASTER_WEIGHTS, u, read=True)
+            try:
+                mflat = master.view(torch.float32, lay.numel)
+                for k, slot in enumerate(lay.params):
+                    if slot.group is not None:
+                        out[k] = slot_view(mflat, slot).clone()
+            finally:
+                master.release()
+        return out
 
     def unit_optimizer_state(self, u: int) -> dict[int, dict[str, Any]]:
         """Unit ``u``'s optimizer state as new tensors, keyed by the parameter's index in the unit's layout

@@ -61,7 +61,7 @@ class _Window:
     graphs: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = field(default_factory=dict)
     kept_inputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     """recompute=False: each unit's input per micro-batch, as the autograd leaf the next unit's graph
-    starts from (the store's checkpoints are copies, without the graph)."""
+    starts from (the store's saved activations are copies, without the graph)."""
     fused_leaf: dict[int, Tensor | None] = field(default_factory=dict)
     fused_pending: int | None = None
     input_checks: list[tuple[int, Tensor]] = field(default_factory=list)
@@ -327,7 +327,7 @@ class WindowEngine:
         unit = self.units[op.unit]
         self._ensure_unit(op.unit)
         self._hint_next_step()  # (the fused unit's own step: its reads overlap the fused ops)
-        self._hint_next_activation()  # (the op after it: its checkpoint comes in during the fused ops)
+        self._hint_next_activation()  # (the op after it: its saved activation comes in during the fused ops)
         with w.streams.forward_of(microbatch), torch.enable_grad():
             hidden, leaf = self._unit_input(op.unit, mb, microbatch)
             hidden = self._blocks(unit, hidden, mb.ctx)
@@ -435,7 +435,7 @@ class WindowEngine:
         """Unit ``u``'s input, and again as the leaf whose gradient goes to the unit before (None for unit
         0). Unit 0 runs the chain's ``pre`` on ``mb``'s inputs, keeping its ctx in ``mb`` when ``keep_ctx``;
         any other unit reads micro-batch ``m``'s input in the window: the one kept with its graph, else its
-        activation checkpoint (an autograd leaf when ``for_grad``)."""
+        saved activation (an autograd leaf when ``for_grad``)."""
         if u == 0:
             hidden, ctx = self.chain.pre(*mb.args, **mb.kwargs)
             hidden = _check_hidden(hidden, "pre")
@@ -510,7 +510,7 @@ class WindowEngine:
             self.store.prefetch(nxt)
 
     def _hint_next_activation(self) -> None:
-        """The op after the current one reads an activation checkpoint (any op on a unit past the first):
+        """The op after the current one reads a saved activation (any op on a unit past the first):
         let the store start bringing it in (its read, its copy to the device) while the current op
         computes: called before every op's compute is enqueued, the fused op's included."""
         w = self._window

@@ -1,26 +1,26 @@
-"""The activation-checkpoint store: each unit's input per micro-batch, kept from forward to backward.
+"""The saved-activation store: each unit's input per micro-batch, kept from forward to backward.
 
-On the host tier a checkpoint is the tensor itself. On the SSD tier it is written to a scratch file at
+On the host tier a saved activation is the tensor itself. On the SSD tier it is written to a scratch file at
 once (the staging buffer comes back when the write is done) and read back just in time: for the op
 that uses it (:meth:`load`), one op ahead when the budget's slack allows (:meth:`prefetch`), and given
 back as soon as the op is done with it (:meth:`release` after a forward, :meth:`drop` after its
-backward). So memory holds one checkpoint being used and at most one being read ahead, whatever K and
+backward). So memory holds one saved activation being used and at most one being read ahead, whatever K and
 the number of units, plus those still being written (bounded by the budget: a save waits for writes to
 return buffers).
 
-Device tier (``copies``): checkpoints are computed in device memory. On the ``device`` tier they stay
+Device tier (``copies``): saved activations are computed in device memory. On the ``device`` tier they stay
 there; on ``host`` each is copied (D2H stream, after the event right after the forward that produced it)
 into page-locked host memory and back (H2D stream); on ``ssd`` the D2H copy lands in a staging buffer
 whose write to the scratch file is submitted when the copy completes (chained, on the copy's completion
 thread), and the read-back bytes are copied to device memory. The copy back is issued one op ahead, by
-:meth:`prefetch` (a host checkpoint's at once, ordered after its D2H copy on the device; an SSD one's on
+:meth:`prefetch` (a host saved activation's at once, ordered after its D2H copy on the device; an SSD one's on
 the I/O thread that completes its read), into new memory of the H2D stream's, so it waits for none of
 the ops queued on the compute stream and overlaps the op before the one that loads it; :meth:`load`
 makes the compute stream wait for it (a copy not prefetched is issued there, just in time). So device
-memory holds, besides the checkpoint in use, at most the one read ahead.
+memory holds, besides the saved activation in use, at most the one read ahead.
 
 Threads: the training thread; reads and writes complete on I/O threads and are ordered here: a
-checkpoint is read only after its write completed, and the scratch file closes only after every
+saved activation is read only after its write completed, and the scratch file closes only after every
 transfer on it.
 """
 
@@ -44,8 +44,8 @@ from lightning_greedysnake.offload.tiers import SSDScratch
 
 
 @dataclass(frozen=True)
-class CheckpointTierPlan:
-    """``auto=True`` with ``offload.checkpoints`` unset: the activation checkpoints' tier is decided at their
+class ActivationTierPlan:
+    """``auto=True`` with ``offload.activations`` unset: the saved activations' tier is decided at their
     first save, when their size is known: host memory while a window's fit ``share_bytes``, else SSD."""
 
     share_bytes: int
@@ -64,12 +64,12 @@ class _OnSSD:
     scratch: SSDScratch
     """The scratch file (of the offload directory) that holds it."""
     loaded: Staged | None = None
-    """The checkpoint's bytes in memory (its reads perhaps still in flight when read ahead)."""
+    """The saved activation's bytes in memory (its reads perhaps still in flight when read ahead)."""
     read: Future[None] | None = None
     """The read that fills ``loaded``."""
     on_device: Tensor | None = None
-    """Device tier: the checkpoint in device memory (until release or drop): the forward's output, or the
-    loaded bytes copied there."""
+    """Device tier: the saved activation in device memory (until release or drop): the forward's output,
+    or the loaded bytes copied there."""
     pending: Future[Copy] | None = None
     """Device tier: the H2D copy into ``on_device`` issued ahead of the op that loads it (resolved once
     issued, on the read's completion), which that op's compute waits for (:meth:`ActivationStore.load`)."""
@@ -77,53 +77,54 @@ class _OnSSD:
 
 @dataclass
 class _OnHost:
-    """Device tier, ``host`` checkpoints: the copy in page-locked host memory."""
+    """Device tier, ``host`` saved activations: the copy in page-locked host memory."""
 
     host: Tensor
     shape: torch.Size
     landed: Copy
     """The D2H copy that fills ``host``."""
     on_device: Tensor | None = None
-    """The checkpoint in device memory: the forward's output, or ``host`` copied back (until release)."""
+    """The saved activation in device memory: the forward's output, or ``host`` copied back
+    (until release)."""
     pending: Copy | None = None
     """The H2D copy into ``on_device`` issued ahead of the op that loads it, not waited for yet."""
 
 
 class ActivationStore:
     def __init__(self, arena: StagingArena, config: OffloadConfig, stats: IOStats,
-                 copies: DeviceCopies | None = None, plan: CheckpointTierPlan | None = None) -> None:
-        """``plan``: ``auto=True`` with ``offload.checkpoints`` unset, their share of the host budget and
-        where to report: the first save, which knows the checkpoints' size, keeps a window's checkpoints
-        in host memory if they fit that share, else puts them on SSD (where the run has an offload
+                 copies: DeviceCopies | None = None, plan: ActivationTierPlan | None = None) -> None:
+        """``plan``: ``auto=True`` with ``offload.activations`` unset, their share of the host budget and
+        where to report: the first save, which knows the saved activations' size, keeps a window's saved
+        activations in host memory if they fit that share, else puts them on SSD (where the run has an offload
         directory), and says so."""
         self._arena = arena
         self._copies = copies
         self._copied: dict[tuple[int, int], _OnHost] = {}
-        """Device tier, ``host`` checkpoints."""
+        """Device tier, ``host`` saved activations."""
         self._config = config
         self._stats = stats
         self._scratches: list[SSDScratch] = []
-        """One scratch file per offload directory; unit u's checkpoints in ``u % len(...)``'s."""
+        """One scratch file per offload directory; unit u's saved activations in ``u % len(...)``'s."""
         self._host: dict[tuple[int, int], Tensor] = {}
         self._ssd: dict[tuple[int, int], _OnSSD] = {}
         self._loaded = 0
         self.peak_loaded = 0
-        """Most SSD checkpoints in memory at once (in use or read ahead), since construction."""
-        self.checkpoint_bytes = 0
-        """The largest checkpoint seen (one unit input of one micro-batch), for planning."""
+        """Most SSD saved activations in memory at once (in use or read ahead), since construction."""
+        self.unit_input_bytes = 0
+        """The largest saved activation seen (one unit input of one micro-batch), for planning."""
         self.prefetches = 0
-        """SSD checkpoint reads started ahead of need, since construction."""
+        """SSD saved activation reads started ahead of need, since construction."""
         self.device_loads: dict[str, int] = {"ahead": 0, "just_in_time": 0}
-        """Device tier: H2D copies of checkpoints back to the device, issued one op ahead (:meth:`prefetch`)
-        or by the op that loads them, since construction (training thread)."""
+        """Device tier: H2D copies of saved activations back to the device, issued one op ahead
+        (:meth:`prefetch`) or by the op that loads them, since construction (training thread)."""
         self.files: list[Path] = []
         self._window_counts: list[int] = []
-        """Per scratch file, the checkpoints a window saves there (K micro-batches x its units)."""
+        """Per scratch file, the saved activations a window saves there (K micro-batches x its units)."""
         self._window: tuple[int, int] = (0, 0)
         """The window's (micro-batches, units), from :meth:`begin_window`."""
         self._reserved = False
-        self.tier: Tier = config.tier(TensorKind.CHECKPOINTS)  # type: ignore[assignment]
-        """Where checkpoints go (host, SSD or device); planned at the first save with a ``plan``."""
+        self.tier: Tier = config.tier(TensorKind.ACTIVATIONS)  # type: ignore[assignment]
+        """Where saved activations go (host, SSD or device); planned at the first save with a ``plan``."""
         self._plan = plan
         self._offload: tuple[list[Path], list[IOEngine]] = ([], [])
 
@@ -134,43 +135,43 @@ class ActivationStore:
         count = self._window[0] * max(0, self._window[1] - 1)
         need = count * nbytes
         if need <= share:
-            report(f"greedysnake: activation checkpoints in host memory ({count} of {nbytes:,} bytes a window: "
+            report(f"greedysnake: saved activations in host memory ({count} of {nbytes:,} bytes a window: "
                    f"{need:,} bytes, within their share of the host budget, {share:,})")
             return
         dirs, engines = self._offload
         if not dirs:
-            report(f"greedysnake: activation checkpoints stay in host memory, {need:,} bytes a window, over their "
+            report(f"greedysnake: saved activations stay in host memory, {need:,} bytes a window, over their "
                    f"share of the host budget ({share:,}): this run has no offload directory (nothing else is on "
-                   "SSD). Fix: offload.checkpoints=ssd with offload.path, or a smaller micro-batch.")
+                   "SSD). Fix: offload.activations=ssd with offload.path, or a smaller micro-batch.")
             return
         self.tier = Tier.SSD
         self.open(dirs, engines)
         self.begin_window(*self._window)
-        report(f"greedysnake: activation checkpoints on SSD ({count} of {nbytes:,} bytes a window: {need:,} bytes, "
-               f"over their share of the host budget, {share:,}; set offload.checkpoints to fix it)")
+        report(f"greedysnake: saved activations on SSD ({count} of {nbytes:,} bytes a window: {need:,} bytes, "
+               f"over their share of the host budget, {share:,}; set offload.activations to fix it)")
 
     def open(self, offload_dirs: list[Path], engines: list[IOEngine]) -> None:
-        """On the SSD tier: a scratch file in each offload directory (checkpoints striped by unit)."""
+        """On the SSD tier: a scratch file in each offload directory (saved activations striped by unit)."""
         self._offload = (offload_dirs, engines)
         if self.tier is Tier.SSD:
-            assert offload_dirs and len(engines) == len(offload_dirs), "SSD checkpoints need an offload directory"
+            assert offload_dirs and len(engines) == len(offload_dirs), "SSD saved activations need an offload directory"
             for directory, engine in zip(offload_dirs, engines, strict=True):
-                path = directory / FILE_NAMES[TensorKind.CHECKPOINTS]
+                path = directory / FILE_NAMES[TensorKind.ACTIVATIONS]
                 self.files.append(path)
-                self._scratches.append(SSDScratch(TensorKind.CHECKPOINTS.value, engine, path, self._stats))
+                self._scratches.append(SSDScratch(TensorKind.ACTIVATIONS.value, engine, path, self._stats))
             self._window_counts = [0] * len(self._scratches)
 
     def open_files(self) -> list[OffloadFile]:
         return [scratch.file for scratch in self._scratches]
 
     @property
-    def num_checkpoints(self) -> int:
+    def num_saved_activations(self) -> int:
         return len(self._host) + len(self._ssd) + len(self._copied)
 
     def begin_window(self, num_microbatches: int, num_units: int) -> None:
-        """A window of ``num_microbatches`` begins (checkpoints: the input of every unit but the first):
+        """A window of ``num_microbatches`` begins (saved activations: the input of every unit but the first):
         at its first save, when their size is known, each scratch file gets room for all of its
-        checkpoints at once (a disk too small fails there, with the fix)."""
+        saved activations at once (a disk too small fails there, with the fix)."""
         self._window = (num_microbatches, num_units)
         n = max(1, len(self._scratches))
         self._window_counts = [num_microbatches * sum(1 for u in range(1, num_units) if u % n == d) for d in range(n)]
@@ -179,10 +180,10 @@ class ActivationStore:
     def save(self, unit: int, microbatch: int, hidden: Tensor) -> None:
         key = (unit, microbatch)
         nbytes = hidden.numel() * hidden.element_size()
-        self.checkpoint_bytes = max(self.checkpoint_bytes, nbytes)
+        self.unit_input_bytes = max(self.unit_input_bytes, nbytes)
         if self._plan is not None:
             self._decide(nbytes)
-        assert key not in self._host and key not in self._ssd and key not in self._copied, f"checkpoint {key} twice"
+        assert key not in self._host and key not in self._ssd and key not in self._copied, f"saved activation {key} twice"
         if not self._scratches:  # (not on SSD)
             if self._copies is not None and self.tier is Tier.HOST:
                 host = self._copies.empty_host(hidden.numel(), hidden.dtype)
@@ -194,12 +195,12 @@ class ActivationStore:
             else:
                 self._host[key] = hidden
             return
-        self._arena.budget.reserve_checkpoints(nbytes)
+        self._arena.budget.reserve_activations(nbytes)
         if not self._reserved:
             for scratch, count in zip(self._scratches, self._window_counts, strict=True):
                 scratch.reserve(count * align_up(nbytes))
             self._reserved = True
-        held = self._arena.acquire(nbytes, f"checkpoint of unit {unit}")
+        held = self._arena.acquire(nbytes, f"saved activation of unit {unit}")
         try:
             scratch, buf = self._scratches[unit % len(self._scratches)], held.buf
             offset = scratch.allocate(nbytes)
@@ -220,7 +221,7 @@ class ActivationStore:
                                 on_device=hidden if self._copies is not None else None)
 
     def load(self, unit: int, microbatch: int) -> Tensor:
-        """The checkpoint, in memory until :meth:`release` or :meth:`drop`; on a device tier the compute
+        """The saved activation, in memory until :meth:`release` or :meth:`drop`; on a device tier the compute
         stream's later work waits for its copy to the device."""
         key = (unit, microbatch)
         if not self._scratches:
@@ -240,14 +241,14 @@ class ActivationStore:
             return ck.on_device  # (the forward's output, kept for the next unit's; or loaded already)
         if ck.loaded is None:
             ck.write.result()  # the read must see the completed write
-            held = self._arena.acquire(ck.nbytes, f"checkpoint of unit {unit}")
+            held = self._arena.acquire(ck.nbytes, f"saved activation of unit {unit}")
             self._read(ck, held)
         held = ck.loaded
         assert held is not None
         held.take_over()
         if held.reads_pending:
             try:
-                self._arena.await_reads(held, label=TensorKind.CHECKPOINTS.value)
+                self._arena.await_reads(held, label=TensorKind.ACTIVATIONS.value)
             except BaseException:
                 # (await_reads gave it back)
                 ck.loaded, ck.read, ck.on_device, ck.pending = None, None, None, None
@@ -275,8 +276,8 @@ class ActivationStore:
         copied.on_device = flat.view(copied.shape)
 
     def prefetch(self, unit: int, microbatch: int) -> None:
-        """The op after the current one reads this checkpoint: start bringing it in now. Host checkpoints
-        on a device tier: the H2D copy starts now. SSD: the read starts now (from the budget's slack, and
+        """The op after the current one reads this saved activation: start bringing it in now. Host
+        saved activations on a device tier: the H2D copy starts now. SSD: the read starts now (from the budget's slack, and
         only once its write is complete: a read never races the write), and on a device tier the H2D copy
         as soon as it lands (on the I/O thread that completes it)."""
         key = (unit, microbatch)
@@ -292,7 +293,7 @@ class ActivationStore:
         if ck.loaded is None:
             if not ck.write.done():
                 return
-            held = self._arena.acquire_optional(ck.nbytes, f"checkpoint of unit {unit} read-ahead")
+            held = self._arena.acquire_optional(ck.nbytes, f"saved activation of unit {unit} read-ahead")
             if held is None:
                 return
             self._read(ck, held)
@@ -342,7 +343,8 @@ class ActivationStore:
         self.peak_loaded = max(self.peak_loaded, self._loaded)
 
     def release(self, unit: int, microbatch: int) -> None:
-        """The op is done with the checkpoint for now; it stays stored (on SSD: its buffer goes back)."""
+        """The op is done with the saved activation for now; it stays stored (on SSD: its buffer
+        goes back)."""
         ck = self._ssd.get((unit, microbatch))
         if ck is not None:
             ck.on_device, ck.pending = None, None  # device memory back to its allocator (uses recorded)
@@ -353,7 +355,7 @@ class ActivationStore:
             copied.on_device, copied.pending = None, None  # (device memory back to its allocator)
 
     def drop(self, unit: int, microbatch: int) -> None:
-        """The checkpoint will not be read again in this window."""
+        """The saved activation will not be read again in this window."""
         self._host.pop((unit, microbatch), None)
         self._copied.pop((unit, microbatch), None)
         ck = self._ssd.pop((unit, microbatch), None)
@@ -368,7 +370,8 @@ class ActivationStore:
         held.release()
 
     def _drop_all(self, closing: bool) -> None:
-        """Drop every checkpoint, each once its write completed (raising a failed one unless ``closing``)."""
+        """Drop every saved activation, each once its write completed (raising a failed one
+        unless ``closing``)."""
         for key in list(self._ssd):
             ck = self._ssd[key]
             self.drop(*key)
@@ -378,19 +381,20 @@ class ActivationStore:
         self._copied.clear()
 
     def end_window(self) -> None:
-        """Forget the window's checkpoints; the scratch space is reused by the next window."""
+        """Forget the window's saved activations; the scratch space is reused by the next window."""
         self._drop_all(closing=False)
         for scratch in self._scratches:
             scratch.reset()
 
     def close(self) -> None:
-        """Give back every loaded checkpoint and close the scratch file once nothing is in flight on it."""
+        """Give back every loaded saved activation and close the scratch file once nothing is in flight
+        on it."""
         self._drop_all(closing=True)
         scratches, self._scratches = self._scratches, []
         for scratch in scratches:
             scratch.close()
 
     def flush(self) -> None:
-        """Wait for every checkpoint transfer in flight."""
+        """Wait for every saved activation transfer in flight."""
         for scratch in self._scratches:
             scratch.wait_all()

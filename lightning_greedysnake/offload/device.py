@@ -10,8 +10,8 @@ OrderedCopies`, shared by both devices below): a copy waits for the events it is
 never for everything queued on the compute stream, so a copy issued while N ops are queued runs beside
 them:
 
-- H2D into new memory (:meth:`~DeviceCopies.to_new_device`: a weights prefetch, an activation
-  checkpoint's load, a spilled gradient): the memory is allocated for the H2D stream
+- H2D into new memory (:meth:`~DeviceCopies.to_new_device`: a weights prefetch, a saved
+  activation's load, a spilled gradient): the memory is allocated for the H2D stream
   (:meth:`~DeviceCopies.empty_for_h2d`), so its previous user was that stream or a compute use the
   allocator waited for; the copy waits for nothing (but, where its host source is itself filled by a
   D2H copy, that copy's event); the compute stream waits for the copy's event before its first use.
@@ -45,7 +45,7 @@ Two implementations behind the :class:`DeviceCopies` Protocol:
 
 Threads: the training thread issues copies and waits; the optimizer lane issues a step's writes of
 resident weights and waits on D2H futures (through the handles that track them); an I/O completion
-thread issues a read-ahead checkpoint's H2D copy once its read landed; the completion/copy threads only
+thread issues a read-ahead saved activation's H2D copy once its read landed; the completion/copy threads only
 complete futures (the simulated ones also write the destinations, which they own until the future is
 done; the simulated side thread of :meth:`SimulatedCopies.land_late` owns its result tensor until its
 future, the ``after`` a later copy waits for, is done).

@@ -37,7 +37,7 @@ yet, so the copy waits for no event."""
 class CopyCounts:
     """Copies and bytes each way, and page-lock registrations of host memory, since construction. Written
     under ``_lock`` by every thread that issues copies (the training thread; the optimizer lane, a step's
-    new resident weights; an I/O thread, a read-ahead checkpoint's load) or registers memory; read by
+    new resident weights; an I/O thread, a read-ahead saved activation's load) or registers memory; read by
     anyone without it (each count is one int)."""
 
     def __init__(self) -> None:

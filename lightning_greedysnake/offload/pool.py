@@ -1,7 +1,7 @@
 """Page-aligned staging buffers under a byte budget, with explicit acquire and release.
 
 The budget caps what the tensor manager holds in host memory at once: weights in use and prefetched,
-the optimizer's working set, checkpoints in flight. A request that can never fit is an error up front;
+the optimizer's working set, saved activations in flight. A request that can never fit is an error up front;
 one that fits later waits for a release (write-behind completions release from I/O threads).
 
 Nobody calls :meth:`BufferPool.release` directly but a :class:`~lightning_greedysnake.offload.staging.Staged`

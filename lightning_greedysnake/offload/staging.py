@@ -8,8 +8,8 @@ a lock from which the next owner pops it. The buffer goes back only through :met
 exactly once, on whatever path ends its use (success, failure, drop, teardown), and reaches the pool
 only after every transfer on it completed (from the last one's completion callback if need be).
 
-Budget. Work that must run (a unit in use, its gradient, the running steps' staging, two activation
-checkpoints on SSD) never needs more than :attr:`PoolBudget.minimum_bytes` at once. Work ahead of
+Budget. Work that must run (a unit in use, its gradient, the running steps' staging, two saved
+activations on SSD) never needs more than :attr:`PoolBudget.minimum_bytes` at once. Work ahead of
 need (prefetches, read-aheads) holds only the slack over that minimum, so a must-run acquisition only
 ever waits for write-behind to return buffers, never for a prefetch to be used.
 """
@@ -136,8 +136,9 @@ class Staged:
 
 def staging_budget_of(state: StateLayout, config: OffloadConfig, lag: int, device_tier: bool = False) -> StagingBudget:
     """The staging rule (:func:`~lightning_greedysnake.planner.staging.staging_budget`) for ``state``
-    placed as ``config`` says, at ``lag``, with ``config.prefetch_units`` prefetches. (Activation
-    checkpoints on SSD add two checkpoints once their size is known: :meth:`PoolBudget.reserve_checkpoints`.)"""
+    placed as ``config`` says, at ``lag``, with ``config.prefetch_units`` prefetches. (Saved
+    activations on SSD add two saved activations once their size is
+    known: :meth:`PoolBudget.reserve_activations`.)"""
     tiers = placement_of(state, config, device_tier)
     units = [unit_staging({kind.value: state.region_bytes(kind, u) for kind in REGION_KINDS},
                           {kind.value: tiers[kind][u].value for kind in REGION_KINDS})
@@ -173,13 +174,14 @@ class PoolBudget:
         """Bytes that submitted steps have yet to stage (their master and state buffers): with what is
         in use, the most they can still take before anything comes back. Raised by the training thread
         (:meth:`count_step_submitted`), lowered by the lane (:meth:`count_step_staged`), under ``_lock``."""
-        self._checkpoint_reserve = 0
-        """Two activation checkpoints on SSD, once known (:meth:`reserve_checkpoints`; training thread,
+        self._activation_reserve = 0
+        """Two saved activations on SSD, once known (:meth:`reserve_activations`; training thread,
         under ``_lock``)."""
         rule = staging_budget_of(state, config, lag, device_tier)
         self._min_bytes = rule.minimum_bytes
-        """What the must-run work holds at once (the staging rule's minimum, plus the checkpoint reserve).
-        Written by the training thread (:meth:`set_budget`, :meth:`reserve_checkpoints`) under ``_lock``;
+        """What the must-run work holds at once (the staging rule's minimum, plus the saved
+        activation reserve).
+        Written by the training thread (:meth:`set_budget`, :meth:`reserve_activations`) under ``_lock``;
         read under it by every thread that takes work ahead of need."""
         budget = config.buffer_budget_bytes
         if budget is not None and budget < self._min_bytes:
@@ -191,7 +193,7 @@ class PoolBudget:
         self.pool = BufferPool(budget if budget is not None else rule.of(double_buffered), pinner=pinner,
                                others_active=others_active)
         """Every staging buffer. Its budget is set by the training thread under ``_lock`` (:meth:`set_budget`,
-        :meth:`reserve_checkpoints`), and read under it by every thread that takes work ahead of need."""
+        :meth:`reserve_activations`), and read under it by every thread that takes work ahead of need."""
 
     @property
     def minimum_bytes(self) -> int:
@@ -204,20 +206,20 @@ class PoolBudget:
         budget never goes below it."""
         rule = staging_budget_of(self.state, self.config, lag, self.device_tier)
         with self._lock:
-            self._min_bytes = rule.minimum_bytes + self._checkpoint_reserve
+            self._min_bytes = rule.minimum_bytes + self._activation_reserve
             self.pool.set_budget(max(budget_bytes, self._min_bytes))
 
-    def reserve_checkpoints(self, checkpoint_bytes: int) -> None:
-        """Activation checkpoints on SSD: the must-run work holds two at once (one read back for the op
+    def reserve_activations(self, unit_input_bytes: int) -> None:
+        """Saved activations on SSD: the must-run work holds two at once (one read back for the op
         in progress, one being written), known once the first one is saved (training thread). Raises
         the minimum (and an automatic budget with it); an explicit budget below the new minimum is a
         clear error."""
-        reserve = 2 * align_up(checkpoint_bytes)
+        reserve = 2 * align_up(unit_input_bytes)
         with self._lock:
-            if reserve <= self._checkpoint_reserve:
+            if reserve <= self._activation_reserve:
                 return
-            grow = reserve - self._checkpoint_reserve
-            self._checkpoint_reserve = reserve
+            grow = reserve - self._activation_reserve
+            self._activation_reserve = reserve
             self._min_bytes += grow
             minimum, budget = self._min_bytes, self.pool.budget_bytes
             if self.config.buffer_budget_bytes is None:
@@ -226,8 +228,8 @@ class PoolBudget:
         if budget < minimum:
             raise BufferBudgetError(
                 f"offload.buffer_budget_bytes={budget} is below the {minimum} "
-                f"bytes one unit's working set and two activation checkpoints of {checkpoint_bytes} bytes "
-                f"(offload.checkpoints='ssd') need at once. Fix: raise it to at least {minimum}, "
+                f"bytes one unit's working set and two saved activations of {unit_input_bytes} bytes "
+                f"(offload.activations='ssd') need at once. Fix: raise it to at least {minimum}, "
                 "or leave it None (automatic)."
             )
 

@@ -1,8 +1,8 @@
-"""The tensor manager seam: the engine asks it for each unit's weights and activation checkpoints, and
+"""The tensor manager seam: the engine asks it for each unit's weights and saved activations, and
 hands it each unit's finished gradient. The in-memory implementation keeps everything where it is; the
 SSD tier plugs in behind the same Protocol.
 
-An *activation checkpoint* (the ``*_activation`` methods) is a unit's input for one micro-batch, kept from
+A *saved activation* (the ``*_activation`` methods) is a unit's input for one micro-batch, kept from
 forward for backward's recompute; it is not a training checkpoint (the strategy's ``save_checkpoint`` /
 ``load_checkpoint``, see ``checkpoint/``)."""
 
@@ -17,7 +17,7 @@ from torch import Tensor
 @runtime_checkable
 class TensorStore(Protocol):
     def begin_window(self, num_microbatches: int) -> None:
-        """A window of ``num_microbatches`` begins (its activation checkpoints: the input of every unit
+        """A window of ``num_microbatches`` begins (its saved activations: the input of every unit
         but the first, per micro-batch)."""
 
     def acquire_unit(self, unit: int) -> None:
@@ -27,8 +27,8 @@ class TensorStore(Protocol):
         """The engine is done with ``unit``'s weights for now."""
 
     def save_activation(self, unit: int, microbatch: int, hidden: Tensor) -> None:
-        """Keep the input of ``unit`` for ``microbatch`` (the output of ``unit - 1``): its activation
-        checkpoint."""
+        """Keep the input of ``unit`` for ``microbatch`` (the output of ``unit - 1``): its saved
+        activation."""
 
     def load_activation(self, unit: int, microbatch: int) -> Tensor:
         """The tensor saved by ``save_activation``; it stays stored until ``drop_activation``. The tensor
@@ -39,7 +39,7 @@ class TensorStore(Protocol):
         offloading store may free its memory and read it back at the next load."""
 
     def drop_activation(self, unit: int, microbatch: int) -> None:
-        """The activation checkpoint will not be read again in this window."""
+        """The saved activation will not be read again in this window."""
 
     def gradient_ready(self, unit: int) -> None:
         """``unit``'s parameter gradient for this window is complete (the optimizer may step it)."""
@@ -48,7 +48,7 @@ class TensorStore(Protocol):
         """A hint: ``unit``'s weights will be acquired next; start bringing them in if that is cheap."""
 
     def prefetch_activation(self, unit: int, microbatch: int) -> None:
-        """A hint: that activation checkpoint will be loaded soon; start reading it if that is cheap."""
+        """A hint: that saved activation will be loaded soon; start reading it if that is cheap."""
 
     def prefetch_step(self, unit: int, last: bool = True) -> bool:
         """A hint: ``unit``'s optimizer step comes (``last``: it is the window's last, which the next forward
@@ -57,7 +57,7 @@ class TensorStore(Protocol):
         the hints for the steps after it wait their turn."""
 
     def end_window(self, completed: bool = True) -> None:
-        """The window is over: forget its activation checkpoints; ``completed=False``: it was abandoned
+        """The window is over: forget its saved activations; ``completed=False``: it was abandoned
         before its optimizer step, so its gradients are dropped too."""
 
     def close(self) -> None:
@@ -111,7 +111,7 @@ class InMemoryTensorStore:
         return False  # (nothing is read: no later step's hint is worth asking)
 
     @property
-    def num_checkpoints(self) -> int:
+    def num_saved_activations(self) -> int:
         return len(self._checkpoints)
 
     def end_window(self, completed: bool = True) -> None:

@@ -172,9 +172,9 @@ class SSDRegions:
 
 
 class SSDScratch:
-    """Space for activation checkpoints on SSD: bump-allocated within a window, reset at its end; the
+    """Space for saved activations on SSD: bump-allocated within a window, reset at its end; the
     file grows (preallocated) when a window needs more than any before. Its users order their own
-    transfers (a checkpoint is read only after its write completed); the scratch only makes sure no
+    transfers (a saved activation is read only after its write completed); the scratch only makes sure no
     transfer outlives the file: :meth:`close` waits for every one still in flight."""
 
     tier = "ssd"
@@ -210,9 +210,9 @@ class SSDScratch:
         except OSError as e:
             raise OSError(
                 e.errno,
-                f"growing {self.path} to {new_size} bytes for activation checkpoints failed: "
-                f"{os.strerror(e.errno or 0)}. Fix: free space on the offload disk or keep checkpoints "
-                "in host memory (offload.checkpoints=host).",
+                f"growing {self.path} to {new_size} bytes for saved activations failed: "
+                f"{os.strerror(e.errno or 0)}. Fix: free space on the offload disk or keep saved activations "
+                "in host memory (offload.activations=host).",
             ) from e
         self.file.size_bytes = new_size
 

@@ -53,7 +53,7 @@ class PlacementPlan:
     budget_bytes: int
     """The host budget, all of it."""
     reserved_bytes: int
-    """What the budget keeps back for staging and activation checkpoints."""
+    """What the budget keeps back for staging and saved activations."""
     traffic: Traffic
     """SSD bytes of a steady-state step with this placement."""
     all_ssd: Traffic
@@ -119,7 +119,7 @@ def plan_placement(units: list[UnitCost], kept: Mapping[str, list[int]], given: 
     ``kept``: per kind, each unit's RAM in the host tier (0 for a unit of a given kind on the device:
     it takes none); ``given``: the user's kinds, as the number of first units they keep off the SSD, of
     which ``given_device`` on the device; ``reserved_bytes``: the part of ``budget_bytes`` kept back
-    for staging and activation checkpoints; ``device_room``: device memory for planned compute weights
+    for staging and saved activations; ``device_room``: device memory for planned compute weights
     (``kept["weights"]`` is also what a unit of them takes there)."""
     n = len(units)
     host_units = {kind: given.get(kind, 0) for kind in KINDS}

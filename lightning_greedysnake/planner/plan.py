@@ -1,17 +1,17 @@
-"""Choosing alpha, lag, recompute, checkpoint placement and the staging budget from measured costs: an
+"""Choosing alpha, lag, recompute, saved activation placement and the staging budget from measured costs: an
 exhaustive search over a small grid, scored by a two-phase roofline, the one model every plan uses (the
 unit size too: :mod:`~lightning_greedysnake.planner.unit_size` scores each size with it). Pure arithmetic.
 
 Step time (vertical order, K micro-batches):
 
 - forward phase: the slowest of its compute (K x sum of unit forwards), its SSD time (each unit's
-  weights read once, but unit 0's, which the window's last step leaves in memory; checkpoints written
+  weights read once, but unit 0's, which the window's last step leaves in memory; activations written
   when they live on SSD; the deferred ``alpha`` share of the optimizer's traffic plus what deferring
   adds: the deferred gradients out and back, their weights range read again) and the deferred share of
   the optimizer's lane (its reads, compute and writes in sequence per unit; with a second optimizer
   working set the next unit's reads overlap this one's compute);
 - backward phase: likewise with the recomputing backward, the second weights read (not the fused last
-  unit's: its backward follows its forward), checkpoint reads and the other ``1 - alpha`` of the
+  unit's: its backward follows its forward), saved activation reads and the other ``1 - alpha`` of the
   optimizer. With ``lag = 0`` the optimizer does not overlap: its backward share adds to the phase
   instead of racing it, at the training thread's rate (``Machine.inline_rate``).
 
@@ -26,7 +26,7 @@ about as fast as the two one after the other (``benchmarks/disk_mix.py``; a seco
 the optimizer's compute with its I/O, not one disk's reads with its writes).
 
 Keeping the autograd graphs (``recompute=False``) takes each unit's recompute out of the backward
-phase and its checkpoint traffic out of both, and costs every unit's graph for all K micro-batches in
+phase and its saved activation traffic out of both, and costs every unit's graph for all K micro-batches in
 host memory, from the forward until the unit's backward: it is chosen when that fits the budget.
 
 The window's last optimizer step (the first unit's: last in the backward, first in the next forward)
@@ -37,7 +37,7 @@ the unit's master weights and state), add to the step.
 Memory: the staging budget the tensor manager takes for that lag (the staging rule of
 :mod:`~lightning_greedysnake.planner.staging`: the must-run work, ``prefetch_units`` weights prefetches
 and the slack), optionally a second optimizer working set (so the optimizer's reads of one unit overlap
-the write-back of the previous one) and the window's last step read ahead, plus every checkpoint kept in
+the write-back of the previous one) and the window's last step read ahead, plus every saved activation kept in
 host memory.
 """
 
@@ -54,11 +54,11 @@ class Choice:
     alpha: float
     lag: int
     layers_per_unit: int
-    checkpoints: str
-    """``host`` or ``ssd``; ``none`` when the graphs are kept (no checkpoints then)."""
+    activations: str
+    """``host`` or ``ssd``; ``none`` when the graphs are kept (no activations then)."""
     buffer_budget_bytes: int
     host_bytes: int
-    """Staging plus host-resident checkpoints."""
+    """Staging plus host-resident activations."""
     step_s: float
     forward_s: float
     backward_s: float
@@ -70,7 +70,7 @@ class Choice:
         rows = [
             ("alpha", f"{self.alpha:.2f}"), ("lag", str(self.lag)), ("layers_per_unit", str(self.layers_per_unit)),
             ("recompute", str(self.recompute)), ("read_ahead", str(self.read_ahead)),
-            ("checkpoints", self.checkpoints), ("buffer_budget_bytes", f"{self.buffer_budget_bytes:,}"),
+            ("activations", self.activations), ("buffer_budget_bytes", f"{self.buffer_budget_bytes:,}"),
             ("host memory (bytes)", f"{self.host_bytes:,}"), ("predicted step (s)", f"{self.step_s:.3f}"),
             ("  forward phase (s)", f"{self.forward_s:.3f}"), ("  backward phase (s)", f"{self.backward_s:.3f}"),
         ]
@@ -154,13 +154,13 @@ def window_tail(units: list[UnitCost], machine: Machine, k: int, lag: int, read_
     return reads + u.params / machine.optimizer_elements_per_s
 
 
-def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: int, checkpoint_bytes: int,
-          checkpoints: str, double_buffered: bool = False, recompute: bool = True,
+def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: int, unit_input_bytes: int,
+          activations: str, double_buffered: bool = False, recompute: bool = True,
           read_ahead: bool = False) -> tuple[float, float]:
     """(forward phase, backward phase) seconds of one vertical step. ``double_buffered``: the staging
     budget holds a second optimizer working set, so one unit's state reads overlap the previous unit's
     compute instead of following it (the disk still serves every read and write in turn).
-    ``recompute=False``: graphs kept, no recompute, no checkpoints. ``read_ahead``: the window's last
+    ``recompute=False``: graphs kept, no recompute, no activations. ``read_ahead``: the window's last
     step reads ahead (see :func:`window_tail`, counted in the backward)."""
     read, write = machine.read_bytes_per_s, machine.write_bytes_per_s
     rate = machine.optimizer_elements_per_s if lag else machine.inline_rate
@@ -184,27 +184,27 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     # range is read again (as master under 32-true, to refresh the 16-bit copy under bf16-mixed)
     deferred_io = alpha * sum(_ssd(u, "gradients", u.grad_bytes) * (1 / read + 1 / write)
                               + _ssd(u, "weights", u.weight_bytes) / read for u in rest)
-    ckpt = k * (len(units) - 1) * checkpoint_bytes if (checkpoints == "ssd" and recompute) else 0
+    saved = k * (len(units) - 1) * unit_input_bytes if (activations == "ssd" and recompute) else 0
     f_compute = k * sum(u.forward_s for u in units)
     b_compute = k * sum(u.backward_s - (0.0 if recompute else u.recompute_s) for u in units)
     if lag == 0:
-        forward = max(f_compute, f_weights + ckpt / write) + lane(f_opt_io + deferred_io, f_opt_cpu)
-        backward = max(b_compute, b_weights + ckpt / read) + lane(b_opt_io, b_opt_cpu)
+        forward = max(f_compute, f_weights + saved / write) + lane(f_opt_io + deferred_io, f_opt_cpu)
+        backward = max(b_compute, b_weights + saved / read) + lane(b_opt_io, b_opt_cpu)
     else:
         # the window's last step (unit 0's) does not overlap the backward: it is the tail (its reads
         # and compute); its writes go behind the next forward
         tail_io, tail_cpu = opt_io(units[:1]), units[0].params / rate
         tail_writes = optimizer_bytes(units[0])[1] / write
-        f_ssd = f_weights + ckpt / write + f_opt_io + deferred_io + tail_writes
+        f_ssd = f_weights + saved / write + f_opt_io + deferred_io + tail_writes
         # on shared cores the lane's compute is the training's to pay (see the module's docstring)
         f_shared, b_shared = (f_opt_cpu, b_opt_cpu - tail_cpu) if machine.shared_cores else (0.0, 0.0)
         forward = max(f_compute + f_shared, f_ssd, lane(f_opt_io + deferred_io, f_opt_cpu))
-        backward = max(b_compute + b_shared, b_weights + ckpt / read + b_opt_io - tail_io,
+        backward = max(b_compute + b_shared, b_weights + saved / read + b_opt_io - tail_io,
                        lane(b_opt_io - tail_io, b_opt_cpu - tail_cpu))
         backward += window_tail(units, machine, k, lag, read_ahead, recompute)
-    # a checkpoint on SSD is read at most one op ahead, and only from spare staging budget: counted on
+    # a saved activation on SSD is read at most one op ahead, and only from spare staging budget: counted on
     # the backward's critical path rather than hidden behind compute (conservative)
-    backward += ckpt / read
+    backward += saved / read
     return forward, backward
 
 
@@ -213,25 +213,25 @@ ALPHAS = tuple(a / 20 for a in range(11))
 gradients' SSD file must hold: :func:`~lightning_greedysnake.offload.regions.RegionMap`)."""
 
 
-def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int, checkpoint_bytes: int,
+def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int, unit_input_bytes: int,
          alphas: tuple[float, ...] = ALPHAS, lags: tuple[int, ...] = (0, 1, 2),
-         checkpoint_placements: tuple[str, ...] = ("host", "ssd"),
+         activation_placements: tuple[str, ...] = ("host", "ssd"),
          recompute: tuple[bool, ...] = (True, False), prefetch_units: int = 1, layers_per_unit: int = 1,
          schedule: str = "vertical") -> Choice:
     """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory), for
     ``units`` as given (the unit size is :mod:`~lightning_greedysnake.planner.unit_size`'s to choose).
 
     ``units``: per-unit costs (``layers_per_unit`` blocks each: :func:`merge` them; the last one is the
-    fused unit); ``checkpoint_bytes``: one unit input of one micro-batch;
+    fused unit); ``unit_input_bytes``: one unit input of one micro-batch;
     ``prefetch_units``: the weights prefetches the staging budget holds room for (``offload.prefetch_units``).
     Keeping the graphs is considered only where every recomputed unit's activation bytes were measured.
-    ``schedule``: the window's order. Horizontally one micro-batch's checkpoints or graphs are alive at a
+    ``schedule``: the window's order. Horizontally one micro-batch's activations or graphs are alive at a
     time, not K's; the step time is scored as vertical's (the order setup picks horizontal only where nothing
     is on SSD, so the two differ only in how much of the optimizer the backward hides).
     """
-    held = 1 if schedule == "horizontal" else k  # micro-batches whose checkpoints or graphs are alive at once
+    held = 1 if schedule == "horizontal" else k  # micro-batches whose activations or graphs are alive at once
     measured = all(u.activation_bytes > 0 for u in units[:-1])
-    options = [(True, c) for c in checkpoint_placements] if True in recompute else []
+    options = [(True, c) for c in activation_placements] if True in recompute else []
     if False in recompute and measured:
         options.append((False, "none"))
     best: Choice | None = None
@@ -243,9 +243,9 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
                 continue  # the synchronous step reads in line anyway
             staging = (staging_bytes(merged, lag, prefetch_units, double)
                        + (read_ahead_bytes(merged) if ahead else 0))
-            for recomputing, checkpoints in options:
+            for recomputing, activations in options:
                 if recomputing:
-                    host_ckpt = held * (len(merged) - 1) * checkpoint_bytes if checkpoints == "host" else 0
+                    host_ckpt = held * (len(merged) - 1) * unit_input_bytes if activations == "host" else 0
                 else:  # every unit's graph for every micro-batch alive, but the fused last unit's
                     host_ckpt = held * sum(u.activation_bytes for u in merged[:-1])
                 host = staging + host_ckpt
@@ -253,9 +253,9 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
                 if host > host_budget_bytes:
                     continue
                 for alpha in alphas:
-                    f, b = score(merged, machine, k, alpha, lag, checkpoint_bytes, checkpoints, double,
+                    f, b = score(merged, machine, k, alpha, lag, unit_input_bytes, activations, double,
                                  recompute=recomputing, read_ahead=ahead)
-                    choice = Choice(alpha, lag, layers_per_unit, checkpoints, staging, host, f + b, f, b,
+                    choice = Choice(alpha, lag, layers_per_unit, activations, staging, host, f + b, f, b,
                                     recomputing, ahead)
                     # ties: less memory, then recompute (the method's default)
                     key = (choice.step_s, choice.host_bytes, not choice.recompute)

@@ -12,7 +12,7 @@ in place and takes no staging.
   up to ``lag`` queued steps hold theirs, and the running step stages its master and state: ``lag + 1``
   units' weights and gradients plus one step. The largest unit decides.
 - **The automatic budget** adds room to read ``prefetch_units`` units' weights ahead (the largest unit's
-  weights on SSD, each), and :data:`AUTO_BUDGET_EXTRA_BYTES` of slack for activation checkpoints read
+  weights on SSD, each), and :data:`AUTO_BUDGET_EXTRA_BYTES` of slack for saved activations read
   ahead.
 - **The double-buffered budget** adds a second optimizer working set (the largest unit's step: its
   weights and what the step stages): the next step's master weights and state are read while the
@@ -26,8 +26,8 @@ in place and takes no staging.
   promised. (The must-run work holds more than the minimum only while a finished step's write-behind
   lands; work ahead of need waits for that rather than be refused: ``PoolBudget.take_optional``.)
 
-Activation checkpoints on SSD add two checkpoints to the minimum once their size is known (the tensor
-manager's ``reserve_checkpoints``); the planner counts them with the checkpoints it places.
+Saved activations on SSD add two saved activations to the minimum once their size is known (the tensor
+manager's ``reserve_activations``); the planner counts them with the saved activations it places.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 AUTO_BUDGET_EXTRA_BYTES = 16 << 20
-"""The automatic budget's room beyond the minimum and the weights prefetches (checkpoint read-aheads)."""
+"""The automatic budget's room beyond the minimum and the weights prefetches (saved
+activation read-aheads)."""
 SMALLEST_BUDGET_BYTES = 4096
 """The minimum never goes below one page (a model whose state is all in RAM stages nothing)."""
 

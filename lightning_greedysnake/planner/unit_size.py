@@ -66,14 +66,14 @@ def machine_at(units: Sequence[UnitCost], traffic: Traffic, bandwidth: Bandwidth
 
 
 def plans_by_size(candidates: Mapping[int, tuple[list[UnitCost], Machine]], k: int, budget: int,
-                  checkpoint_bytes: int, **options: Any) -> dict[int, Choice]:
+                  unit_input_bytes: int, **options: Any) -> dict[int, Choice]:
     """The roofline's best plan of each candidate (``layers_per_unit -> (its units' costs, its
     machine)``) within ``budget`` over ``options`` (:func:`~lightning_greedysnake.planner.plan.plan`'s);
     a candidate that fits none is left out."""
     out = {}
     for lpu, (units, machine) in candidates.items():
         try:
-            best = plan(units, machine, k, budget, checkpoint_bytes, **options)
+            best = plan(units, machine, k, budget, unit_input_bytes, **options)
         except PlanError:
             continue
         out[lpu] = dataclasses.replace(best, layers_per_unit=lpu)

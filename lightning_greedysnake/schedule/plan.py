@@ -6,12 +6,12 @@ Vocabulary. A model is a chain ``pre -> blocks -> post`` grouped into ``num_unit
 ``pre`` and the last unit also owns ``post``. A window is ``num_microbatches`` micro-batches that share one
 optimizer step. Ops:
 
-- ``F u.m``: forward of unit ``u`` (never the last unit) on micro-batch ``m``; its output is the checkpoint
-  that unit ``u + 1`` starts from, and the input of ``u`` is kept for recomputation.
+- ``F u.m``: forward of unit ``u`` (never the last unit) on micro-batch ``m``; its output is the saved
+  activation that unit ``u + 1`` starts from, and the input of ``u`` is kept for recomputation.
 - ``L u.m``: the *fused* last-unit op: forward of the last unit, head and loss on micro-batch ``m`` with
   autograd on, immediately followed by its backward. It produces the activation gradient that the
   backward of unit ``u - 1`` starts from. This is where the user's ``training_step`` runs.
-- ``B u.m``: backward of unit ``u`` on micro-batch ``m``, recomputing the unit from its checkpoint.
+- ``B u.m``: backward of unit ``u`` on micro-batch ``m``, recomputing the unit from its saved activation.
 - ``O u``: unit ``u``'s parameter gradient is complete: hand it to the optimizer.
 
 The vertical ("greedy snake") order runs every micro-batch through unit ``u`` before unit ``u + 1`` and

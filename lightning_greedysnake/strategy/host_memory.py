@@ -5,7 +5,7 @@ comes back at the end of fit (:class:`HandBack`, the one rule :mod:`~lightning_g
 follows).
 
 ``auto_host_budget_bytes`` (default: half of ``MemAvailable``) bounds what the tensor manager keeps in
-RAM: the kinds the placement plan puts there, the staging buffers and the activation checkpoints. It
+RAM: the kinds the placement plan puts there, the staging buffers and the saved activations. It
 does not bound the process: the LightningModule's parameters as the user built them stay allocated
 until setup moves them into the tensor manager (none on the meta device).
 
@@ -205,7 +205,7 @@ class HostMemory:
 
     @property
     def held_bytes(self) -> int:
-        """What the tensor manager holds in RAM at most, activation checkpoints aside: its regions and its
+        """What the tensor manager holds in RAM at most, saved activations aside: its regions and its
         staging while training; the hand-back at the end, in place of them where it is planned within the
         budget, on top of them without one (``auto=False``)."""
         training = self.regions_bytes + self.pool_bytes
@@ -241,11 +241,11 @@ class HostMemory:
         rss = (f"its RSS at setup ({human_bytes(self.process_bytes, 2)}: Python, torch, the data, the model as "
                "built)" if self.process_bytes else f"the model as built ({human_bytes(self.built_bytes, 2)})")
         return (f"greedysnake host memory: the host budget ({human_bytes(self.budget_bytes)}) covers what the tensor "
-                f"manager keeps in RAM (the kinds placed there, staging, activation checkpoints); this run's "
+                f"manager keeps in RAM (the kinds placed there, staging, saved activations); this run's "
                 f"placement keeps {human_bytes(self.regions_bytes)} there, and up to {human_bytes(self.pool_bytes)} of "
                 f"staging. Not in it: {built}. {end} Expect the process to peak near "
                 f"{human_bytes(self.peak_bytes, 2)}: "
-                f"{rss} and what greedysnake holds ({human_bytes(self.held_bytes)}), plus the activation checkpoints "
+                f"{rss} and what greedysnake holds ({human_bytes(self.held_bytes)}), plus the saved activations "
                 f"kept in RAM (said at their first save) and your model's activations {TERMS}.")
 
     def warning(self) -> str | None:

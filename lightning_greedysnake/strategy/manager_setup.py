@@ -100,7 +100,7 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
     """The tensor manager for ``planned``'s units and settings, with the device tier ``ctx.device`` needs
     (CUDA copy streams, the simulated device, or none: the CPU computes in host memory), which it owns from
     then on; the precision's loss scaler, the ranks' collectives for ``shard``, the strategy's gradient
-    hooks, the optimizer lane's threads and the activation checkpoints' tier plan all from ``ctx`` and
+    hooks, the optimizer lane's threads and the saved activations' tier plan all from ``ctx`` and
     ``planned``."""
     copies = device_copies_for(ctx.device)
     config = planned.config
@@ -110,7 +110,7 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
             compute_dtype=ctx.precision.compute_dtype, alpha=config.alpha, lag=config.lag, clip=clip, shard=shard,
             copies=copies, loss_scaler=ctx.precision.loss_scaler,
             data_parallel=ctx.data_parallel(copies, shard is not None), gradient_observer=ctx.gradient_observer,
-            optimizer_threads=ctx.optimizer_threads, checkpoint_plan=planned.checkpoints,
+            optimizer_threads=ctx.optimizer_threads, activation_plan=planned.activations,
             deferred_gradients_only=deferred_gradients_only(ctx, config, clip), contract=contract,
             double_buffered=not config.auto)  # (auto=True: the warm-step plan chooses the budget)
     except BaseException:

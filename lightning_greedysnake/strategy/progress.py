@@ -103,7 +103,7 @@ def fit_summary(manager: TieredTensorStore, steps: int, world_size: int = 1) -> 
 def _placed(manager: TieredTensorStore, kind: str) -> str | None:
     """Where this run placed ``kind``'s units (``ssd``; ``host 2 units, ssd 4 units`` for a split kind);
     None where the kind holds no bytes (master weights under 32-true) or is not one of the manager's."""
-    if kind == TensorKind.CHECKPOINTS.value:
+    if kind == TensorKind.ACTIVATIONS.value:
         return str(manager.activations.tier.value)
     region_kind = next((k for k in REGION_KINDS if k.value == kind), None)
     if region_kind is None:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_greedysnake.config import GreedySnakeConfig
 from lightning_greedysnake.models import Unit
-from lightning_greedysnake.offload.activations import CheckpointTierPlan
+from lightning_greedysnake.offload.activations import ActivationTierPlan
 from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.preflight import new_owner
 from lightning_greedysnake.planner.measure import available_cores
@@ -85,13 +85,13 @@ class SetupContext:
 @dataclass(frozen=True)
 class SetupPlan:
     """What setup planned: the settings in effect, the placement plan (None: nothing planned), the units of
-    the planned size, and the activation checkpoints' tier plan for the tensor manager (their share of the
-    host budget and the report; None: ``offload.checkpoints`` given, or ``auto=False``)."""
+    the planned size, and the saved activations' tier plan for the tensor manager (their share of the
+    host budget and the report; None: ``offload.activations`` given, or ``auto=False``)."""
 
     config: GreedySnakeConfig
     placement: PlacementPlan | None
     units: list[Unit]
-    checkpoints: CheckpointTierPlan | None
+    activations: ActivationTierPlan | None
     schedule_note: str | None = None
     """Why the schedule was planned horizontal (None: not planned), said after the placement table
     (:meth:`Planner.report_setup`)."""

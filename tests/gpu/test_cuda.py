@@ -175,8 +175,8 @@ def assert_matches(got: dict[str, Any], ref: dict[str, Any], precision: str) -> 
 PLACEMENTS = {
     "ssd": None,
     "ssd-everything": OffloadConfig.everywhere("ssd"),
-    "host": OffloadConfig.everywhere("host", checkpoints="device"),
-    "host-weights-ssd-state": {"weights": "host", "checkpoints": "host", "prefetch_units": 2},
+    "host": OffloadConfig.everywhere("host", activations="device"),
+    "host-weights-ssd-state": {"weights": "host", "activations": "host", "prefetch_units": 2},
     "device-weights": {"weights": "device"},  # resident compute weights beside the host optimizer, state on SSD
     "device-host-ssd-weights": {"weights": {"device": 0.4, "host": 0.3, "ssd": 0.3}},
 }

@@ -26,7 +26,7 @@ from tests.integration.test_equivalence import assert_matches, reference, run
 class DeviceTierSeen(L.Callback):
     """Records, during training, that the parameters were bound to device memory (not to the host
     staging buffers) and how many copies the device tier made; at the end, the copies that waited for
-    the compute stream and how activation checkpoints came back to the device."""
+    the compute stream and how saved activations came back to the device."""
 
     def __init__(self) -> None:
         self.copies: SimulatedCopies | None = None
@@ -61,15 +61,15 @@ def simulated(monkeypatch):
 
 PLACEMENTS = {
     "ssd": None,  # the default: weights, optimizer state and waiting gradients on SSD, checkpoints in RAM
-    "host": OffloadConfig.everywhere("host", checkpoints="device"),
+    "host": OffloadConfig.everywhere("host", activations="device"),
     "ssd-everything": OffloadConfig.everywhere("ssd"),
-    "host-weights-ssd-state": {"weights": "host", "checkpoints": "host", "prefetch_units": 2},
+    "host-weights-ssd-state": {"weights": "host", "activations": "host", "prefetch_units": 2},
     "split": {"weights": {"host": 0.5, "ssd": 0.5}, "optimizer_states": {"host": 0.5, "ssd": 0.5}},
 }
 
 CHECKPOINTS_ON = {"ssd": "host", "host": "device", "ssd-everything": "ssd", "host-weights-ssd-state": "host",
                   "split": "host"}
-"""Where each placement keeps the activation checkpoints."""
+"""Where each placement keeps the saved activations."""
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
@@ -85,7 +85,7 @@ def test_the_device_tier_matches_lightning(simulated, placement, schedule):
     # no H2D copy waited for the compute stream (none of these placements keeps weights on the device,
     # whose writes wait for the event after their last read): prefetches overlap the ops queued before
     assert seen.compute_waits.get("h2d", 0) == 0, seen.compute_waits
-    # activation checkpoints come back one op ahead of the op that loads them: always from host memory,
+    # saved activations come back one op ahead of the op that loads them: always from host memory,
     # from SSD where the read-ahead found room and the checkpoint's write was done
     tier = CHECKPOINTS_ON[placement]
     if tier == "host":
@@ -143,7 +143,7 @@ def test_a_lane_that_does_not_wait_for_the_gradients_copy_gives_a_wrong_result(s
 
 def test_memory_on_the_simulated_device_is_freed_after_fit(simulated):
     seen = DeviceTierSeen()
-    run(GreedySnakeStrategy(auto=False, offload={"checkpoints": "ssd"}), "gpt", 3, callbacks=(seen,))
+    run(GreedySnakeStrategy(auto=False, offload={"activations": "ssd"}), "gpt", 3, callbacks=(seen,))
     copies, seen.copies, seen._manager = seen.copies, None, None
     assert copies is not None and copies.counts.copies > 0
     gc.collect()
@@ -167,7 +167,7 @@ def test_each_gradient_leaves_the_device_once_per_window_in_the_vertical_order(s
     """Accumulated on the device in fp32 over the window's micro-batches: one D2H copy per unit per window
     (vertical); the horizontal order sends partial gradients out between micro-batches."""
     counted = CopiedBytes()
-    got = run(GreedySnakeStrategy(auto=False, schedule=schedule, offload={"checkpoints": "device"}), "gpt", 4,
+    got = run(GreedySnakeStrategy(auto=False, schedule=schedule, offload={"activations": "device"}), "gpt", 4,
               callbacks=(counted,))
     once = got["global_step"] * counted.grad_bytes  # 10 batches, K=4: windows of 4, 4 and 2 micro-batches
     if schedule == "vertical":

@@ -102,10 +102,10 @@ def test_each_units_new_weights_go_to_the_device_once_per_step_and_never_per_use
     byte copied to the device during training is a step's new weights, each unit's once per step
     (split or not), where weights on the host come to the device at every use (each acquisition)."""
     resident, staged = Resident(), Resident()
-    got = run(GreedySnakeStrategy(auto=False, offload={"weights": "device", "checkpoints": "device"}), "gpt", 3,
+    got = run(GreedySnakeStrategy(auto=False, offload={"weights": "device", "activations": "device"}), "gpt", 3,
               callbacks=(resident,))
     assert resident.to_device == got["global_step"] * resident.weights_bytes
-    run(GreedySnakeStrategy(auto=False, offload={"weights": "host", "checkpoints": "device"}), "gpt", 3,
+    run(GreedySnakeStrategy(auto=False, offload={"weights": "host", "activations": "device"}), "gpt", 3,
         callbacks=(staged,))
     assert staged.to_device == staged.used_bytes > 1.3 * resident.to_device
 
@@ -115,7 +115,7 @@ def test_a_bf16_step_writes_its_units_new_weights_without_reading_any_back(simul
     writes only those parameters' bytes: nothing of the weights comes back D2H (a read would wait for
     the GPU's queue of compute), only each unit's gradient, once per window."""
     seen = Resident()
-    got = run(GreedySnakeStrategy(auto=False, offload={"weights": "device", "checkpoints": "device"}), "gpt", 3,
+    got = run(GreedySnakeStrategy(auto=False, offload={"weights": "device", "activations": "device"}), "gpt", 3,
               callbacks=(seen,), trainer_kwargs={"precision": "bf16-mixed"})
     assert seen.to_host == got["global_step"] * seen.grad_bytes
     assert 0 < seen.to_device <= got["global_step"] * seen.weights_bytes
@@ -157,7 +157,7 @@ class MinimumAfterThePlan(L.Callback):
         manager = trainer.strategy.tensor_manager
         arena = manager.arena
         self.lag = manager.stepper.lag
-        self.minimum = arena.budget.minimum_bytes - arena.budget._checkpoint_reserve
+        self.minimum = arena.budget.minimum_bytes - arena.budget._activation_reserve
         self.expected = staging_budget_of(manager.state, manager.config, manager.stepper.lag, device_tier=True).minimum_bytes
 
 
@@ -166,7 +166,7 @@ def test_the_first_step_plans_staging_minimum_counts_the_steps_copy_of_resident_
     buffer each step stages its resident units' new weights in, as at construction."""
     seen = MinimumAfterThePlan()
     placed = {"weights": "device", "master_weights": "ssd", "optimizer_states": "ssd", "gradients": "ssd",
-              "checkpoints": "host"}
+              "activations": "host"}
     got = run(GreedySnakeStrategy(layers_per_unit=1, offload=placed), "gpt", 3, callbacks=(seen,))
     assert_matches(got, reference("gpt", 3))
     assert seen.minimum == seen.expected
@@ -174,7 +174,7 @@ def test_the_first_step_plans_staging_minimum_counts_the_steps_copy_of_resident_
 
 def test_device_memory_is_freed_after_fit(simulated):
     seen = Resident()
-    run(GreedySnakeStrategy(auto=False, offload={"weights": "device", "checkpoints": "device"}), "gpt", 3,
+    run(GreedySnakeStrategy(auto=False, offload={"weights": "device", "activations": "device"}), "gpt", 3,
         callbacks=(seen,))
     copies, seen.copies = seen.copies, None
     gc.collect()

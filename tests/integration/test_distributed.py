@@ -170,7 +170,7 @@ def _device_reduce_scatters(settings: dict, clip: float | None) -> bool:
     ({}, 0.5),  # norm clipping: the global norm of the averaged gradient
     ({"offload": {"path": "offload_{rank}"}}, None),  # one directory per rank from the config
     ({"offload": {"weights": "device", "master_weights": "device", "optimizer_states": "device",
-                  "gradients": "device", "checkpoints": "device"}}, None),  # everything resident
+                  "gradients": "device", "activations": "device"}}, None),  # everything resident
     ({"offload": {"weights": "device"}}, None),  # resident compute weights, partitioned state offloaded
     # auto=True (the defaults): rank 0's placement plan, a split under this budget, on both ranks
     ({"auto": True, "auto_host_budget_bytes": ((1 << 20) + (96 << 10)) * 8 // 7 + 8,

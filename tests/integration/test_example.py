@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ["trainer.accumulate_grad_batches=4", "strategy.schedule=horizontal", "model.n_layer=3"],
         ["strategy=lightning_auto"],
         ["strategy=greedysnake_cpu"],
-        ["strategy.offload.checkpoints=ssd", "strategy.offload.path=${hydra:runtime.output_dir}/offload"],
+        ["strategy.offload.activations=ssd", "strategy.offload.path=${hydra:runtime.output_dir}/offload"],
         ["trainer.precision=machine"],
     ],
     ids=["defaults", "horizontal-overrides", "lightning-auto", "cpu-preset", "offload-overrides", "machine-precision"],

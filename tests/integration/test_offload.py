@@ -356,7 +356,7 @@ UNUSED = {  # settings under which a tiny model puts nothing on SSD, and what th
                            r"checkpoints come here only if.*To put state here: offload.<kind>=ssd \(e.g. "
                            r"offload.optimizer_states=ssd\), or a smaller auto_host_budget_bytes\."),
     "yours in RAM": ({"auto": False, "offload": OffloadConfig.everywhere("host")},
-                     r"your settings keep every kind off SSD \(offload.weights=host, .*offload.checkpoints=host\)\. "
+                     r"your settings keep every kind off SSD \(offload.weights=host, .*offload.activations=host\)\. "
                      r"To put state here: offload.<kind>=ssd"),
     "yours on the device": ({"auto": False, "offload": OffloadConfig.everywhere("device")},  # (no tensor manager)
                             r"your settings keep every kind off SSD \(offload.weights=device, .*\)\. To put state here"),
@@ -513,7 +513,7 @@ def test_the_smallest_budget_still_trains_exactly():
 
 
 def test_disk_full_during_training_names_the_file_and_cleans_up(tmp_path):
-    """Activation checkpoints on a 4 MiB filesystem: preflight cannot know their size, so the scratch
+    """Saved activations on a 4 MiB filesystem: preflight cannot know their size, so the scratch
     file's growth hits ENOSPC mid-run; the error names the file and the fix, and nothing is left."""
     from lightning_greedysnake import GPT, GPTConfig
 
@@ -523,7 +523,7 @@ def test_disk_full_during_training_names_the_file_and_cleans_up(tmp_path):
             self.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=64, vocab_size=32, block_size=64))
 
     with mounted(tmp_path / "tiny", size="4M") as mount:
-        offload = dict(OffloadConfig.everywhere("host").__dict__, checkpoints="ssd", path=str(mount))
+        offload = dict(OffloadConfig.everywhere("host").__dict__, activations="ssd", path=str(mount))
         L.seed_everything(0, verbose=False)
         trainer = make_trainer(GreedySnakeStrategy(auto=False, offload=offload), 4, max_epochs=1)
         # at the window's first checkpoint, room for all of its checkpoints: K=4 x 2 units x 1 MiB
@@ -564,7 +564,7 @@ def test_ssd_checkpoints_are_read_ahead_and_stay_exact():
         def on_train_end(self, trainer: Any, module: Any) -> None:
             prefetches["n"] = trainer.strategy.tensor_manager.activations.prefetches
 
-    _, got = _fit(GreedySnakeStrategy(auto=False, offload={"checkpoints": "ssd"}), 4, callbacks=[Count()])
+    _, got = _fit(GreedySnakeStrategy(auto=False, offload={"activations": "ssd"}), 4, callbacks=[Count()])
     _, ref = _fit(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("device")), 4)
     assert prefetches["n"] > 0
     for (n, a), (_, b) in zip(got.named_parameters(), ref.named_parameters(), strict=True):
@@ -685,10 +685,10 @@ def test_ssd_checkpoints_are_read_back_just_in_time_within_the_documented_budget
         def on_train_end(self, trainer: Any, module: Any) -> None:
             probe["peak_loaded"] = trainer.strategy.tensor_manager.activations.peak_loaded
 
-    ssd = {"checkpoints": "ssd"}
+    ssd = {"activations": "ssd"}
     _, roomy = _fit(GreedySnakeStrategy(auto=False, offload=ssd), 8, steps=2, n_layer=6, callbacks=[Budget()])
-    checkpoint_bytes = 4096  # one unit input of one micro-batch: 2 x 8 x 16 fp32, page-aligned
-    tight = {**ssd, "buffer_budget_bytes": probe["min"] + 2 * checkpoint_bytes}
+    unit_input_bytes = 4096  # one unit input of one micro-batch: 2 x 8 x 16 fp32, page-aligned
+    tight = {**ssd, "buffer_budget_bytes": probe["min"] + 2 * unit_input_bytes}
     _, got = _fit(GreedySnakeStrategy(auto=False, offload=tight), 8, steps=2, n_layer=6, callbacks=[Budget()])
     assert probe["peak_loaded"] <= 2, probe  # the one in use and at most one read ahead
     for (n, a), (_, b) in zip(roomy.named_parameters(), got.named_parameters(), strict=True):

@@ -46,7 +46,7 @@ def fit(offload: Any, schedule: str = "vertical", precision: str = "32-true") ->
 SPLITS = {  # (test_equivalence compares a split of weights, state and gradients with Lightning's own step)
     "every-kind": {kind: {"host": 0.4, "ssd": 0.6}
                    for kind in ("weights", "master_weights", "optimizer_states", "gradients")},
-    "weights-mostly-host": {"weights": {"host": 0.8, "ssd": 0.2}, "checkpoints": "ssd"},
+    "weights-mostly-host": {"weights": {"host": 0.8, "ssd": 0.2}, "activations": "ssd"},
 }
 
 
@@ -119,7 +119,7 @@ def test_several_offload_paths_stripe_every_kind_and_each_carries_traffic(tmp_pa
         flat = seen.stats.flat()
         assert all(flat[f"ssd_path/{p}/bytes_read"] == traffic[p][0] for p in paths)
         assert all(read > 0 and written > 0 for read, written in traffic.values()), traffic
-        for kind in ("weights", "optimizer_states", "checkpoints"):
+        for kind in ("weights", "optimizer_states", "activations"):
             assert {Path(f).parent.name for f in seen.file_bytes if Path(f).name.startswith(kind)} <= {"a", "b"}
         assert sum(1 for f in seen.file_bytes if Path(f).name == "weights.bin") == 2  # one file per directory
         assert seen_locks and all(seen_locks)

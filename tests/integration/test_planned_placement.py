@@ -22,7 +22,7 @@ from lightning_greedysnake.config import OffloadConfig, Split, Tier
 from lightning_greedysnake.offload.device import simulate_device_enabled
 from lightning_greedysnake.config import REGION_KINDS
 from lightning_greedysnake.strategy.after_fit import StateNotReturned
-from lightning_greedysnake.strategy.planning.placement import CHECKPOINT_SHARE
+from lightning_greedysnake.strategy.planning.placement import ACTIVATION_SHARE
 from tests.helpers import TinyGPTModule, UnitGradients, make_trainer, token_loader
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ LPU = 1
 
 def budget_for(room: int, staging: int = STAGING) -> int:
     """The host budget that leaves ``room`` bytes for the kinds after ``staging`` and the checkpoints' share."""
-    return (staging + room) * CHECKPOINT_SHARE // (CHECKPOINT_SHARE - 1) + CHECKPOINT_SHARE
+    return (staging + room) * ACTIVATION_SHARE // (ACTIVATION_SHARE - 1) + ACTIVATION_SHARE
 
 
 class Seen(UnitGradients):
@@ -66,7 +66,7 @@ def test_the_default_plan_splits_a_small_budget_and_trains_bit_identically(preci
     assert "greedysnake placement plan" in caplog.text and "SSD bytes per step" in caplog.text
     plan = strategy.placement_plan
     assert plan is not None and plan.host_bytes <= budget
-    assert seen.host_bytes <= budget - budget // CHECKPOINT_SHARE  # what the tensor manager really holds
+    assert seen.host_bytes <= budget - budget // ACTIVATION_SHARE  # what the tensor manager really holds
     on_host = {kind: sum(t is Tier.HOST for t in tiers) for kind, tiers in seen.tiers.items()}
     assert on_host == {kind: p.host_units for kind, p in plan.kinds.items()}
     assert seen.regions_in_ram == sum(p.host_bytes for p in plan.kinds.values())  # what the plan counted
@@ -216,8 +216,8 @@ class CheckpointsSeen(UnitGradients):
         manager = trainer.strategy.tensor_manager
         manager.drain()
         self.tier = manager.activations.tier
-        self.written = manager.stats.bytes_written("checkpoints")
-        self.checkpoint_bytes = manager.activations.checkpoint_bytes
+        self.written = manager.stats.bytes_written("activations")
+        self.unit_input_bytes = manager.activations.unit_input_bytes
         self.num_units = manager.num_units
         self.schedule = trainer.strategy.engine.config.schedule
 
@@ -236,17 +236,17 @@ def fit_wide_batches(strategy: GreedySnakeStrategy) -> tuple[dict[str, torch.Ten
 def test_checkpoints_left_unset_go_to_ssd_when_a_window_of_them_exceeds_their_share(share_kib, tier, caplog):
     """The first save knows the checkpoints' size: over their share of the host budget they go to SSD
     (where the run has an offload directory), within it they stay in RAM; the math is unchanged."""
-    budget = share_kib * 1024 * CHECKPOINT_SHARE
+    budget = share_kib * 1024 * ACTIVATION_SHARE
     resident, ref = fit_wide_batches(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("host")))
     settings = {"auto_host_budget_bytes": budget, "layers_per_unit": 1,
                 "offload": {"weights": "ssd", "buffer_budget_bytes": STAGING}}
     with caplog.at_level("INFO"):
         got, seen = fit_wide_batches(GreedySnakeStrategy(**settings))
-    window = K * (seen.num_units - 1) * seen.checkpoint_bytes  # (every unit's input but the first's)
+    window = K * (seen.num_units - 1) * seen.unit_input_bytes  # (every unit's input but the first's)
     assert (window > share_kib * 1024) == (tier is Tier.SSD)
     assert seen.tier is tier
     assert (seen.written > 0) == (tier is Tier.SSD)
-    said = "activation checkpoints on SSD" if tier is Tier.SSD else "activation checkpoints in host memory"
+    said = "saved activations on SSD" if tier is Tier.SSD else "saved activations in host memory"
     assert said in caplog.text
     for name, value in resident.items():
         assert torch.equal(got[name], value), name
@@ -255,19 +255,19 @@ def test_checkpoints_left_unset_go_to_ssd_when_a_window_of_them_exceeds_their_sh
             assert torch.equal(window_grads[name], grad), name
     # what the user sets is kept: checkpoints in RAM even over their share
     _, kept = fit_wide_batches(GreedySnakeStrategy(**{**settings, "offload": {**settings["offload"],
-                                                                                  "checkpoints": "host"}}))
+                                                                                  "activations": "host"}}))
     assert kept.tier is Tier.HOST and kept.written == 0
 
 
 def test_a_path_given_with_nothing_else_on_ssd_takes_the_checkpoints_that_exceed_their_share(tmp_path, caplog):
     """Every kind planned in RAM, an offload path given: the report's promise holds, the checkpoints go
     there at the first save when a window's exceed their share of the host budget (the math unchanged)."""
-    budget = 256 * 1024 * CHECKPOINT_SHARE
+    budget = 256 * 1024 * ACTIVATION_SHARE
     with caplog.at_level("INFO"):
         got, seen = fit_wide_batches(GreedySnakeStrategy(auto_host_budget_bytes=budget, layers_per_unit=1,
                                                          offload={"path": str(tmp_path / "off"),
                                                                   "buffer_budget_bytes": STAGING}))
-    assert "nothing placed here" in caplog.text and "activation checkpoints on SSD" in caplog.text, caplog.text
+    assert "nothing placed here" in caplog.text and "saved activations on SSD" in caplog.text, caplog.text
     assert seen.tier is Tier.SSD and seen.written > 0
     # every kind in RAM: horizontal on a CPU run, vertical on a device (CI's simulated one); the reference
     # runs in the same order (the two orders sum a window's gradients in different orders)

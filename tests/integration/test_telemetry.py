@@ -84,7 +84,7 @@ def test_the_end_of_fit_summary_says_what_moved_where_for_a_users_own_module(tmp
     offload = tmp_path / "offload"
     strategy = GreedySnakeStrategy(auto=False, offload_dir=str(offload),
                                    offload={"weights": "ssd", "master_weights": "ssd", "optimizer_states": "ssd",
-                                            "gradients": "host", "checkpoints": "host"})
+                                            "gradients": "host", "activations": "host"})
     L.seed_everything(0, verbose=False)
     module = OwnModule()
     trainer = make_trainer(strategy, 2, max_epochs=1, default_root_dir=tmp_path)
@@ -106,7 +106,7 @@ def test_the_end_of_fit_summary_says_what_moved_where_for_a_users_own_module(tmp
         read_total += read
         written_total += written
     assert lines["gradients"] == f"  {'gradients':<17} host: used in place, no I/O"
-    assert lines["checkpoints"] == f"  {'checkpoints':<17} host: used in place, no I/O"
+    assert lines["activations"] == f"  {'activations':<17} host: used in place, no I/O"
     assert read_total == sum(v for k, v in stats.items() if k.startswith("ssd/") and k.endswith("/bytes_read"))
     assert text.splitlines()[-1] == (
         f"SSD traffic: {read_total / 1e6:.1f} MB read, {written_total / 1e6:.1f} MB written "

@@ -12,12 +12,12 @@ def test_defaults():
     fixed = config.resolved()
     assert (fixed.alpha, fixed.lag, fixed.recompute, fixed.layers_per_unit) == (0.25, 2, True, 1)
     assert fixed.schedule is ScheduleKind.VERTICAL
-    assert fixed.offload.weights is Tier.SSD and fixed.offload.checkpoints is Tier.HOST
+    assert fixed.offload.weights is Tier.SSD and fixed.offload.activations is Tier.HOST
     assert config.unset() >= {"alpha", "lag", "recompute", "layers_per_unit", "schedule", "offload.weights",
                               "offload.buffer_budget_bytes"}
     assert not GreedySnakeConfig(alpha=0.0, lag=0, recompute=True, layers_per_unit=1, schedule="vertical",
                                  offload={**{k: "host" for k in ("weights", "master_weights", "optimizer_states",
-                                                                 "gradients", "checkpoints")},
+                                                                 "gradients", "activations")},
                                           "buffer_budget_bytes": 1 << 20}).unset()
 
 
@@ -81,9 +81,9 @@ def test_default_placement_is_zero_infinity_s():
 
 
 def test_offload_dir_shorthand_and_partial_mapping(tmp_path):
-    strategy = GreedySnakeStrategy(offload_dir=tmp_path, offload={"checkpoints": "ssd"})
+    strategy = GreedySnakeStrategy(offload_dir=tmp_path, offload={"activations": "ssd"})
     assert strategy.config.offload.path == str(tmp_path)
-    assert strategy.config.offload.checkpoints is Tier.SSD and strategy.config.offload.weights is Tier.SSD
+    assert strategy.config.offload.activations is Tier.SSD and strategy.config.offload.weights is Tier.SSD
 
 
 def test_offload_dir_takes_one_directory_per_ssd_as_offload_path_does(tmp_path):
@@ -110,7 +110,7 @@ def test_everything_on_the_device_needs_no_tensor_manager():
         ({"optimizer_states": {"host": 0.5}}, ["offload.optimizer_states", "sum to 0.5", "Fix"]),
         ({"optimizer_states": {"device": 0.5, "ssd": 0.5}}, ["offload.optimizer_states", "only weights", "Fix"]),
         ({"weights": {"gpu": 0.5, "ssd": 0.5}}, ["offload.weights", "'device', 'host' and 'ssd'", "Fix"]),
-        ({"checkpoints": {"host": 0.5, "ssd": 0.5}}, ["offload.checkpoints", "can be split", "Fix"]),
+        ({"activations": {"host": 0.5, "ssd": 0.5}}, ["offload.activations", "can be split", "Fix"]),
         ({"gradients": {"host": -0.5, "ssd": 1.5}}, ["offload.gradients", "[0, 1]", "Fix"]),
         ({"io_chunk_bytes": 1000}, ["offload.io_chunk_bytes=1000", "4096"]),
         ({"keep_files": "no"}, ["offload.keep_files='no'"]),
@@ -202,3 +202,24 @@ def test_a_split_placement_composes_from_the_command_line():
     strategy = instantiate(cfg.strategy)
     assert strategy.config.offload.optimizer_states == Split(0.6, 0.4)
     assert strategy.config.offload.weights is Tier.SSD
+
+
+def test_the_old_name_of_the_saved_activations_placement_is_refused_naming_the_new_one():
+    """``offload.checkpoints`` is now ``offload.activations`` ("checkpoint" names training checkpoints only):
+    the old key is refused with the new one in the error, as a Python mapping and as a Hydra key."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    with pytest.raises(ValueError, match=r"offload.checkpoints='ssd'.*offload.activations.*Fix: offload.activations='ssd'"):
+        GreedySnakeStrategy(offload={"checkpoints": "ssd"})
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        cfg = compose("config", overrides=["+strategy.offload.checkpoints=host"])
+    with pytest.raises(InstantiationException, match=r"offload.checkpoints='host'.*Fix: offload.activations='host'"):
+        instantiate(cfg.strategy)
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        cfg = compose("config", overrides=["strategy.offload.activations=host"])
+    assert instantiate(cfg.strategy).config.offload.activations is Tier.HOST

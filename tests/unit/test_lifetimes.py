@@ -135,14 +135,14 @@ def test_a_failed_weights_prefetch_gives_its_buffer_back(tmp_path):
 
 
 def test_closing_waits_for_a_checkpoint_read_ahead_before_closing_its_file(tmp_path):
-    engine = GatedEngine(gated="checkpoints.bin")
-    store, _ = _store(tmp_path, engine, checkpoints="ssd")
+    engine = GatedEngine(gated="activations.bin")
+    store, _ = _store(tmp_path, engine, activations="ssd")
     closer = None
     try:
         store.save_activation(1, 0, torch.randn(4, 64))
         store.activations.flush()
         store.prefetch_activation(1, 0)
-        assert [name for name, _ in engine.reads] == ["checkpoints.bin"]  # in flight, at the gate
+        assert [name for name, _ in engine.reads] == ["activations.bin"]  # in flight, at the gate
         closer = threading.Thread(target=store.close)
         closer.start()
         closer.join(0.3)  # close must wait for the read: it is still gated

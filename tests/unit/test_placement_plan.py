@@ -141,7 +141,7 @@ def test_the_default_budget_is_half_the_available_memory_shared_by_the_processes
 @pytest.mark.parametrize("value", [{"host": 0.5, "ssd": 0.5}, "device"])
 def test_checkpoints_are_not_split(value):
     if value == "device":
-        GreedySnakeConfig(offload={"checkpoints": "device"})
+        GreedySnakeConfig(offload={"activations": "device"})
         return
-    with pytest.raises(ValueError, match="checkpoints"):
-        GreedySnakeConfig(offload={"checkpoints": value})
+    with pytest.raises(ValueError, match="activations"):
+        GreedySnakeConfig(offload={"activations": value})

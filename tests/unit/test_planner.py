@@ -32,14 +32,14 @@ def test_a_slow_optimizer_is_split_between_the_phases():
     """Backward is busy with compute; when the optimizer's CPU time exceeds it, deferring part of the
     update into the (lighter) forward phase shortens the step: alpha > 0 wins, with overlap on."""
     slow_cpu = Machine(read_bytes_per_s=1e13, write_bytes_per_s=1e13, optimizer_elements_per_s=6e6)
-    choice = plan(layers(), slow_cpu, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    choice = plan(layers(), slow_cpu, k=4, host_budget_bytes=10**12, unit_input_bytes=MB)
     assert choice.alpha > 0 and choice.lag > 0
     f0, b0 = score(layers(), slow_cpu, 4, 0.0, choice.lag, MB, "host")
     assert choice.step_s < f0 + b0
 
 
 def test_a_cheap_optimizer_needs_no_deferral_and_the_step_is_compute_bound():
-    choice = plan(layers(), FAST, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    choice = plan(layers(), FAST, k=4, host_budget_bytes=10**12, unit_input_bytes=MB)
     compute = 4 * sum(u.forward_s + u.backward_s for u in layers())
     assert choice.step_s == pytest.approx(compute)
 
@@ -58,7 +58,7 @@ def test_on_shared_cores_the_background_step_hides_only_its_io():
     ram = [dataclasses.replace(u, master_bytes=4 * u.params, on_ssd=frozenset()) for u in layers()]
     cpu = Machine(math.inf, math.inf, optimizer_elements_per_s=2e8, inline_optimizer_elements_per_s=3e8,
                   shared_cores=True)
-    assert plan(ram, cpu, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB).lag == 0
+    assert plan(ram, cpu, k=4, host_budget_bytes=10**12, unit_input_bytes=MB).lag == 0
     f0, b0 = score(ram, cpu, 4, 0.0, 0, MB, "host")
     f1, b1 = score(ram, cpu, 4, 0.0, 1, MB, "host")
     compute = 4 * sum(u.forward_s + u.backward_s for u in ram)
@@ -66,23 +66,23 @@ def test_on_shared_cores_the_background_step_hides_only_its_io():
     assert f0 + b0 == pytest.approx(compute + params / 3e8)  # in line, at the training thread's rate
     assert f1 + b1 == pytest.approx(compute + params / 2e8)  # on the lane, at its own: not hidden
     gpu = dataclasses.replace(cpu, shared_cores=False)
-    assert plan(ram, gpu, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB).lag > 0
+    assert plan(ram, gpu, k=4, host_budget_bytes=10**12, unit_input_bytes=MB).lag > 0
     disk = dataclasses.replace(cpu, read_bytes_per_s=2e9, write_bytes_per_s=2e9)
-    assert plan(layers(), disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB).lag > 0
+    assert plan(layers(), disk, k=4, host_budget_bytes=10**12, unit_input_bytes=MB).lag > 0
 
 
 def test_a_tight_budget_moves_checkpoints_to_ssd_and_lowers_lag():
     disk = Machine(read_bytes_per_s=2e9, write_bytes_per_s=2e9, optimizer_elements_per_s=1e12)
-    roomy = plan(layers(), disk, k=16, host_budget_bytes=10**12, checkpoint_bytes=64 * MB)
-    assert roomy.checkpoints == "host"  # seven checkpoint writes per micro-batch would cost disk time
+    roomy = plan(layers(), disk, k=16, host_budget_bytes=10**12, unit_input_bytes=64 * MB)
+    assert roomy.activations == "host"  # seven checkpoint writes per micro-batch would cost disk time
     tight_budget = staging_bytes(layers(), 0) + 4 * MB  # (the budget holds its 16 MiB slack) 4 MiB: not lag 1
-    tight = plan(layers(), disk, k=16, host_budget_bytes=tight_budget, checkpoint_bytes=64 * MB)
-    assert tight.checkpoints == "ssd" and tight.lag == 0 and tight.host_bytes <= tight_budget
+    tight = plan(layers(), disk, k=16, host_budget_bytes=tight_budget, unit_input_bytes=64 * MB)
+    assert tight.activations == "ssd" and tight.lag == 0 and tight.host_bytes <= tight_budget
 
 
 def test_nothing_fits_is_a_clear_error_with_the_smallest_need():
     with pytest.raises(PlanError, match=r"budget of 1,000 bytes; the smallest needs [\d,]+.*Fix"):
-        plan(layers(), FAST, k=4, host_budget_bytes=1000, checkpoint_bytes=MB)
+        plan(layers(), FAST, k=4, host_budget_bytes=1000, unit_input_bytes=MB)
 
 
 @pytest.mark.parametrize("placement", ["ssd", "split"])
@@ -172,7 +172,7 @@ def test_unit_times_take_each_ops_time_with_nothing_beside_it():
 
 def test_on_a_disk_bound_machine_deferral_only_costs_and_alpha_stays_zero():
     slow_disk = Machine(read_bytes_per_s=2e8, write_bytes_per_s=2e8, optimizer_elements_per_s=1e12)
-    choice = plan(layers(), slow_disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    choice = plan(layers(), slow_disk, k=4, host_budget_bytes=10**12, unit_input_bytes=MB)
     assert choice.alpha == 0.0
 
 
@@ -183,7 +183,7 @@ def test_spare_memory_buys_a_second_optimizer_buffer_that_overlaps_the_optimizer
     lean = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=False)
     double = score(layers(), disk, 1, 0.0, 2, MB, "host", double_buffered=True)
     assert sum(double) < sum(lean)
-    roomy = plan(layers(), disk, k=1, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    roomy = plan(layers(), disk, k=1, host_budget_bytes=10**12, unit_input_bytes=MB)
     assert roomy.buffer_budget_bytes > staging_bytes(layers(), roomy.lag)
 
 
@@ -207,8 +207,8 @@ def test_checkpoints_stay_in_host_memory_when_they_fit():
     """Checkpoints on SSD are read on the backward's critical path: with room for them in host memory,
     the planner keeps them there even when compute would hide the bytes."""
     disk = Machine(read_bytes_per_s=2e9, write_bytes_per_s=2e9, optimizer_elements_per_s=1e12)
-    choice = plan(layers(backward_s=1.0), disk, k=8, host_budget_bytes=10**12, checkpoint_bytes=MB)
-    assert choice.checkpoints == "host"
+    choice = plan(layers(backward_s=1.0), disk, k=8, host_budget_bytes=10**12, unit_input_bytes=MB)
+    assert choice.activations == "host"
 
 
 def _with_graphs(units: list[UnitCost], activation_bytes: int) -> list[UnitCost]:
@@ -219,8 +219,8 @@ def _with_graphs(units: list[UnitCost], activation_bytes: int) -> list[UnitCost]
 
 def test_keeping_the_graphs_is_chosen_when_they_fit_and_saves_the_recompute():
     units = _with_graphs(layers(), activation_bytes=4 * MB)
-    choice = plan(units, FAST, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
-    assert not choice.recompute and choice.checkpoints == "none"
+    choice = plan(units, FAST, k=4, host_budget_bytes=10**12, unit_input_bytes=MB)
+    assert not choice.recompute and choice.activations == "none"
     recompute_s = sum(u.recompute_s for u in units)
     assert choice.step_s == pytest.approx(4 * (sum(u.forward_s + u.backward_s for u in units) - recompute_s))
     # its memory: every recomputed unit's graph for every micro-batch
@@ -230,7 +230,7 @@ def test_keeping_the_graphs_is_chosen_when_they_fit_and_saves_the_recompute():
 def test_graphs_that_do_not_fit_mean_recompute():
     units = _with_graphs(layers(), activation_bytes=64 * MB)
     budget = staging_bytes(units, 2) + 4 * 7 * MB + 10 * MB  # host checkpoints fit, graphs do not
-    choice = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB)
+    choice = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB)
     assert choice.recompute and choice.host_bytes <= budget
 
 
@@ -240,14 +240,14 @@ def test_the_horizontal_order_holds_one_microbatchs_graphs():
     units = _with_graphs(layers(), activation_bytes=64 * MB)
     graphs = sum(u.activation_bytes for u in units[:-1])
     budget = staging_bytes(units, 2) + 2 * graphs  # one micro-batch's graphs fit, four do not
-    vertical = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB)
-    horizontal = plan(units, FAST, k=4, host_budget_bytes=budget, checkpoint_bytes=MB, schedule="horizontal")
+    vertical = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB)
+    horizontal = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB, schedule="horizontal")
     assert vertical.recompute and not horizontal.recompute
     assert horizontal.host_bytes - horizontal.buffer_budget_bytes == graphs  # staging aside: one micro-batch's
 
 
 def test_graphs_are_not_kept_when_their_size_was_not_measured():
-    choice = plan(layers(), FAST, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB)
+    choice = plan(layers(), FAST, k=4, host_budget_bytes=10**12, unit_input_bytes=MB)
     assert choice.recompute
 
 
@@ -297,12 +297,12 @@ def test_a_last_step_whose_state_is_in_ram_reads_nothing_from_the_disk():
 def test_the_planner_buys_read_ahead_with_spare_memory_and_does_without_when_tight():
     units = _with_state(layers(backward_s=0.5))
     disk = Machine(read_bytes_per_s=1e9, write_bytes_per_s=1e9, optimizer_elements_per_s=1e8)
-    roomy = plan(units, disk, k=4, host_budget_bytes=10**12, checkpoint_bytes=MB, lags=(1,))
+    roomy = plan(units, disk, k=4, host_budget_bytes=10**12, unit_input_bytes=MB, lags=(1,))
     assert roomy.read_ahead
     assert roomy.buffer_budget_bytes >= staging_bytes(units, 1) + read_ahead_bytes(units)
     tight_budget = staging_bytes(units, 1) + 7 * 4 * MB + read_ahead_bytes(units) // 2
-    tight = plan(units, disk, k=4, host_budget_bytes=tight_budget, checkpoint_bytes=MB,
-                 lags=(1,), checkpoint_placements=("host",))
+    tight = plan(units, disk, k=4, host_budget_bytes=tight_budget, unit_input_bytes=MB,
+                 lags=(1,), activation_placements=("host",))
     assert not tight.read_ahead and tight.host_bytes <= tight_budget
     assert tight.step_s > roomy.step_s
 

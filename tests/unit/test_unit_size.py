@@ -21,7 +21,7 @@ from lightning_greedysnake.planner.unit_size import choose_unit_size, machine_at
 
 LAYER = 256 << 10  # a small layer: 64K parameters, 256 KiB of fp32 weights
 FIRST_STEPS = GreedySnakeConfig().resolved()  # alpha 0.25, lag 2: the settings setup scores with
-OPTIONS = {"alphas": (0.25,), "lags": (2,), "recompute": (True,), "checkpoint_placements": ("host",),
+OPTIONS = {"alphas": (0.25,), "lags": (2,), "recompute": (True,), "activation_placements": ("host",),
            "prefetch_units": 1}  # the same, as the warm-step plan's options
 
 
@@ -161,7 +161,7 @@ def compute_bound(n: int = 8) -> list[UnitCost]:
 
 
 def warm_step(settings: GreedySnakeConfig, costs: list[UnitCost], machine: Machine, budget: int = 1 << 30,
-              checkpoint_bytes: int = 4096, **options: Any):
+              unit_input_bytes: int = 4096, **options: Any):
     """The run's planner's warm-step suggestion (built as setup builds it, K=4, on the CPU, in one process)."""
     from types import SimpleNamespace
 
@@ -177,7 +177,7 @@ def warm_step(settings: GreedySnakeConfig, costs: list[UnitCost], machine: Machi
                        0, 0, 1, 1, 4, Path("."), True, SimpleNamespace(loss_scaler=None), lambda obj: obj, nothing,
                        nothing, nothing, nothing, nothing)
     planner = Planner(ctx, torch.nn.Linear(1, 1))
-    return planner.larger_units(costs, machine, budget, checkpoint_bytes, 1, {**OPTIONS, **options})
+    return planner.larger_units(costs, machine, budget, unit_input_bytes, 1, {**OPTIONS, **options})
 
 
 def test_the_first_step_plan_finds_larger_units_where_they_save_recompute():
@@ -204,7 +204,7 @@ def test_setup_and_the_warm_step_choose_the_unit_size_alike_from_the_same_costs_
         costs = [dataclasses.replace(u, on_ssd=frozenset()) for u in costs]
     machine = Machine(*bandwidth(1), 1e9)
     setup = choose_unit_size(at_setup(bandwidth, costs).plans)
-    found = warm_step(GreedySnakeConfig(), costs, machine, checkpoint_bytes=0)
+    found = warm_step(GreedySnakeConfig(), costs, machine, unit_input_bytes=0)
     assert setup == (1 if found is None else found[0].layers_per_unit)
     assert setup == {"compute-bound": 8, "compute-bound in RAM": 8, "slow disk": 8, "fast disk": 8, "in RAM": 1}[case]
 

@@ -25,9 +25,9 @@ from lightning_greedysnake.planner.placement import PlacementPlan, plan_placemen
 from lightning_greedysnake.planner.roofline import UnitCost
 from lightning_greedysnake.strategy.planning.device import DeviceSide, weights_room_bytes
 
-CHECKPOINT_SHARE = 8
-"""The placement leaves 1/8 of the host budget for activation checkpoints in host memory (their size
-depends on the batch, which setup does not see: with ``offload.checkpoints`` unset the first save puts
+ACTIVATION_SHARE = 8
+"""The placement leaves 1/8 of the host budget for saved activations in host memory (their size
+depends on the batch, which setup does not see: with ``offload.activations`` unset the first save puts
 them on SSD when a window's exceed it, and the warm-step plan counts them as measured)."""
 
 
@@ -173,12 +173,12 @@ def place_kinds(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, state: St
     lag = fixed.lag
     if settings.lag is None:  # the first window's lag: the deepest whose staging fits (the plan may change it)
         fits = [lag for lag in (2, 1, 0)
-                if staging_estimate(state, every_ssd, lag) + budget // CHECKPOINT_SHARE <= budget]
+                if staging_estimate(state, every_ssd, lag) + budget // ACTIVATION_SHARE <= budget]
         lag = fits[0] if fits else 0
     staging = staging_estimate(state, every_ssd, lag, device.tier)
     if staging > budget:
         raise ValueError(budget_error(settings, budget, staging, lag))
-    reserved = staging + budget // CHECKPOINT_SHARE
+    reserved = staging + budget // ACTIVATION_SHARE
     schedule = fixed.schedule.value
     room = 0
     if device.tier and device.budget_bytes and TensorKind.WEIGHTS in planned:
@@ -228,7 +228,7 @@ def empty_path_note(settings: GreedySnakeConfig, config: GreedySnakeConfig, plan
         rest = ", the others at their defaults" if settings.offload.unset() else ""
         why = f"your settings keep every kind off SSD ({', '.join(yours)}{rest})"
         fix = force
-    if settings.auto and settings.offload.checkpoints is None and offload.uses_tensor_manager:
-        why += (f"; activation checkpoints come here only if, at the first save, a window's exceed "
-                f"1/{CHECKPOINT_SHARE} of the host budget")
+    if settings.auto and settings.offload.activations is None and offload.uses_tensor_manager:
+        why += (f"; saved activations come here only if, at the first save, a window's exceed "
+                f"1/{ACTIVATION_SHARE} of the host budget")
     return f"nothing placed here: {why}. To put state here: {fix}."

@@ -1,5 +1,5 @@
 """The run's one planner (:class:`Planner`): at setup the device plan, the host budget, the unit size, the
-placement and the activation checkpoints' tier; after the first warm optimizer step (the second) the
+placement and the saved activations' tier; after the first warm optimizer step (the second) the
 unset ones of alpha, lag, the staging budget and recompute, from this run's measurements, applied between
 windows. The arithmetic is :mod:`lightning_greedysnake.planner`'s; this module measures, broadcasts rank
 0's decisions and reports them."""
@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Split, Tier
 from lightning_greedysnake.models import LayerChain, make_units
-from lightning_greedysnake.offload.activations import CheckpointTierPlan
+from lightning_greedysnake.offload.activations import ActivationTierPlan
 from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.optim.contract import OptimizerContract
@@ -28,7 +28,7 @@ from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size
 from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
 from lightning_greedysnake.strategy.planning.placement import (
-    CHECKPOINT_SHARE,
+    ACTIVATION_SHARE,
     host_budget_bytes,
     place_kinds,
     placed_config,
@@ -105,7 +105,7 @@ class Planner:
     """The run's one planner, built once at setup from what setup reads (:class:`SetupContext`) and the
     LightningModule: the device plan (:attr:`config`) and the run's host budget (:attr:`host_budget_bytes`,
     rank 0's) are decided on construction, before Lightning's own setup. Two entry points:
-    :meth:`plan_setup` (the unit size, the placement, the checkpoints' tier), and the warm step
+    :meth:`plan_setup` (the unit size, the placement, the saved activations' tier), and the warm step
     (:meth:`step_ended`, then :meth:`plan_warm_step` once, after optimizer step :data:`PLAN_STEP`, when
     ``auto=True`` left any of :data:`FIRST_STEP_SETTINGS` unset)."""
 
@@ -118,7 +118,7 @@ class Planner:
         where it all fits)."""
         self.host_budget_bytes: int = ctx.broadcast(host_budget_bytes(ctx.settings, ctx.local_processes))
         """The run's host budget, measured once (rank 0's): every plan of the run (the unit size, the
-        placement, the checkpoints' tier, the warm-step plan) is made within this one number, not within
+        placement, the saved activations' tier, the warm-step plan) is made within this one number, not within
         the memory available when each runs (which the run itself lowers)."""
         self.pending = ctx.settings.auto and bool(ctx.settings.unset() & FIRST_STEP_SETTINGS)
         """The warm-step plan is still to run."""
@@ -140,7 +140,7 @@ class Planner:
                    shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool) -> SetupPlan:
         """``layers_per_unit``, then the placement of the unset kinds for units of that size (every rank
         applies rank 0's; :meth:`report_setup` prints it as a table once the tensor manager is laid out), and
-        the checkpoints' share. ``speculative``: fp16's two slots
+        the saved activations' share. ``speculative``: fp16's two slots
         of the kinds a step rewrites; ``contract``: how ``optimizer`` is stepped (its state slots, its
         layout's cuts)."""
         ctx, settings, budget = self.ctx, self.ctx.settings, self.host_budget_bytes
@@ -153,17 +153,17 @@ class Planner:
                              clip_norm=clip_norm, device=device)
         units = make_units(chain, lpu)
         fixed = dataclasses.replace(self.config, layers_per_unit=lpu)
-        checkpoints = (CheckpointTierPlan(budget // CHECKPOINT_SHARE, ctx.report)
-                       if settings.auto and settings.offload.checkpoints is None else None)
+        activations = (ActivationTierPlan(budget // ACTIVATION_SHARE, ctx.report)
+                       if settings.auto and settings.offload.activations is None else None)
         if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
             config, note = self.scheduled(fixed)
-            return SetupPlan(config, None, units, checkpoints, note)
+            return SetupPlan(config, None, units, activations, note)
         state = state_layout(units, {}, optimizer, settings.offload.placed(), dtype, shard, contract)
         lag, placement = place_kinds(settings, fixed, state, ctx.accumulate, budget, speculative=speculative,
                                      clip_norm=clip_norm, device=device)
         placement = ctx.broadcast(placement)  # every rank runs rank 0's (the same: the same budget and sizes)
         config, note = self.scheduled(placed_config(settings, fixed, state, lag, placement))
-        return SetupPlan(config, placement, units, checkpoints, note)
+        return SetupPlan(config, placement, units, activations, note)
 
     def report_setup(self, planned: SetupPlan, notes: dict[str, str]) -> None:
         """Say the setup plan once the tensor manager is laid out: the placement table (``notes``: the kinds
@@ -274,11 +274,11 @@ class Planner:
             "alphas": ALPHAS if "alpha" in unset else (config.alpha,),
             "lags": lags or (config.lag,),
             "recompute": (True, False) if "recompute" in unset else (config.recompute,),
-            "checkpoint_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",),
+            "activation_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",),
             "prefetch_units": manager.config.prefetch_units, "schedule": config.schedule.value}
         try:
             choice: Choice | str = disks if machine is None else plan(
-                costs, machine, k, budget, manager.checkpoint_bytes, layers_per_unit=config.layers_per_unit, **options)
+                costs, machine, k, budget, manager.unit_input_bytes, layers_per_unit=config.layers_per_unit, **options)
         except PlanError as e:
             choice = str(e)
         choice = ctx.broadcast(choice)  # rank 0's, a choice or why there is none: every rank does the same
@@ -297,8 +297,8 @@ class Planner:
         ctx.report(f"greedysnake auto plan ({disks}; optimizer {machine.optimizer_elements_per_s / 1e6:.0f} M "
                    f"elements/s on the lane{inline}; planned: {', '.join(sorted(unset & FIRST_STEP_SETTINGS))}) "
                    f"{TERMS}:\n{choice.table()}\n{'binding resource':<22}{bound:>20}"
-                   + self.measured_step(costs, machine, budget, manager.checkpoint_bytes, warm, options, choice))
-        larger = self.larger_units(costs, machine, budget, manager.checkpoint_bytes, config.layers_per_unit, options)
+                   + self.measured_step(costs, machine, budget, manager.unit_input_bytes, warm, options, choice))
+        larger = self.larger_units(costs, machine, budget, manager.unit_input_bytes, config.layers_per_unit, options)
         if larger is not None:  # (the files are laid out by the unit size: a run keeps its own)
             (best, current), lpu = larger, larger[0].layers_per_unit
             ctx.report(f"greedysnake: larger units are faster here: layers_per_unit={lpu} is predicted at "
@@ -307,7 +307,7 @@ class Planner:
                        "next run (a run keeps the unit size its files were laid out in).")
         return config
 
-    def measured_step(self, costs: list[UnitCost], machine: Machine, budget: int, checkpoint_bytes: int,
+    def measured_step(self, costs: list[UnitCost], machine: Machine, budget: int, unit_input_bytes: int,
                       warm: GreedySnakeConfig, options: dict[str, Any], choice: Choice) -> str:
         """The warm step's measured wall time, for the report beside the plan's predicted step; where the
         warm step ran with other settings than the plan's, the roofline's prediction for those too (the one
@@ -320,7 +320,7 @@ class Planner:
             return line + f"\n  (step {PLAN_STEP}, the warm one, wall time; it ran with the settings above)"
         settings = ", ".join(f"{name} {value}" for name, value in ran.items())
         try:
-            same = plan(costs, machine, self.ctx.accumulate, budget, checkpoint_bytes,
+            same = plan(costs, machine, self.ctx.accumulate, budget, unit_input_bytes,
                         layers_per_unit=warm.layers_per_unit, **{**options, "alphas": (warm.alpha,),
                                                                  "lags": (warm.lag,), "recompute": (warm.recompute,)})
             predicted = f": the roofline predicts {same.step_s:.3f} s for those"
@@ -329,7 +329,7 @@ class Planner:
         return line + (f"\n  (step {PLAN_STEP}, the warm one, wall time; it ran with {settings}{predicted}; the "
                        "settings above apply from the next step)")
 
-    def larger_units(self, costs: list[UnitCost], machine: Machine, budget: int, checkpoint_bytes: int, lpu: int,
+    def larger_units(self, costs: list[UnitCost], machine: Machine, budget: int, unit_input_bytes: int, lpu: int,
                      options: dict[str, Any]) -> tuple[Choice, Choice] | None:
         """Whether units of several of this run's (``lpu`` blocks each) are faster with the warm step's
         measured compute, by setup's model and rule (:mod:`~lightning_greedysnake.planner.unit_size`;
@@ -339,7 +339,7 @@ class Planner:
         if self.ctx.settings.layers_per_unit is not None or len(sizes) < 2:
             return None
         plans = plans_by_size({n * lpu: (merge(costs, n), machine) for n in sizes}, self.ctx.accumulate, budget,
-                              checkpoint_bytes, **options)
+                              unit_input_bytes, **options)
         if lpu not in plans:
             return None
         chosen = choose_unit_size(plans)

@@ -110,11 +110,11 @@ def score_sizes(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, layouts: 
 def score_candidates(placed: dict[int, Candidate], bandwidth: Bandwidth, rate: float, k: int) -> UnitSizeScores:
     """Each candidate (``layers_per_unit -> (its units' costs, their traffic, the state's slots, the host
     room for staging, its settings)``) on the disks at its request sizes, by the roofline: setup sees no
-    batch (no checkpoints), the first steps' settings."""
+    batch (no saved activations), the first steps' settings."""
     machines = {lpu: machine_at(c.costs, c.traffic, bandwidth, rate, c.slots) for lpu, c in placed.items()}
     plans: dict[int, Choice] = {}
     for lpu, c in placed.items():
         plans.update(plans_by_size({lpu: (c.costs, machines[lpu])}, k, c.room, 0, alphas=(c.config.alpha,),
-                                   lags=(c.config.lag,), recompute=(True,), checkpoint_placements=("host",),
+                                   lags=(c.config.lag,), recompute=(True,), activation_placements=("host",),
                                    prefetch_units=c.config.offload.prefetch_units))
     return UnitSizeScores(plans, machines, {lpu: c.traffic.read_bytes + c.traffic.write_bytes for lpu, c in placed.items()})
