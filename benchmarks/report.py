@@ -289,6 +289,12 @@ SECTIONS: tuple[Section, ...] = (
                                             "`lane_cpu_vs_ram`: the same schedule and lane without the disk)."),
          Result("compare_issue54_v4_seq128", "The same at sequence 128, 9be6a90, three rounds alternating (no "
                                              "baseline tree: the session's time)."),
+         Result("compare_issue56_s20_seq32", "Issue 56's speed check: the whole-unit access object, the plan "
+                                             "applied once and the saved-activations rename (5bad422 with the "
+                                             "tree as measured) against c8abbd6, bf16-mixed, sequence 32, K=8, "
+                                             "three rounds alternating on a noisy disk."),
+         Result("compare_issue56_s20_seq32_rerun", "The same, run again at once, on a machine noisier still "
+                                                   "(compare the two runs' `gs_default` rows)."),
          Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
                                                  "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
                                                  "Muon) against the element-wise path (`gs_vertical`), every kind "
