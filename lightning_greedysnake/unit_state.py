@@ -143,10 +143,11 @@ class UnitValues:
         self.flush()
 
     def hand_back(self, reader: UnitReader, *, with_state: bool, staging_bytes: int | None,
-                  wait_timeout_s: float | None = None) -> dict[int, dict[int, dict[str, Any]]]:
+                  wait_timeout_s: float | None = None) -> None:
         """Give the parameters their trained values back, unit by unit, freeing each unit's RAM regions
-        once it is back (what comes back takes the place of what is freed, as planned at setup). Returns
-        each unit's optimizer state as ``reader`` read it (empty unless ``with_state``).
+        once it is back (what comes back takes the place of what is freed, as planned at setup), and with
+        ``with_state`` the user's optimizer its state, as ``torch.optim`` keeps it (quantized state comes
+        back dequantized, as plain tensors, not its codes). ``reader`` reads each whole unit.
 
         Every pending step completes first (the last complete update). ``staging_bytes``: the staging the
         hand-back may hold from here on (None: the run's, unchanged), at least one unit's of this process
@@ -168,4 +169,10 @@ class UnitValues:
             if with_state:
                 per_unit[u] = reader.unit_optimizer_state(u)
             regions.release_host(u, (TensorKind.OPTIMIZER_STATES,))
-        return per_unit
+        if with_state:
+            assert self.optimizer is not None
+            state = self.optimizer_state(per_unit.__getitem__)
+            for entry in state.values():
+                for key in [k for k in entry if k.partition(".")[0] in self.slots and "." in k]:
+                    del entry[key]
+            self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})

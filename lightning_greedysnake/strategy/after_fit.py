@@ -79,16 +79,6 @@ class UnusableUntilLoaded:
             handles.clear()
 
 
-def return_optimizer_state(manager: TieredTensorStore, optimizer: Any, per_unit: dict[int, dict[int, dict[str, Any]]]) -> None:
-    """Every unit's per-parameter state (``per_unit[u]``: ``unit_state(u)``, the manager's own or gathered
-    over the ranks) into the user's optimizer, as ``torch.optim`` keeps it (its tensors taken as they are)."""
-    state = manager.values.optimizer_state(per_unit.__getitem__)
-    for entry in state.values():  # quantized state comes back dequantized, as plain tensors (not its codes)
-        for key in [k for k in entry if k.partition(".")[0] in manager.slots and "." in k]:
-            del entry[key]
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
-
-
 def steps_held(manager: TieredTensorStore, global_step: int) -> str:
     """Which optimizer step the units' weights hold, in words (after a drain)."""
     done = manager.stepper.steps_completed
@@ -145,10 +135,8 @@ def hand_back(manager: TieredTensorStore, view: UnitReader, layered: nn.Module, 
                         f"{load}.")
     states = optimizer is not None and plan.state
     try:
-        per_unit = manager.values.hand_back(view, with_state=states, staging_bytes=plan.staging_bytes,
-                                            wait_timeout_s=FAILED_WAIT_S if failed else None)
-        if states:
-            return_optimizer_state(manager, optimizer, per_unit)
+        manager.values.hand_back(view, with_state=states, staging_bytes=plan.staging_bytes,
+                                 wait_timeout_s=FAILED_WAIT_S if failed else None)
     except Exception as e:  # noqa: BLE001 - reported on first use, the original error is already raised
         return unusable(f"greedysnake could not read {name}'s weights back after fit{' failed' if failed else ''} "
                         f"({type(e).__name__}: {e}); they were {kept}. {load}.")
