@@ -352,8 +352,8 @@ def test_a_users_own_file_named_like_an_offload_file_is_not_called_kept_files(tm
 UNUSED = {  # settings under which a tiny model puts nothing on SSD, and what the report says for each path
     "planned in RAM": ({}, r"weights, master_weights, optimizer_states, gradients fit in the [\d.]+ GiB host budget "
                            r"\(half the available memory\), so the planner \(auto=True\) keeps them in RAM \(on SSD "
-                           r"they would take about [\d.]+ KiB here\); activation "
-                           r"checkpoints come here only if.*To put state here: offload.<kind>=ssd \(e.g. "
+                           r"they would take about [\d.]+ KiB here\); saved "
+                           r"activations come here only if.*To put state here: offload.<kind>=ssd \(e.g. "
                            r"offload.optimizer_states=ssd\), or a smaller auto_host_budget_bytes\."),
     "yours in RAM": ({"auto": False, "offload": OffloadConfig.everywhere("host")},
                      r"your settings keep every kind off SSD \(offload.weights=host, .*offload.activations=host\)\. "
@@ -526,8 +526,8 @@ def test_disk_full_during_training_names_the_file_and_cleans_up(tmp_path):
         offload = dict(OffloadConfig.everywhere("host").__dict__, activations="ssd", path=str(mount))
         L.seed_everything(0, verbose=False)
         trainer = make_trainer(GreedySnakeStrategy(auto=False, offload=offload), 4, max_epochs=1)
-        # at the window's first checkpoint, room for all of its checkpoints: K=4 x 2 units x 1 MiB
-        with pytest.raises(OSError, match=rf"checkpoints\.bin to {8 << 20} bytes.*(No space|ENOSPC|space).*Fix"):
+        # at the window's first saved activation, room for all of them: K=4 x 2 units x 1 MiB
+        with pytest.raises(OSError, match=rf"activations\.bin to {8 << 20} bytes.*(No space|ENOSPC|space).*Fix"):
             trainer.fit(Wide(), token_loader(8, batch_size=64, seq=64))
         assert trainer.global_step == 0
         assert list(mount.iterdir()) == []
@@ -556,7 +556,7 @@ def test_a_truncated_offload_file_is_a_named_error_not_garbage(tmp_path):
 
 
 def test_ssd_checkpoints_are_read_ahead_and_stay_exact():
-    """With checkpoints on SSD the engine hints the next op's checkpoint, so backward does not wait for
+    """With saved activations on SSD the engine hints the next op's, so backward does not wait for
     each read; the result is the resident one bit for bit."""
     prefetches = {}
 
@@ -672,7 +672,7 @@ def test_each_deferred_part_is_read_while_the_one_before_it_steps_and_nothing_ch
 
 
 def test_ssd_checkpoints_are_read_back_just_in_time_within_the_documented_budget():
-    """With checkpoints on SSD the forward reads each unit input back, uses it and lets its buffer go
+    """With saved activations on SSD the forward reads each unit input back, uses it and lets its buffer go
     (the copy on SSD stays for backward): memory holds one checkpoint being read and one being written,
     not every unit's inputs from forward to backward. The documented minimum (one unit's working set
     plus two checkpoints) trains K=8 through 6 units, bit for bit as with a roomy budget."""
