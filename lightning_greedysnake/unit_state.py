@@ -58,7 +58,8 @@ class UnitValues:
         self.params = weights.params
         self.slots = stepper.slots
         state = arena.state
-        self.layouts, self.num_units, self.shard, self.bounds = state.units, state.num_units, state.shard, state.bounds
+        self.layouts, self.num_units = state.units, state.num_units
+        self.shard, self.bounds = state.shard, state.bounds
         regions = arena.regions
         self.staging_bytes = max((regions.staged_unit_bytes(u) for u in range(self.num_units)), default=0)
         """Pool bytes reading one whole unit out of its tiers stages at most (its weights, master weights
@@ -114,16 +115,16 @@ class UnitValues:
         assert self.optimizer is not None
         self.drain()
         self._stepper.parts.drop_read_ahead(u)  # read before this state is read out (and perhaps replaced)
-        return opt_state.unit_optimizer_state(self._arena, self._stepper.unit_optimizers[u], self._stepper.slots,
-                                              u, self._codec)
+        return opt_state.unit_optimizer_state(self._arena, self._stepper.unit_optimizers[u], self.slots, u,
+                                              self._codec)
 
     def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
         """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
         assert self.optimizer is not None
         self.drain()
         self._stepper.parts.drop_read_ahead(u)  # read before this new state
-        opt_state.load_unit_optimizer_state(self._arena, self._stepper.unit_optimizers[u], self._stepper.slots,
-                                            u, entries, self._codec)
+        opt_state.load_unit_optimizer_state(self._arena, self._stepper.unit_optimizers[u], self.slots, u,
+                                            entries, self._codec)
 
     def optimizer_state(self, per_unit: Callable[[int], dict[int, dict[str, Any]]] | None = None
                         ) -> dict[int, dict[str, Any]]:
@@ -175,4 +176,5 @@ class UnitValues:
             for entry in state.values():
                 for key in [k for k in entry if k.partition(".")[0] in self.slots and "." in k]:
                     del entry[key]
-            self.optimizer.load_state_dict({"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]})
+            groups = self.optimizer.state_dict()["param_groups"]
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})

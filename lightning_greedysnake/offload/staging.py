@@ -136,9 +136,8 @@ class Staged:
 
 def staging_budget_of(state: StateLayout, config: OffloadConfig, lag: int, device_tier: bool = False) -> StagingBudget:
     """The staging rule (:func:`~lightning_greedysnake.planner.staging.staging_budget`) for ``state``
-    placed as ``config`` says, at ``lag``, with ``config.prefetch_units`` prefetches. (Saved
-    activations on SSD add two saved activations once their size is
-    known: :meth:`PoolBudget.reserve_activations`.)"""
+    placed as ``config`` says, at ``lag``, with ``config.prefetch_units`` prefetches. (Saved activations
+    on SSD add two of them once their size is known: :meth:`PoolBudget.reserve_activations`.)"""
     tiers = placement_of(state, config, device_tier)
     units = [unit_staging({kind.value: state.region_bytes(kind, u) for kind in REGION_KINDS},
                           {kind.value: tiers[kind][u].value for kind in REGION_KINDS})
@@ -179,9 +178,8 @@ class PoolBudget:
         under ``_lock``)."""
         rule = staging_budget_of(state, config, lag, device_tier)
         self._min_bytes = rule.minimum_bytes
-        """What the must-run work holds at once (the staging rule's minimum, plus the saved
-        activation reserve).
-        Written by the training thread (:meth:`set_budget`, :meth:`reserve_activations`) under ``_lock``;
+        """What the must-run work holds at once (the staging rule's minimum, plus the saved activations'
+        reserve). Written by the training thread (:meth:`set_budget`, :meth:`reserve_activations`) under ``_lock``;
         read under it by every thread that takes work ahead of need."""
         budget = config.buffer_budget_bytes
         if budget is not None and budget < self._min_bytes:

@@ -36,8 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 AUTO_BUDGET_EXTRA_BYTES = 16 << 20
-"""The automatic budget's room beyond the minimum and the weights prefetches (saved
-activation read-aheads)."""
+"""The automatic budget's room beyond the minimum and the weights prefetches (saved-activation
+read-aheads)."""
 SMALLEST_BUDGET_BYTES = 4096
 """The minimum never goes below one page (a model whose state is all in RAM stages nothing)."""
 

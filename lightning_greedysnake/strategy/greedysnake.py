@@ -95,6 +95,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         # validate first: bad settings fail at construction, before Lightning does anything
         self.settings = GreedySnakeConfig.from_kwargs(config, **settings)
         """What the user set (``None``: unset, the planner's with ``auto=True``)."""
+        self._fixed = self.settings.resolved()
+        """The settings with every unset one at its fixed default: what is known before a setup plans."""
         super().__init__(checkpoint_io=checkpoint_io)
         self._gs_precision: GreedySnakePrecision | None = None
         if precision_plugin is not None:
@@ -140,7 +142,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """The settings in effect: the run's one resolved configuration, which its engine and tensor
         manager were built from (the warm-step plan's after it ran); before setup, the settings with
         every unset one at its fixed default."""
-        return self._run.config if self._run is not None else self.settings.resolved()
+        return self._run.config if self._run is not None else self._fixed
 
     @property
     def placement_plan(self) -> PlacementPlan | None:
@@ -253,7 +255,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
         """``trainer.init_module(empty_init=True)``: with the tensor manager, build the model on the meta
         device; setup then materializes it one unit at a time straight into its tiers."""
-        if empty_init and self.config.offload.uses_tensor_manager:
+        if empty_init and self._fixed.offload.uses_tensor_manager:  # (before this setup: not a past run's plan)
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
         else:
