@@ -27,7 +27,6 @@ from lightning_greedysnake.offload.device import DeviceCopies
 from lightning_greedysnake.offload.device_reduce import DeviceGradientReducer
 from lightning_greedysnake.optim.protocols import StepCollectives
 from lightning_greedysnake.strategy.lightning_api import keep_dataloader_samplers
-from lightning_greedysnake.strategy.manager_setup import move_all_but_units
 from lightning_greedysnake.tensor_manager import DataParallelHooks
 
 
@@ -106,9 +105,6 @@ class DataParallelStrategy(DDPStrategy):
         super().__init__(checkpoint_io=checkpoint_io)
         self._dp = DataParallel()
         self._device_reducer: DeviceGradientReducer | None = None
-        self.units_stay_on_host: list[Any] | None = None
-        """The units whose parameters the tensor manager keeps in its tiers: ``model_to_device`` leaves
-        them where they are."""
 
     @property
     @override
@@ -156,14 +152,6 @@ class DataParallelStrategy(DDPStrategy):
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return model  # (training_step calls the LightningModule itself)
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        if self.units_stay_on_host is not None:
-            move_all_but_units(self.model, self.units_stay_on_host, self.root_device)
-        else:
-            self.model.to(self.root_device)
 
     @override
     def teardown(self) -> None:

@@ -53,6 +53,7 @@ from lightning_greedysnake.steps import step_running
 from lightning_greedysnake.strategy import after_fit, checkpoints, checks, progress
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, read_ahead, tokens_in
+from lightning_greedysnake.strategy.manager_setup import move_all_but_units
 from lightning_greedysnake.strategy.planning import Planner
 from lightning_greedysnake.strategy.planning.placement import PlacementPlan
 from lightning_greedysnake.strategy.run import Run, cut_model, open_run
@@ -238,9 +239,11 @@ class GreedySnakeStrategy(DataParallelStrategy):
         planner = Planner(ctx, module)  # (the device plan and the host budget, before Lightning's setup)
         cut = cut_model(ctx, planner.config, module)
         uses_manager = cut.config.offload.uses_tensor_manager
-        if uses_manager:
-            self.units_stay_on_host = cut.units  # the tensor manager brings them to the device unit by unit
-        super().setup(trainer)  # model to device, optimizers, precision plugin
+        if uses_manager:  # the units stay where they are: the tensor manager brings them to the device one by one
+            move_all_but_units(module, cut.units, self.root_device)
+        else:
+            module.to(self.root_device)
+        super().setup(trainer)  # optimizers, precision plugin (the model is placed: model_to_device below)
         if fitting:
             checks.check_optimizers(self.optimizers)
             checks.check_cpu_precision(self.precision_plugin, self.root_device, self._warn_once)
@@ -249,6 +252,12 @@ class GreedySnakeStrategy(DataParallelStrategy):
         clip = checks.clip_policy(trainer, module, self._warn_once) if fitting and uses_manager else ClipPolicy()
         self._run = run = open_run(ctx, planner, module, cut, optimizer, clip)
         self.precision_plugin.gradient_owner = run.tensor_manager  # (clipping acts on its buffers)
+
+    @override
+    def model_to_device(self) -> None:
+        """Nothing: :meth:`setup` placed the model before Lightning's setup calls this, all of it on the device
+        but the units the tensor manager keeps in its tiers (setup's cut decides which; moving them would
+        need the whole model in device memory)."""
 
     @contextlib.contextmanager
     @override

@@ -41,6 +41,26 @@ def test_in_one_process_the_strategy_is_ddp_without_its_wrapper_launcher_or_samp
     assert StrategyRegistry["greedysnake"]["strategy"] is GreedySnakeStrategy
 
 
+def test_setup_places_the_model_and_lightnings_model_to_device_leaves_it():
+    """Lightning's setup moves the model in ``model_to_device``; greedysnake's setup has placed it before
+    (all of it but the units the tensor manager keeps in its tiers), so its ``model_to_device`` moves
+    nothing (a meta device shows what would have moved)."""
+    import inspect
+
+    from lightning_greedysnake.strategy.manager_setup import move_all_but_units
+
+    assert "self.model_to_device()" in inspect.getsource(Strategy.setup)
+    module = SequentialModule()
+    move_all_but_units(module, [module.net[0]], torch.device("meta"))  # (net[0] stands for a unit)
+    assert not any(p.is_meta for p in module.net[0].parameters())
+    assert all(p.is_meta for p in module.net[2].parameters()) and module.device.type == "meta"
+    strategy = GreedySnakeStrategy(auto=False)
+    strategy.parallel_devices = [torch.device("meta")]  # (as Lightning's accelerator connector fills it)
+    strategy.model = placed = SequentialModule()
+    strategy.model_to_device()
+    assert not any(p.is_meta for p in placed.parameters())
+
+
 def test_the_protected_strategy_members_are_what_lightning_reads():
     strategy = GreedySnakeStrategy(auto=False)
     strategy._launcher = "marker"  # what _configure_launcher sets
