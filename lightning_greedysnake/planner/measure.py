@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from lightning_greedysnake.config import REGION_KINDS, OffloadConfig, TensorKind
+from lightning_greedysnake.config import REGION_KINDS, TensorKind
 from lightning_greedysnake.layout import UnitLayout
 from lightning_greedysnake.planner.roofline import UnitCost
 
@@ -114,15 +114,6 @@ def request_bandwidth(directory: Path, sizes: Sequence[int], threads: int = 4, c
     finally:
         path.unlink(missing_ok=True)
     return {size: (size / read_s, size / write_s) for size, (read_s, write_s) in best.items()}
-
-
-def paths_bandwidth(dirs: Sequence[Path], sizes: Sequence[int], io: OffloadConfig,
-                    min_probe_bytes: int = 8 << 20) -> dict[int, tuple[float, float]]:
-    """:func:`request_bandwidth` of the offload paths ``dirs`` together, at ``io``'s I/O settings: units are
-    striped round robin over them, so the slowest path binds, once per path."""
-    per_path = [request_bandwidth(d, sizes, io.io_threads, io.io_chunk_bytes, io.direct_io, min_probe_bytes)
-                for d in dirs]
-    return {s: (len(dirs) * min(p[s][0] for p in per_path), len(dirs) * min(p[s][1] for p in per_path)) for s in sizes}
 
 
 def interpolate(measured: dict[int, tuple[float, float]]) -> Callable[[int], tuple[float, float]]:

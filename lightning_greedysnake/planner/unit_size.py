@@ -32,7 +32,7 @@ at setup and after the warm step alike: a measurement's noise must not buy memor
 more) nor a new layout."""
 
 Bandwidth = Callable[[int], tuple[float, float]]
-"""``bandwidth(request_bytes) -> (read, write)`` bytes/s of the offload disks together (``paths_bandwidth``)."""
+"""``bandwidth(request_bytes) -> (read, write)`` bytes/s of the offload disks together, by request size."""
 
 
 def request_bytes(units: Sequence[UnitCost], state_slots: int = 1) -> dict[str, int]:

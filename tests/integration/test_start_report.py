@@ -66,8 +66,8 @@ def fit_the_example(*overrides: str) -> tuple[str, int, int]:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from lightning_greedysnake.planner import measure
     from lightning_greedysnake.recipes import GPTLightningModule
+    from lightning_greedysnake.strategy.planning import measurements as measure
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("config", overrides=["data.max_bytes=200000", *overrides])
@@ -82,7 +82,7 @@ def fit_the_example(*overrides: str) -> tuple[str, int, int]:
     level = log.level
     log.addHandler(captured)
     log.setLevel(logging.INFO)
-    probes, probe = [], measure.request_bandwidth  # (every disk probe of a run goes through it)
+    probes, probe = [], measure.request_bandwidth  # (every disk probe of a run goes through the run's Measurements)
     measure.request_bandwidth = lambda *args, **kwargs: probes.append(args) or probe(*args, **kwargs)
     reset_peak_rss()
     try:

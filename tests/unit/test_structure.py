@@ -106,6 +106,19 @@ def test_the_stepper_and_the_tensor_manager_do_not_import_each_other():
     assert not any(t.startswith("lightning_greedysnake.optim") for t in offload), offload
 
 
+def test_the_planner_reads_no_settings_and_no_tier():
+    """``planner/`` is the probes and the arithmetic: the strategy's planning gathers the measurements and
+    the settings and hands them down; nothing of ``planner/`` reads them back (no settings type, nothing of
+    the tiers or the strategy)."""
+    graph = _graph()
+    planner = {m for m in graph if m.startswith("lightning_greedysnake.planner")}
+    reached = {t for m in planner for t in graph[m]}
+    assert not {t for t in reached if t.split(".")[1] in ("offload", "strategy", "tensor_manager", "optim")}, reached
+    names = {a.name for m in planner for node in ast.walk(ast.parse(_modules()[m].read_text()))
+             if isinstance(node, ast.ImportFrom) and node.module == "lightning_greedysnake.config" for a in node.names}
+    assert names <= {"TensorKind", "REGION_KINDS"}, names  # (the kinds' names only)
+
+
 def test_the_model_protocol_does_not_know_its_adapters():
     assert not {t for t in _graph()["lightning_greedysnake.models.protocol"] if "hf" in t}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,15 +17,23 @@ from torch import nn
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Split, Tier
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.activations import ActivationTierPlan
-from lightning_greedysnake.offload.preflight import disk_free_bytes
 from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
-from lightning_greedysnake.planner.measure import optimizer_rate, paths_bandwidth, probe_numel, unit_costs, unit_times
+from lightning_greedysnake.planner.measure import probe_numel, probe_sizes, unit_costs, unit_times
 from lightning_greedysnake.planner.plan import ALPHAS, merge
-from lightning_greedysnake.planner.unit_size import CANDIDATES, choose_unit_size, plans_by_size, table
+from lightning_greedysnake.planner.roofline import traffic
+from lightning_greedysnake.planner.unit_size import (
+    CANDIDATES,
+    choose_unit_size,
+    machine_at,
+    plans_by_size,
+    requests,
+    table,
+)
 from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
+from lightning_greedysnake.strategy.planning.measurements import Measurements, probe_directory
 from lightning_greedysnake.strategy.planning.placement import (
     ACTIVATION_SHARE,
     host_budget_bytes,
@@ -46,52 +53,6 @@ PLAN_STEP = 2
 first step's compute runs slow (every staging buffer touched for the first time, each kernel's first
 call) and would make the plan see compute bind where the disk does. A run of fewer steps is not planned
 (the settings in effect are kept)."""
-
-
-def measured_machine(manager: TieredTensorStore, default_root: Path,
-                     disk: DiskProbe | None = None) -> tuple[Machine, str]:
-    """The offload disks' O_DIRECT bandwidth and the element rate of the user's optimizer at the lane's
-    threads, with the words the report says them in. The disk is measured once a run: ``disk``, setup's
-    probe (the unit-size plan's, at this run's request sizes), where it ran; else here
-    (:func:`~lightning_greedysnake.planner.measure.paths_bandwidth`, as setup measures them, at one request
-    of :func:`probe_bytes`). The probes are small (at most 16 MiB of file and buffer, 1M optimizer elements:
-    16 MiB) so that they fit the host budget and the disks' free space. Raises ``OSError`` where a disk
-    cannot be measured."""
-    params = sum(lay.trainable_numel for lay in manager.layouts)
-    numel = probe_numel(params)
-    shape = manager.contract.probe_shape
-    rate = optimizer_rate(numel=numel, optimizer=manager.optimizer, threads=manager.optimizer_threads,
-                          shape=shape)  # (at the threads the lane really gets)
-    shared = manager.copies is None  # the model computes on the host: the lane shares its cores
-    # a synchronous step (lag 0) runs here, on the training thread, with its threads
-    inline = optimizer_rate(numel=numel, optimizer=manager.optimizer, shape=shape) if shared else None
-    if not manager.config.uses_ssd:
-        return Machine(math.inf, math.inf, rate, inline, shared), "no SSD tier"
-    if disk is not None:
-        machine = Machine(disk.read, disk.write, rate, inline, shared)
-        return machine, f"disk ({disk.where}): {machine.disk}, setup's probe"
-    dirs = manager.offload_dirs or [default_root]
-    size = min(probe_bytes(d) for d in dirs)
-    read, write = paths_bandwidth(dirs, [size], manager.config, min_probe_bytes=size)[size]
-    machine = Machine(read, write, rate, inline, shared)
-    return machine, f"disk ({', '.join(map(str, dirs))}): {machine.disk}, probed now"
-
-
-@dataclasses.dataclass(frozen=True)
-class DiskProbe:
-    """The run's one measurement of its offload disks (setup's, rank 0's): the bandwidth at the chosen unit
-    size's requests (bytes/s), and where it ran. Every line of the report that says a disk speed says these."""
-
-    read: float
-    write: float
-    where: str
-
-
-def probe_bytes(directory: Path, largest: int = 16 << 20) -> int:
-    """The disk probe's size in ``directory``: ``largest``, or a quarter of the free space where that is
-    less (the probe's scratch file must not fill a disk the run is using), in 64 KiB steps."""
-    step = 64 << 10
-    return max(step, min(largest, disk_free_bytes(directory) // 4 // step * step))
 
 
 def in_host_memory(placement: Tier | Split) -> bool:
@@ -129,8 +90,9 @@ class Planner:
         and :attr:`unit_seconds` each unit's forward and backward seconds a micro-batch."""
         self.machine: Machine | None = None
         self.unit_seconds: tuple[list[float], list[float]] | None = None
-        self.disk: DiskProbe | None = None
-        """Setup's probe of the offload disks (None: setup measured none), which the warm-step plan uses."""
+        self.measurements: Measurements | None = None
+        """The run's measurements of its machine (the optimizer's rate, the disks), made with the
+        optimizer at :meth:`plan_setup` and taken there or at the warm step, whichever plan asks first."""
         self.warm_step_s: float | None = None
         """The warm step's wall time (from the end of the step before it to its own end), beside which the
         warm-step plan prints its prediction."""
@@ -147,6 +109,11 @@ class Planner:
         # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
         # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
         planned_weights = ctx.device_tier and settings.auto and settings.offload.weights is None
+        params = sum(p.numel() for m in (*chain.pre_modules, *chain.blocks, *chain.post_modules)
+                     for p in m.parameters() if p.requires_grad) // (shard[1] if shard else 1)
+        self.measurements = Measurements(
+            optimizer, probe_numel(params), contract.probe_shape, ctx.optimizer_threads, not ctx.device_tier,
+            [probe_directory(p, ctx.default_root) for p in (settings.offload.paths or [None])], settings.offload)
         device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
                                           if planned_weights else None))
         lpu = self.unit_size(chain, optimizer, contract, dtype, shard, speculative=speculative,
@@ -204,18 +171,14 @@ class Planner:
         if len(chain.blocks) < CANDIDATES[1]:  # (one candidate: nothing to measure)
             return 1
         result: int | str = 1
-        disk: DiskProbe | None = None
+        assert self.measurements is not None
         if ctx.is_global_zero:
             try:
                 scores = score_sizes(settings, self.config, candidate_layouts(settings, chain, optimizer, contract, dtype, shard),
-                                     optimizer, ctx.accumulate, self.host_budget_bytes, speculative=speculative,
-                                     clip_norm=clip_norm, default_root=ctx.default_root, device=device,
-                                     optimizer_threads=ctx.optimizer_threads, shape=contract.probe_shape)
+                                     self.measurements, ctx.accumulate, self.host_budget_bytes,
+                                     speculative=speculative, clip_norm=clip_norm, device=device)
                 if scores.plans:
                     result = choose_unit_size(scores.plans)
-                    chosen = scores.machines[result]
-                    if chosen.disk_probed:  # (the run's one disk measurement: the warm-step plan's too)
-                        disk = DiskProbe(chosen.read_bytes_per_s, chosen.write_bytes_per_s, scores.probed)
                     ctx.report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up "
                                "to rounding, not bit for bit, and this choice rests on a measurement): each "
                                "candidate placed within the host budget, its step predicted by the roofline from "
@@ -226,7 +189,7 @@ class Planner:
                 result = f"layers_per_unit=1: the offload disk could not be measured ({e})"
             except ValueError as e:  # a setting refused: setup refuses it next, on every rank (none waits here)
                 result = f"layers_per_unit=1 ({e})"
-        result, self.disk = ctx.broadcast((result, disk))
+        result = ctx.broadcast(result)
         if isinstance(result, str):
             ctx.report(f"greedysnake: {result}")
             return 1
@@ -254,14 +217,14 @@ class Planner:
         warm = config  # (the settings the warm step ran with)
         manager.drain()
         unset = ctx.settings.unset()
-        try:
-            machine, disks = measured_machine(manager, ctx.default_root, self.disk)
-        except OSError as e:  # (a full disk, say: every rank still takes rank 0's word below)
-            machine, disks = None, f"the offload disk could not be measured: {e}"
-        self.machine = machine
         fwd, bwd = self.unit_seconds = unit_times(manager.stats.lanes.spans(self.since, float("inf")),
                                                   manager.num_units)
         costs = unit_costs(manager, fwd, bwd, activation_bytes)
+        try:
+            machine, disks = self.measured_machine(manager, costs, config)
+        except OSError as e:  # (a full disk, say: every rank still takes rank 0's word below)
+            machine, disks = None, f"the offload disk could not be measured: {e}"
+        self.machine = machine
         budget = self.host_budget_bytes - manager.placement.host_bytes()
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
         lags = (0, 1, 2) if "lag" in unset else (config.lag,)
@@ -306,6 +269,25 @@ class Planner:
                        f"nothing; staging {best.buffer_budget_bytes:,} bytes). Set layers_per_unit={lpu} for the "
                        "next run (a run keeps the unit size its files were laid out in).")
         return config
+
+    def measured_machine(self, manager: TieredTensorStore, costs: list[UnitCost],
+                         config: GreedySnakeConfig) -> tuple[Machine, str]:
+        """The machine the warm step's units see, from the run's measurements (setup's, where its plan took
+        them; else taken now) by setup's model (:func:`~lightning_greedysnake.planner.unit_size.machine_at`:
+        the disks at these units' request sizes, weighted by the bytes each kind moves a step), with the
+        words the report says the disks in. Raises ``OSError`` where a disk cannot be measured."""
+        measured = self.measurements
+        assert measured is not None  # (made at setup)
+        lane, inline = measured.rates()
+        if not manager.config.uses_ssd:
+            return Machine(math.inf, math.inf, lane, inline, measured.shared), "no SSD tier"
+        said = "setup's probe" if measured.disk_measured else "probed now"
+        bandwidth = measured.disk(probe_sizes(requests(costs, manager.state.num_slots)))
+        schedule = config.schedule.value
+        moved = traffic(costs, schedule, self.ctx.accumulate, clip_norm=manager.clip.defer and schedule == "vertical")
+        machine = dataclasses.replace(machine_at(costs, moved, bandwidth, lane, manager.state.num_slots),
+                                      inline_optimizer_elements_per_s=inline, shared_cores=measured.shared)
+        return machine, f"disk ({measured.where}): {machine.disk}, {said}"
 
     def measured_step(self, costs: list[UnitCost], machine: Machine, budget: int, unit_input_bytes: int,
                       warm: GreedySnakeConfig, options: dict[str, Any], choice: Choice) -> str:

@@ -1,37 +1,26 @@
 """Setup's unit-size candidates (:mod:`lightning_greedysnake.planner.unit_size`: the model and the rule):
-each gets its own placement plan within the host budget; the offload disks are measured at the
-candidates' request sizes (at most 64 MiB of scratch file), and the optimizer's rate."""
+each gets its own placement plan within the host budget, and is scored on the run's measurements (the
+offload disks at the candidates' request sizes, the optimizer's rate: :class:`Measurements`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig
 from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.models import LayerChain, make_units
-from lightning_greedysnake.planner.measure import interpolate, optimizer_rate, paths_bandwidth, probe_numel, probe_sizes
+from lightning_greedysnake.optim.contract import OptimizerContract
+from lightning_greedysnake.planner.measure import probe_sizes
 from lightning_greedysnake.planner.plan import Choice
 from lightning_greedysnake.planner.roofline import Machine, Traffic, UnitCost, traffic
 from lightning_greedysnake.planner.unit_size import CANDIDATES, Bandwidth, machine_at, plans_by_size, requests
 from lightning_greedysnake.strategy.planning.device import DeviceSide
+from lightning_greedysnake.strategy.planning.measurements import NOTHING_MOVES, Measurements
 from lightning_greedysnake.strategy.planning.placement import place_kinds, placed_config, planned_costs
-from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.tensor_manager import state_format_for, state_layout
-
-
-def probe_directory(setting: str | None, default_root: Path) -> Path:
-    """Where to measure the disk of an offload path before it exists: its nearest existing ancestor
-    (a directory about to be created lives on that one's filesystem)."""
-    path = Path(setting.format(rank=0, local_rank=0)) if setting else default_root / "greedysnake_offload"
-    for candidate in (path, *path.parents):
-        if candidate.is_dir():
-            return candidate
-    return Path.cwd()
 
 
 def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer: torch.optim.Optimizer | None,
@@ -71,14 +60,13 @@ class UnitSizeScores(NamedTuple):
     """Where the disk was probed (the offload paths' filesystems); empty: not probed, nothing moves."""
 
 
-def score_sizes(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, layouts: dict[int, StateLayout], optimizer: Any,
-                k: int, budget: int, *, speculative: bool, clip_norm: bool, default_root: Path, device: DeviceSide,
-                optimizer_threads: int, shape: tuple[int, ...] | None = None) -> UnitSizeScores:
+def score_sizes(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, layouts: dict[int, StateLayout],
+                measurements: Measurements, k: int, budget: int, *, speculative: bool, clip_norm: bool,
+                device: DeviceSide) -> UnitSizeScores:
     """``settings``: the user's; ``fixed``: the settings in effect before the plan (:attr:`Planner.config`).
     Place each candidate within ``budget`` (one whose staging alone exceeds it is left out, by the
-    placement or the roofline's plan), measure the disks at their request sizes and the optimizer, and
-    score them (:func:`score_candidates`). ``shape``: the optimizer's rate measured on a parameter of
-    this shape (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.probe_shape`)."""
+    placement or the roofline's plan), and score them (:func:`score_candidates`) on ``measurements``:
+    the disks at the candidates' request sizes (where any moves bytes), the optimizer's rate."""
     placed: dict[int, Candidate] = {}
     for lpu, state in layouts.items():
         try:
@@ -97,14 +85,11 @@ def score_sizes(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, layouts: 
                                 state.num_slots, room, config)
     if not placed:
         return UnitSizeScores({}, {}, {})
-    sizes = probe_sizes([request for c in placed.values() for request in requests(c.costs, c.slots)])
-    dirs = [probe_directory(p, default_root) for p in (settings.offload.paths or [None])]
     moved = any(c.traffic.read_bytes + c.traffic.write_bytes for c in placed.values())  # (else nothing to measure)
-    bandwidth = interpolate(paths_bandwidth(dirs, sizes, settings.offload) if moved else {1: (math.inf, math.inf)})
-    params = sum(lay.trainable_numel for lay in layouts[min(layouts)].units)
-    rate = optimizer_rate(numel=probe_numel(params), optimizer=optimizer, threads=optimizer_threads, shape=shape)
-    scores = score_candidates(placed, bandwidth, rate, k)
-    return scores._replace(probed=", ".join(map(str, dirs)) if moved else "")
+    bandwidth = (measurements.disk(probe_sizes([r for c in placed.values() for r in requests(c.costs, c.slots)]))
+                 if moved else NOTHING_MOVES)
+    scores = score_candidates(placed, bandwidth, measurements.rates()[0], k)
+    return scores._replace(probed=measurements.where if moved else "")
 
 
 def score_candidates(placed: dict[int, Candidate], bandwidth: Bandwidth, rate: float, k: int) -> UnitSizeScores:
