@@ -5,6 +5,7 @@ is :mod:`lightning_greedysnake.planner`'s, which measures nothing and reads no s
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ def probe_cap_bytes(directory: Path) -> int:
 @dataclass
 class Measurements:
     """The run's measurements of its machine, each taken the first time a plan asks for it and kept:
-    :meth:`rates` (the user's optimizer, stepped as the lane steps it) and :meth:`disk` (the offload
+    :attr:`rates` (the user's optimizer, stepped as the lane steps it) and :meth:`disk` (the offload
     paths together, at the first plan's request sizes). Owned by the training thread; the plans that
     read it run on rank 0, whose decisions every rank takes."""
 
@@ -56,7 +57,6 @@ class Measurements:
     """The offload paths' filesystems (:func:`probe_directory`)."""
     io: OffloadConfig
     """The I/O settings the disks are measured at (threads, chunk size, O_DIRECT), as the tensor manager's."""
-    _rates: tuple[float, float | None] | None = field(default=None, init=False)
     _disk: dict[int, tuple[float, float]] | None = field(default=None, init=False)
 
     @property
@@ -67,14 +67,12 @@ class Measurements:
     def disk_measured(self) -> bool:
         return self._disk is not None
 
+    @functools.cached_property
     def rates(self) -> tuple[float, float | None]:
         """Elements per second of the optimizer on the lane's threads, and on the training thread's where
         the lane shares its cores (else None)."""
-        if self._rates is None:
-            lane = optimizer_rate(numel=self.numel, optimizer=self.optimizer, threads=self.threads, shape=self.shape)
-            inline = optimizer_rate(numel=self.numel, optimizer=self.optimizer, shape=self.shape) if self.shared else None
-            self._rates = (lane, inline)
-        return self._rates
+        lane = optimizer_rate(numel=self.numel, optimizer=self.optimizer, threads=self.threads, shape=self.shape)
+        return lane, optimizer_rate(numel=self.numel, optimizer=self.optimizer, shape=self.shape) if self.shared else None
 
     def disk(self, sizes: list[int]) -> Bandwidth:
         """The offload paths' (read, write) bytes/s by request size: measured at ``sizes`` (capped by

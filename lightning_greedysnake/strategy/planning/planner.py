@@ -278,7 +278,7 @@ class Planner:
         words the report says the disks in. Raises ``OSError`` where a disk cannot be measured."""
         measured = self.measurements
         assert measured is not None  # (made at setup)
-        lane, inline = measured.rates()
+        lane, inline = measured.rates
         if not manager.config.uses_ssd:
             return Machine(math.inf, math.inf, lane, inline, measured.shared), "no SSD tier"
         said = "setup's probe" if measured.disk_measured else "probed now"

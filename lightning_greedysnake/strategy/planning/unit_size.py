@@ -88,7 +88,7 @@ def score_sizes(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, layouts: 
     moved = any(c.traffic.read_bytes + c.traffic.write_bytes for c in placed.values())  # (else nothing to measure)
     bandwidth = (measurements.disk(probe_sizes([r for c in placed.values() for r in requests(c.costs, c.slots)]))
                  if moved else NOTHING_MOVES)
-    scores = score_candidates(placed, bandwidth, measurements.rates()[0], k)
+    scores = score_candidates(placed, bandwidth, measurements.rates[0], k)
     return scores._replace(probed=measurements.where if moved else "")
 
 
