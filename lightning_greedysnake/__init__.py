@@ -8,7 +8,7 @@ engine) and ``"greedysnake_cpu"`` (vertical, everything in host memory).
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, TensorKind, Tier
+from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, RunConfig, TensorKind, Tier
 from lightning_greedysnake.models import GPT, GPTConfig, LayerChain, LayeredModel
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.schedule import ScheduleKind, build_horizontal_plan, build_vertical_plan
@@ -30,6 +30,7 @@ __all__ = [
     "LayeredModel",
     "MicrobatchRNG",
     "OffloadConfig",
+    "RunConfig",
     "ScheduleKind",
     "TensorKind",
     "Tier",

@@ -468,19 +468,15 @@ class GreedySnakeConfig:
             mine.add("offload.buffer_budget_bytes")
         return frozenset(mine)
 
-    def resolved(self, placement: Mapping[TensorKind, Tier | Split] | None = None) -> GreedySnakeConfig:
-        """The settings in effect: unset kinds placed by ``placement`` (else their fixed default), unset
-        alpha, lag and recompute at their fixed defaults (the first steps'; the plan may change them).
-        Resolved settings resolve to themselves."""
-        if self.is_resolved:
+    def resolved(self, placement: Mapping[TensorKind, Tier | Split] | None = None) -> RunConfig:
+        """The run's configuration from these settings: unset kinds placed by ``placement`` (else their
+        fixed default), unset alpha, lag and recompute at their fixed defaults (the first steps'; the plan
+        may change them). A run's configuration resolves to itself."""
+        if isinstance(self, RunConfig):
             return self
-        values: dict[str, Any] = {name: v for name, v in FIXED_DEFAULTS.items() if getattr(self, name) is None}
-        return dataclasses.replace(self, offload=self.offload.placed(placement), **values)
-
-    @property
-    def is_resolved(self) -> bool:
-        """Every setting has its value in effect (the staging budget aside: None is the automatic one)."""
-        return not self.offload.unset() and all(getattr(self, name) is not None for name in FIXED_DEFAULTS)
+        values: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update({name: v for name, v in FIXED_DEFAULTS.items() if getattr(self, name) is None})
+        return RunConfig(**{**values, "offload": self.offload.placed(placement)})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", OffloadConfig.from_value(self.offload))
@@ -577,3 +573,19 @@ class GreedySnakeConfig:
         values.update(overrides)
         values["offload"] = OffloadConfig.from_value(offload)
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunConfig(GreedySnakeConfig):
+    """The configuration one run uses: the settings with every value in effect, none left to the planner
+    (the staging budget aside: its ``None`` is the automatic budget). Built by
+    :meth:`GreedySnakeConfig.resolved` (the planner's, and the strategy's before setup) and by the plans'
+    ``dataclasses.replace`` of one, each checked here; what runs (the engine, the tensor manager) takes
+    this type, never the user's settings."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unset = self.unset() - {"offload.buffer_budget_bytes"}
+        if unset:
+            raise ValueError(f"a run's configuration has every value in effect, not {sorted(unset)} unset: build it "
+                             "with GreedySnakeConfig.resolved()")

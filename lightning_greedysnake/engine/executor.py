@@ -28,7 +28,7 @@ from typing import Any, ContextManager
 import torch
 from torch import Tensor
 
-from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.config import RunConfig
 from lightning_greedysnake.models import LayerChain, Unit
 from lightning_greedysnake.offload import TensorStore
 from lightning_greedysnake.engine.buffers import BufferWriters
@@ -187,14 +187,14 @@ class WindowEngine:
         self,
         chain: LayerChain,
         units: list[Unit],
-        config: GreedySnakeConfig,
+        config: RunConfig,
         store: TensorStore,
         device: torch.device,
         forward_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
         timer: ComputeTimer | None = None,
         rng: TrainingRng | None = None,
     ) -> None:
-        """``config``: resolved (every setting in effect: :meth:`GreedySnakeConfig.resolved`).
+        """``config``: the run's (:meth:`GreedySnakeConfig.resolved`: every setting in effect).
         ``forward_context``: entered around every forward the engine runs itself (the precision plugin's
         autocast), as Lightning enters it around ``training_step``. ``timer``: times every forward and
         backward op the engine runs, where the compute runs (the plan's compute times, telemetry).
@@ -217,11 +217,11 @@ class WindowEngine:
         """Per unit, the bytes its autograd graph holds for one micro-batch (measured at the first
         recompute of each unit): what keeping the graphs instead would cost."""
 
-    def replan(self, config: GreedySnakeConfig) -> None:
+    def replan(self, config: RunConfig) -> None:
         """Run with ``config`` (resolved: the warm-step plan's) from the next window on."""
         assert self._window is None, "replan inside a window"
-        if not config.is_resolved:
-            raise ValueError(f"the engine needs settings with every value in effect (GreedySnakeConfig.resolved), not {config}")
+        if not isinstance(config, RunConfig):
+            raise TypeError(f"the engine runs a run's configuration (GreedySnakeConfig.resolved()), not {config}")
         self.config = config
 
     # -- window lifecycle ---------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, Tier
+from lightning_greedysnake.config import GreedySnakeConfig, OffloadConfig, RunConfig, Tier
 from lightning_greedysnake.distributed import ShardedStateView
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.offload import TensorStore
@@ -139,7 +139,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
 
     # -- what the strategy exposes ------------------------------------------------------------------
     @property
-    def config(self) -> GreedySnakeConfig:
+    def config(self) -> RunConfig:
         """The settings in effect: the run's one resolved configuration, which its engine and tensor
         manager were built from (the warm-step plan's after it ran); before setup, the settings with
         every unset one at its fixed default."""

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, TensorKind
+from lightning_greedysnake.config import REGION_KINDS, RunConfig, TensorKind
 from lightning_greedysnake.layout import StateLayout, empty_shares
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
 from lightning_greedysnake.offload.device import device_copies_for
@@ -80,7 +80,7 @@ def materialize(manager: TieredTensorStore, layered: nn.Module, units: list[Unit
     manager.initialize_unit_by_unit(init)
 
 
-def check_device(config: GreedySnakeConfig, device: torch.device, distributed: bool) -> None:
+def check_device(config: RunConfig, device: torch.device, distributed: bool) -> None:
     """Refuse, before any work, what the device tier does not do yet."""
     if device.type not in ("cpu", "cuda"):
         raise ValueError(
@@ -121,7 +121,7 @@ def new_tensor_manager(ctx: SetupContext, planned: SetupPlan, module: nn.Module,
     return manager
 
 
-def warn_empty_shares(state: StateLayout, config: GreedySnakeConfig) -> None:
+def warn_empty_shares(state: StateLayout, config: RunConfig) -> None:
     """Say where a split placement's share gets no unit (units are placed whole, and a unit larger than the
     share goes to the next tier): the user asked for bytes there and gets none."""
     for kind in REGION_KINDS:
@@ -135,7 +135,7 @@ def warn_empty_shares(state: StateLayout, config: GreedySnakeConfig) -> None:
                 "it: with auto=True the unit size is chosen by measuring the disk).")
 
 
-def deferred_gradients_only(ctx: SetupContext, config: GreedySnakeConfig, clip: ClipPolicy) -> float | None:
+def deferred_gradients_only(ctx: SetupContext, config: RunConfig, clip: ClipPolicy) -> float | None:
     """The largest alpha of the run where only deferred parts of gradients wait on their tier: the vertical
     order completes each unit's gradient before releasing the unit, and without clipping by the global norm
     its step takes it at once (the user's alpha, or the largest the warm-step plan may choose); None where

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.config import GreedySnakeConfig, RunConfig
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.engine.timing import ComputeTimer, compute_timer_for
 from lightning_greedysnake.models import (
@@ -62,7 +62,7 @@ class ModelCut:
     """The layered model found in the LightningModule and cut into units, with the settings in effect
     before the tensor manager's plan (the device plan's: every kind on the GPU where it all fits)."""
 
-    config: GreedySnakeConfig
+    config: RunConfig
     layered: nn.Module
     path: str
     name: str
@@ -73,7 +73,7 @@ class ModelCut:
     """The layered model was built on the meta device: the tensor manager materializes it."""
 
 
-def cut_model(ctx: SetupContext, config: GreedySnakeConfig, module: nn.Module) -> ModelCut:
+def cut_model(ctx: SetupContext, config: RunConfig, module: nn.Module) -> ModelCut:
     """Find the layered model and cut it into units of ``config``'s size (the device plan's settings,
     :attr:`Planner.config`; the unit plan may choose another size at :func:`open_run`); refuse what
     cannot train, before any work."""
@@ -126,7 +126,7 @@ class Run:
     def tensor_manager(self) -> TieredTensorStore | None:
         return self.store if isinstance(self.store, TieredTensorStore) else None
 
-    def apply(self, config: GreedySnakeConfig) -> None:
+    def apply(self, config: RunConfig) -> None:
         """The warm-step plan's settings, from the next window on (between windows): every part of the run
         takes them from this one object, the tensor manager (alpha, lag, the staging budget), the engine
         (recompute) and :attr:`config`."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_greedysnake.config import GreedySnakeConfig
+from lightning_greedysnake.config import GreedySnakeConfig, RunConfig
 from lightning_greedysnake.models import Unit
 from lightning_greedysnake.offload.activations import ActivationTierPlan
 from lightning_greedysnake.offload.device import DeviceCopies
@@ -88,7 +88,7 @@ class SetupPlan:
     the planned size, and the saved activations' tier plan for the tensor manager (their share of the
     host budget and the report; None: ``offload.activations`` given, or ``auto=False``)."""
 
-    config: GreedySnakeConfig
+    config: RunConfig
     placement: PlacementPlan | None
     units: list[Unit]
     activations: ActivationTierPlan | None

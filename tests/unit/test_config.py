@@ -21,6 +21,32 @@ def test_defaults():
                                           "buffer_budget_bytes": 1 << 20}).unset()
 
 
+def test_the_run_configuration_is_its_own_type_with_every_value_in_effect():
+    """The user's settings may leave values to the planner; what a run uses is a :class:`RunConfig`, which
+    only ``resolved()`` (and a replace of one) builds, checked complete; the engine takes no other."""
+    import dataclasses
+
+    import torch
+
+    from lightning_greedysnake.config import RunConfig
+    from lightning_greedysnake.engine import WindowEngine
+    from lightning_greedysnake.models import GPT, make_units
+    from lightning_greedysnake.offload import InMemoryTensorStore
+
+    settings = GreedySnakeConfig(alpha=0.5)
+    run = settings.resolved()
+    assert type(settings) is GreedySnakeConfig and type(run) is RunConfig and run.resolved() is run
+    assert type(dataclasses.replace(run, lag=0)) is RunConfig and run.alpha == 0.5
+    for unset in ({"alpha": None}, {"offload": dataclasses.replace(run.offload, weights=None)}):
+        with pytest.raises(ValueError, match="every value in effect"):
+            dataclasses.replace(run, **unset)
+    with pytest.raises(ValueError, match=r"'alpha'.*resolved\(\)"):
+        RunConfig()
+    chain = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=1, n_embd=8)).layer_chain()
+    with pytest.raises(TypeError, match="run's configuration"):
+        WindowEngine(chain, make_units(chain, 1), settings, InMemoryTensorStore(), torch.device("cpu"))
+
+
 def test_strings_become_enums():
     assert GreedySnakeConfig(schedule="horizontal").schedule is ScheduleKind.HORIZONTAL
 

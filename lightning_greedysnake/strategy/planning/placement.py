@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from lightning_greedysnake.config import (
     REGION_KINDS,
     GreedySnakeConfig,
+    RunConfig,
     OffloadConfig,
     Split,
     TensorKind,
@@ -153,7 +154,7 @@ def as_placement(sizes: list[int], host_units: int, device_units: int = 0) -> Ti
     return placement
 
 
-def place_kinds(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, state: StateLayout, k: int, budget: int, *,
+def place_kinds(settings: GreedySnakeConfig, fixed: RunConfig, state: StateLayout, k: int, budget: int, *,
                 speculative: bool, clip_norm: bool, device: DeviceSide) -> tuple[int, PlacementPlan]:
     """The first window's lag and the placement plan of the kinds ``settings`` (the user's) leave unset
     (``auto=True`` with at least one), within ``budget``; ``fixed``: the settings in effect before this
@@ -188,8 +189,8 @@ def place_kinds(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, state: St
                                given_device=given_device)
 
 
-def placed_config(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, state: StateLayout, lag: int,
-                  plan: PlacementPlan) -> GreedySnakeConfig:
+def placed_config(settings: GreedySnakeConfig, fixed: RunConfig, state: StateLayout, lag: int,
+                  plan: PlacementPlan) -> RunConfig:
     """``fixed`` (the settings in effect before this plan) with ``plan``'s placement of the kinds
     ``settings`` (the user's) leave unset, and the first window's ``lag``."""
     placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units,
@@ -198,7 +199,7 @@ def placed_config(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, state: 
     return dataclasses.replace(fixed, offload=settings.offload.placed(placement), lag=lag)
 
 
-def empty_path_note(settings: GreedySnakeConfig, config: GreedySnakeConfig, plan: PlacementPlan | None) -> str:
+def empty_path_note(settings: GreedySnakeConfig, config: RunConfig, plan: PlacementPlan | None) -> str:
     """What the start-of-run report says under an offload path that holds none of the run's state (one
     given in ``offload.path``, checked all the same): why nothing went there, and how to put state there.
     ``settings``: what the user set; ``config``: the settings in effect (after the device plan and the

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, Split, Tier
+from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, RunConfig, Split, Tier
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.activations import ActivationTierPlan
 from lightning_greedysnake.offload.staging import staging_budget_of
@@ -142,7 +142,7 @@ class Planner:
         if planned.schedule_note is not None:
             self.ctx.report(planned.schedule_note)
 
-    def scheduled(self, config: GreedySnakeConfig) -> tuple[GreedySnakeConfig, str | None]:
+    def scheduled(self, config: RunConfig) -> tuple[RunConfig, str | None]:
         """``config`` (placed) with the run's schedule, and why where it was planned horizontal (said by
         :meth:`report_setup`): the user's; unset with ``auto=True``, horizontal where
         the model computes on the host (no device tier) and every kind is wholly in host memory (nothing moves
@@ -208,7 +208,7 @@ class Planner:
         return True
 
     def plan_warm_step(self, manager: TieredTensorStore, activation_bytes: dict[int, int],
-                       config: GreedySnakeConfig) -> GreedySnakeConfig:
+                       config: RunConfig) -> RunConfig:
         """Measure, plan the unset ones of :data:`FIRST_STEP_SETTINGS` (every rank runs rank 0's choice);
         returns the config in effect from the next window on, with the staging budget chosen (``config``
         itself where nothing was planned), which :meth:`Run.apply` gives every part of the run."""
@@ -271,7 +271,7 @@ class Planner:
         return config
 
     def measured_machine(self, manager: TieredTensorStore, costs: list[UnitCost],
-                         config: GreedySnakeConfig) -> tuple[Machine, str]:
+                         config: RunConfig) -> tuple[Machine, str]:
         """The machine the warm step's units see, from the run's measurements (setup's, where its plan took
         them; else taken now) by setup's model (:func:`~lightning_greedysnake.planner.unit_size.machine_at`:
         the disks at these units' request sizes, weighted by the bytes each kind moves a step), with the
@@ -290,7 +290,7 @@ class Planner:
         return machine, f"disk ({measured.where}): {machine.disk}, {said}"
 
     def measured_step(self, costs: list[UnitCost], machine: Machine, budget: int, unit_input_bytes: int,
-                      warm: GreedySnakeConfig, options: dict[str, Any], choice: Choice) -> str:
+                      warm: RunConfig, options: dict[str, Any], choice: Choice) -> str:
         """The warm step's measured wall time, for the report beside the plan's predicted step; where the
         warm step ran with other settings than the plan's, the roofline's prediction for those too (the one
         to compare it with)."""

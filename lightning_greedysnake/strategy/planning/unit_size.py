@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig
+from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, RunConfig
 from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.optim.contract import OptimizerContract
@@ -47,7 +47,7 @@ class Candidate:
     """The state's slots (requests per region: :func:`requests`)."""
     room: int
     """Host bytes left for staging once the placement's RAM regions are counted."""
-    config: GreedySnakeConfig
+    config: RunConfig
     """Its settings (the first steps')."""
 
 class UnitSizeScores(NamedTuple):
@@ -60,7 +60,7 @@ class UnitSizeScores(NamedTuple):
     """Where the disk was probed (the offload paths' filesystems); empty: not probed, nothing moves."""
 
 
-def score_sizes(settings: GreedySnakeConfig, fixed: GreedySnakeConfig, layouts: dict[int, StateLayout],
+def score_sizes(settings: GreedySnakeConfig, fixed: RunConfig, layouts: dict[int, StateLayout],
                 measurements: Measurements, k: int, budget: int, *, speculative: bool, clip_norm: bool,
                 device: DeviceSide) -> UnitSizeScores:
     """``settings``: the user's; ``fixed``: the settings in effect before the plan (:attr:`Planner.config`).
