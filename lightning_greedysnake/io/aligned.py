@@ -1,7 +1,10 @@
 """Page-aligned host buffers, as O_DIRECT requires.
 
 ``torch.empty`` gives no alignment guarantee; an anonymous ``mmap`` is page-aligned by construction and
-``torch.frombuffer`` views it without a copy.
+``torch.frombuffer`` views it without a copy. Buffers of :data:`HUGE_PAGE_BYTES` or more ask the kernel
+for transparent huge pages (``MADV_HUGEPAGE``; honoured where THP is ``always`` or ``madvise``): each
+O_DIRECT request then pins and maps 2 MiB pages instead of 4 KiB ones, and the first touch faults 512x
+less often.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import torch
 
 ALIGN_BYTES = 4096
 """Alignment of offsets, lengths and buffer addresses for O_DIRECT (covers 512 B and 4 KiB sectors)."""
+
+
+HUGE_PAGE_BYTES = 2 << 20
+"""The transparent huge page size (x86-64, arm64 with 4 KiB base pages)."""
 
 
 def align_up(nbytes: int, alignment: int = ALIGN_BYTES) -> int:
@@ -31,6 +38,8 @@ class AlignedBuffer:
             raise ValueError(f"buffer size must be positive, got {nbytes}")
         self.nbytes = align_up(nbytes)
         self._mmap: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if self.nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):  # (before the first touch)
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self.tensor: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._unpin: Callable[[int], None] | None = None
 

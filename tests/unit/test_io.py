@@ -39,6 +39,30 @@ def test_buffers_are_page_aligned():
         assert int(buf.tensor.sum()) == 0
 
 
+def vm_flags(address: int) -> list[str]:
+    """The kernel's flags of the mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc/self/smaps")
+def test_large_buffers_ask_for_transparent_huge_pages():
+    """A buffer of a huge page or more is advised MADV_HUGEPAGE (the mapping's ``hg`` flag), so that
+    O_DIRECT pins and maps 2 MiB pages (the kernel grants them where THP is ``always`` or ``madvise``);
+    a small one is left to the kernel's default."""
+    with AlignedBuffer(4 * MiB) as large, AlignedBuffer(64 << 10) as small:
+        assert "hg" in vm_flags(large.tensor.data_ptr())
+        assert "hg" not in vm_flags(small.tensor.data_ptr())
+
+
 def test_round_trip_in_chunks_with_o_direct(tmp_path):
     fds_before = open_fds()
     payload = torch.randint(0, 256, (5 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
