@@ -295,6 +295,14 @@ SECTIONS: tuple[Section, ...] = (
                                              "three rounds alternating on a noisy disk."),
          Result("compare_issue56_s20_seq32_rerun", "The same, run again at once, on a machine noisier still "
                                                    "(compare the two runs' `gs_default` rows)."),
+         Result("compare_issue54_thp_seq128", "Issue 54: host buffers of 2 MiB or more advised transparent huge "
+                                              "pages (b3771a5) against the tree before (078409b), bf16-mixed, "
+                                              "sequence 128, K=8, three rounds alternating: `read_GBps_busy` and "
+                                              "`write_GBps_busy` are the disk's bandwidth while busy (each O_DIRECT "
+                                              "request pins and maps 2 MiB pages instead of 4 KiB ones); "
+                                              "`vs_same_in_ram` the step against the same fixed settings in RAM."),
+         Result("compare_issue54_thp_seq32", "The same at sequence 32 (the disk binds), with `gs_default`, the "
+                                             "compute term of `vs_limit`."),
          Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
                                                  "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
                                                  "Muon) against the element-wise path (`gs_vertical`), every kind "
