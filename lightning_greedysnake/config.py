@@ -588,4 +588,4 @@ class RunConfig(GreedySnakeConfig):
         unset = self.unset() - {"offload.buffer_budget_bytes"}
         if unset:
             raise ValueError(f"a run's configuration has every value in effect, not {sorted(unset)} unset: build it "
-                             "with GreedySnakeConfig.resolved()")
+                             "with GreedySnakeConfig.resolved")

@@ -221,7 +221,7 @@ class WindowEngine:
         """Run with ``config`` (resolved: the warm-step plan's) from the next window on."""
         assert self._window is None, "replan inside a window"
         if not isinstance(config, RunConfig):
-            raise TypeError(f"the engine runs a run's configuration (GreedySnakeConfig.resolved()), not {config}")
+            raise TypeError(f"the engine runs a run's configuration (built by GreedySnakeConfig.resolved), not {config}")
         self.config = config
 
     # -- window lifecycle ---------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def test_the_run_configuration_is_its_own_type_with_every_value_in_effect():
     for unset in ({"alpha": None}, {"offload": dataclasses.replace(run.offload, weights=None)}):
         with pytest.raises(ValueError, match="every value in effect"):
             dataclasses.replace(run, **unset)
-    with pytest.raises(ValueError, match=r"'alpha'.*resolved\(\)"):
+    with pytest.raises(ValueError, match=r"'alpha'.*GreedySnakeConfig\.resolved"):
         RunConfig()
     chain = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=1, n_embd=8)).layer_chain()
     with pytest.raises(TypeError, match="run's configuration"):
