@@ -47,9 +47,9 @@ FRAGMENTED_WAIT_S = 1.0
 releases (transfers or the optimizer lane in flight) before the arena registers another segment."""
 
 FRAGMENTED_POLL_S = 0.05
-"""How often such a waiting request asks again whether anything will be released: the other thread may
-have blocked on the asker since (the training thread waiting on the optimizer lane whose job asks), and
-nothing would wake the request to see it."""
+"""How often a waiting request (fragmented, or a full budget) asks again whether anything will be
+released: the other thread may have blocked on the asker since (the training thread waiting on the
+optimizer lane whose job asks), and nothing would wake the request to see it."""
 
 
 class BufferBudgetError(ValueError):
@@ -210,7 +210,7 @@ class BufferPool:
                 f"{what} needs {nbytes} bytes but offload.buffer_budget_bytes={self.budget_bytes}. Fix: raise "
                 "offload.buffer_budget_bytes (or leave it None for automatic), or lower layers_per_unit."
             )
-        fragmented_s = 0.0
+        fragmented_s = full_s = 0.0
         deadline = time.monotonic() + returning_wait_s
         with self._cond:
             assert not self._closed, "buffer pool is closed"
@@ -266,14 +266,20 @@ class BufferPool:
                     # nothing in flight will ever give memory back: waiting would hang
                     raise BufferBudgetError(
                         f"{what} needs {nbytes} bytes of staging memory but {self.in_use_bytes} of "
-                        f"offload.buffer_budget_bytes={self.budget_bytes} are held by work in progress. Fix: "
-                        "raise offload.buffer_budget_bytes (or leave it None for automatic)."
+                        f"offload.buffer_budget_bytes={self.budget_bytes} are held by work in progress"
+                        f"{self._holders()}. Fix: raise offload.buffer_budget_bytes (or leave it None for automatic)."
                     )
-                if not self._cond.wait(self.wait_timeout_s):
+                # waits in short slices, asking again each time: the other thread may block on this
+                # one meanwhile (the training thread waiting on the lane whose job asks), and nothing
+                # would wake this wait to see that the room will never come
+                t0 = time.monotonic()
+                self._cond.wait(FRAGMENTED_POLL_S)
+                full_s += time.monotonic() - t0
+                if full_s >= self.wait_timeout_s:
                     raise BufferBudgetError(
                         f"waited {self.wait_timeout_s:.0f} s for {nbytes} bytes of staging memory ({what}); "
-                        f"{self.in_use_bytes} of offload.buffer_budget_bytes={self.budget_bytes} stay in use. "
-                        "Fix: raise offload.buffer_budget_bytes."
+                        f"{self.in_use_bytes} of offload.buffer_budget_bytes={self.budget_bytes} stay in use"
+                        f"{self._holders()}. Fix: raise offload.buffer_budget_bytes."
                     )
             self._in_use[id(buf)] = buf
             if self.debug:
@@ -334,6 +340,13 @@ class BufferPool:
                 f"{self._last_owner_of(buf)!r}, now acquired for {what!r}. A transfer or a thread "
                 "still used it after it was given back."
             )
+
+    def _holders(self) -> str:
+        """Debug mode: who holds the buffers in use, for an error (call with the lock held)."""
+        if not self.debug:
+            return ""
+        held = ", ".join(f"{self._owner.get(key, '?')} ({buf.nbytes})" for key, buf in self._in_use.items())
+        return f" ({held})"
 
     def _last_owner_of(self, buf: AlignedBuffer) -> str:
         if isinstance(buf, CarvedBuffer):  # (the last owner of the range that started where it starts)

@@ -231,6 +231,29 @@ def test_an_optimizer_job_does_not_wait_for_buffers_the_training_thread_holds_wh
     pool.close()
 
 
+def test_an_optimizer_job_waiting_for_a_full_budget_fails_fast_once_the_training_thread_blocks_on_it():
+    """The lane's job waits for room the training thread will give back; then the training thread blocks
+    on the lane (submit at the lag bound), still holding it: nothing can ever release it. The waiting job
+    sees that (it asks again while it waits) and fails naming the holders, not after the pool's long
+    timeout with another message."""
+    from lightning_greedysnake.optim.lane import OptimizerLaneError, StepLane
+
+    lane = StepLane(lag=1)
+    pool = BufferPool(2 * 4096, wait_timeout_s=60.0, debug=True, others_active=lane.others_will_release)
+    held = pool.acquire(2 * 4096, what="unit 0 gradients")
+    try:
+        lane.submit(lambda: pool.acquire(4096, what="unit 1 optimizer_states"), heavy=True)
+        time.sleep(0.2)  # (the job waits: the training thread is not blocked on it yet)
+        with pytest.raises(OptimizerLaneError, match=r"unit 1 optimizer_states.*held by work in progress "
+                                                     r"\(unit 0 gradients \(8192\)\)"):
+            lane.submit(lambda: None, heavy=True)  # blocks here, holding the buffer, until the job ends
+            lane.drain()
+    finally:
+        lane.close()
+    pool.release(held)
+    pool.close()
+
+
 # -- the staging budget: work ahead of need takes only the slack over the minimum ---------------------------
 def _budget_with_slack(slack_bytes: int):
     from lightning_greedysnake.config import OffloadConfig
