@@ -396,11 +396,13 @@ class TieredTensorStore:
         return self.stepper.read_ahead(unit, lambda: self._unit_need_bytes(unit), last)
 
     def _unit_need_bytes(self, unit: int) -> int:
-        """Pool bytes the training thread may still take for ``unit``'s backward: its weights if neither
-        held nor prefetched, its gradient accumulator if not started."""
-        need = 0 if self.weights.is_staged(unit) else self.arena.regions.ssd_region_bytes(TensorKind.WEIGHTS, unit)
-        if not self.grads.in_memory(unit):
-            need += self.arena.regions.ssd_region_bytes(TensorKind.GRADIENTS, unit)
+        """Pool bytes the training thread may still take for ``unit``'s backward and step: its weights if
+        neither held nor prefetched, its gradient's host buffer if not yet in one (not started; or, on a
+        device tier, accumulating in device memory: the step's host copy is staged when it is taken)."""
+        regions = self.arena.regions
+        need = 0 if self.weights.is_staged(unit) else regions.ssd_region_bytes(TensorKind.WEIGHTS, unit)
+        if not self.grads.on_host(unit):
+            need += regions.staged_region_bytes(TensorKind.GRADIENTS, unit)
         return need
 
     def save_activation(self, unit: int, microbatch: int, hidden: Tensor) -> None:

@@ -169,6 +169,11 @@ class GradientAccumulator:
     def in_memory(self, u: int) -> bool:
         return u in self._grads or u in self._on_device
 
+    def on_host(self, u: int) -> bool:
+        """Whether unit ``u``'s accumulator is in a host buffer now (on a device tier never: :meth:`take`
+        stages one for the step)."""
+        return u in self._grads
+
     def spill(self, u: int) -> None:
         """Send unit ``u``'s accumulator to its tier (the buffer comes back once written)."""
         held = self.take(u, reduce=False)  # (a partial sum: reduced only once complete)

@@ -606,6 +606,40 @@ def test_spare_budget_reads_every_coming_step_ahead_in_order():
         assert torch.equal(a, b), n
 
 
+def test_the_windows_last_read_ahead_at_the_minimum_budget_leaves_room_for_its_units_gradient(monkeypatch):
+    """On a device tier a unit's gradient accumulates in device memory and the step's host copy is staged
+    only when the step takes it: the window's last read-ahead, which may use what the minimum reserves
+    for work still to come, must count that copy as still to come. Here the lane is slow on the step
+    before it (a gradient hook sleeps), so the read-ahead is asked while unit 0's gradient accumulates
+    on the device and that step has not staged yet: counted as held, the read-ahead took the room the
+    step needed and the run failed (seen flaky in CI under contention; every time this way)."""
+    monkeypatch.setenv(SIMULATE_ENV, "1")
+    seen: dict[str, int] = {}
+
+    class Probe(L.Callback):
+        def __init__(self, slow: bool) -> None:
+            self.slow = slow
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            strategy = trainer.strategy
+            manager = strategy.tensor_manager
+            seen["min"] = manager.arena.budget.minimum_bytes
+            first = manager.layouts[1].params[0].name
+
+            def hook(name: str, grad: torch.Tensor) -> None:  # on the lane, before the step stages
+                if self.slow and name == first:
+                    threading.Event().wait(0.5)
+
+            strategy.register_gradient_hook(hook)
+
+    _, roomy = _fit(GreedySnakeStrategy(auto=False), 2, n_layer=4, callbacks=[Probe(slow=False)],
+                    precision="bf16-mixed")
+    _, tight = _fit(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": seen["min"]}), 2,
+                    n_layer=4, callbacks=[Probe(slow=True)], precision="bf16-mixed")
+    for (n, a), (_, b) in zip(roomy.named_parameters(), tight.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_spare_budget_reads_the_windows_last_step_ahead_and_keeps_its_weights_exactly(precision):
     """The window's last step (unit 0's) is what the next forward waits for. With room in the budget its
