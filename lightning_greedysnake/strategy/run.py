@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import GreedySnakeConfig, RunConfig
+from lightning_greedysnake.config import RunConfig
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.engine.timing import ComputeTimer, compute_timer_for
 from lightning_greedysnake.models import (

@@ -15,6 +15,7 @@ from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.models import find_layered_model
 from lightning_greedysnake.optim.contract import optimizer_contract
 from lightning_greedysnake.planner import measure
+from lightning_greedysnake.planner.unit_size import CANDIDATES
 from lightning_greedysnake.strategy.planning import unit_size
 from lightning_greedysnake.strategy.planning.placement import staging_estimate
 from tests.helpers import TinyGPTModule, bf16_policy_run, make_trainer, max_abs_diff, token_loader
@@ -99,7 +100,8 @@ def test_sizes_whose_staging_exceeds_the_budget_are_not_candidates(monkeypatch, 
     _, _, chain = find_layered_model(module, None)
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    layouts = unit_size.candidate_layouts(settings, chain, optimizer, optimizer_contract(optimizer), torch.float32, None)
+    layouts = unit_size.candidate_layouts(settings, chain, optimizer, optimizer_contract(optimizer), torch.float32, None,
+                                          [1, 2])
     staging = {lpu: staging_estimate(state, settings.resolved().offload, 2) for lpu, state in layouts.items()}
     budget = (staging[1] + staging[2]) // 2  # one block per unit fits (at the fixed lag, 2), two do not
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=budget, offload=ON_SSD)
@@ -107,3 +109,26 @@ def test_sizes_whose_staging_exceeds_the_budget_are_not_candidates(monkeypatch, 
         fit(strategy)
     rows = [int(line.split()[0]) for line in caplog.text.splitlines() if line[:1].isdigit() and "." in line]
     assert rows == [1] and strategy.config.layers_per_unit == 1
+
+
+def test_setup_places_each_candidate_size_once_and_runs_the_chosen_ones_placement(monkeypatch, caplog):
+    """One pass: each unit size is placed once within the host budget and scored, and setup runs the chosen
+    size's placement as scored (it placed the chosen size a second time before)."""
+    from lightning_greedysnake.strategy.planning import placement
+
+    calls: list[int] = []
+    real = placement.plan_placement
+
+    def counted(costs: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(costs))  # (units of the size placed)
+        return real(costs, *args, **kwargs)
+
+    monkeypatch.setattr(placement, "plan_placement", counted)
+    monkeypatch.setattr(measure, "request_bandwidth", slow_requests)
+    strategy = GreedySnakeStrategy()  # every kind's placement planned
+    with caplog.at_level("INFO"):
+        _, seen = fit(strategy)
+    lpu = strategy.config.layers_per_unit
+    assert sorted(calls) == sorted(-(-BLOCKS // size) for size in CANDIDATES), calls
+    assert "greedysnake unit size" in caplog.text and chosen_row(caplog.text) == lpu
+    assert len(seen.tiers["weights"]) == -(-BLOCKS // lpu)

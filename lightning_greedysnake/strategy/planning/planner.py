@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import REGION_KINDS, GreedySnakeConfig, RunConfig, Split, Tier
+from lightning_greedysnake.config import REGION_KINDS, RunConfig, Split, Tier
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.activations import ActivationTierPlan
 from lightning_greedysnake.offload.staging import staging_budget_of
@@ -34,16 +34,16 @@ from lightning_greedysnake.planner.unit_size import (
 from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
 from lightning_greedysnake.strategy.planning.measurements import Measurements, probe_directory
-from lightning_greedysnake.strategy.planning.placement import (
-    ACTIVATION_SHARE,
-    host_budget_bytes,
-    place_kinds,
-    placed_config,
+from lightning_greedysnake.strategy.planning.placement import ACTIVATION_SHARE, host_budget_bytes
+from lightning_greedysnake.strategy.planning.unit_size import (
+    Candidate,
+    candidate_layouts,
+    place_candidates,
+    score_sizes,
 )
-from lightning_greedysnake.strategy.planning.unit_size import candidate_layouts, score_sizes
 from lightning_greedysnake.strategy.report import TERMS
 from lightning_greedysnake.strategy.setup_context import SetupContext, SetupPlan
-from lightning_greedysnake.tensor_manager import TieredTensorStore, state_layout
+from lightning_greedysnake.tensor_manager import TieredTensorStore
 
 FIRST_STEP_SETTINGS = frozenset({"alpha", "lag", "recompute", "offload.buffer_budget_bytes"})
 """What the warm-step plan chooses when the user left it unset."""
@@ -100,11 +100,12 @@ class Planner:
     # -- at setup -------------------------------------------------------------------------------------
     def plan_setup(self, chain: LayerChain, optimizer: Any, contract: OptimizerContract, dtype: torch.dtype,
                    shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool) -> SetupPlan:
-        """``layers_per_unit``, then the placement of the unset kinds for units of that size (every rank
-        applies rank 0's; :meth:`report_setup` prints it as a table once the tensor manager is laid out), and
-        the saved activations' share. ``speculative``: fp16's two slots
-        of the kinds a step rewrites; ``contract``: how ``optimizer`` is stepped (its state slots, its
-        layout's cuts)."""
+        """``layers_per_unit`` and the placement of the unset kinds for units of that size: each candidate
+        size placed once (the user's or ``auto=False``'s size the only one), rank 0's choice among them
+        (:meth:`unit_size`) run by every rank with its placement (:meth:`report_setup` prints it as a
+        table once the tensor manager is laid out); and the saved activations' share. ``speculative``:
+        fp16's two slots of the kinds a step rewrites; ``contract``: how ``optimizer`` is stepped (its
+        state slots, its layout's cuts)."""
         ctx, settings, budget = self.ctx, self.ctx.settings, self.host_budget_bytes
         # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
         # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
@@ -116,21 +117,21 @@ class Planner:
             [probe_directory(p, ctx.default_root) for p in (settings.offload.paths or [None])], settings.offload)
         device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
                                           if planned_weights else None))
-        lpu = self.unit_size(chain, optimizer, contract, dtype, shard, speculative=speculative,
-                             clip_norm=clip_norm, device=device)
-        units = make_units(chain, lpu)
-        fixed = dataclasses.replace(self.config, layers_per_unit=lpu)
+        sizes = ([c for c in CANDIDATES if c <= max(1, len(chain.blocks))]
+                 if settings.auto and settings.layers_per_unit is None else [self.config.layers_per_unit])
+        placed = place_candidates(settings, self.config,
+                                  candidate_layouts(settings, chain, optimizer, contract, dtype, shard, sizes),
+                                  ctx.accumulate, budget, speculative=speculative, clip_norm=clip_norm, device=device)
+        lpu = self.unit_size(placed) if len(sizes) > 1 else sizes[0]
+        chosen = placed[lpu]
+        if isinstance(chosen, ValueError):
+            raise chosen
+        # every rank runs rank 0's (the same: the same budget and sizes)
+        config, placement = ctx.broadcast((chosen.config, chosen.placement))
         activations = (ActivationTierPlan(budget // ACTIVATION_SHARE, ctx.report)
                        if settings.auto and settings.offload.activations is None else None)
-        if not settings.auto or not settings.offload.unset() & set(REGION_KINDS):
-            config, note = self.scheduled(fixed)
-            return SetupPlan(config, None, units, activations, note)
-        state = state_layout(units, {}, optimizer, settings.offload.placed(), dtype, shard, contract)
-        lag, placement = place_kinds(settings, fixed, state, ctx.accumulate, budget, speculative=speculative,
-                                     clip_norm=clip_norm, device=device)
-        placement = ctx.broadcast(placement)  # every rank runs rank 0's (the same: the same budget and sizes)
-        config, note = self.scheduled(placed_config(settings, fixed, state, lag, placement))
-        return SetupPlan(config, placement, units, activations, note)
+        config, note = self.scheduled(config)
+        return SetupPlan(config, placement, make_units(chain, lpu), activations, note)
 
     def report_setup(self, planned: SetupPlan, notes: dict[str, str]) -> None:
         """Say the setup plan once the tensor manager is laid out: the placement table (``notes``: the kinds
@@ -160,23 +161,17 @@ class Planner:
                 "micro-batch and one micro-batch's activations are held at a time, as in Lightning; set "
                 "schedule=vertical to fix it)")
 
-    def unit_size(self, chain: LayerChain, optimizer: Any, contract: OptimizerContract, dtype: torch.dtype,
-                  shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool, device: DeviceSide) -> int:
-        """``layers_per_unit`` for this run: the user's, 1 with ``auto=False``, else rank 0's choice
-        (:mod:`~lightning_greedysnake.planner.unit_size`) among the candidates whose staging fits the host
-        budget; where none can be measured, 1 (and the report says why)."""
-        ctx, settings = self.ctx, self.ctx.settings
-        if settings.layers_per_unit is not None or not settings.auto:
-            return self.config.layers_per_unit
-        if len(chain.blocks) < CANDIDATES[1]:  # (one candidate: nothing to measure)
-            return 1
+    def unit_size(self, placed: dict[int, Candidate | ValueError]) -> int:
+        """``layers_per_unit`` for this run (``auto=True`` and unset): rank 0's choice
+        (:mod:`~lightning_greedysnake.planner.unit_size`) among the ``placed`` candidates whose staging fits
+        the host budget; where none can be measured, 1 (and the report says why)."""
+        ctx = self.ctx
         result: int | str = 1
         assert self.measurements is not None
         if ctx.is_global_zero:
             try:
-                scores = score_sizes(settings, self.config, candidate_layouts(settings, chain, optimizer, contract, dtype, shard),
-                                     self.measurements, ctx.accumulate, self.host_budget_bytes,
-                                     speculative=speculative, clip_norm=clip_norm, device=device)
+                scores = score_sizes({lpu: c for lpu, c in placed.items() if isinstance(c, Candidate)},
+                                     self.measurements, ctx.accumulate)
                 if scores.plans:
                     result = choose_unit_size(scores.plans)
                     ctx.report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up "

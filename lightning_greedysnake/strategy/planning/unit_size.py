@@ -4,6 +4,7 @@ offload disks at the candidates' request sizes, the optimizer's rate: :class:`Me
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -14,9 +15,10 @@ from lightning_greedysnake.layout import StateLayout
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner.measure import probe_sizes
+from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.plan import Choice
 from lightning_greedysnake.planner.roofline import Machine, Traffic, UnitCost, traffic
-from lightning_greedysnake.planner.unit_size import CANDIDATES, Bandwidth, machine_at, plans_by_size, requests
+from lightning_greedysnake.planner.unit_size import Bandwidth, machine_at, plans_by_size, requests
 from lightning_greedysnake.strategy.planning.device import DeviceSide
 from lightning_greedysnake.strategy.planning.measurements import NOTHING_MOVES, Measurements
 from lightning_greedysnake.strategy.planning.placement import place_kinds, placed_config, planned_costs
@@ -24,20 +26,18 @@ from lightning_greedysnake.tensor_manager import state_format_for, state_layout
 
 
 def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer: torch.optim.Optimizer | None,
-                      contract: OptimizerContract, dtype: torch.dtype, shard: tuple[int, int] | None
-                      ) -> dict[int, StateLayout]:
-    """Each candidate's state layout (the optimizer's state format found once)."""
+                      contract: OptimizerContract, dtype: torch.dtype, shard: tuple[int, int] | None,
+                      sizes: list[int]) -> dict[int, StateLayout]:
+    """Each candidate size's state layout (the optimizer's state format found once)."""
     fmt = state_format_for(optimizer, contract.slots, settings.offload.optimizer_state_dtype, shard,
                            contract.whole_parameters)
-    sizes = [c for c in CANDIDATES if c <= len(chain.blocks)]
     return {c: state_layout(make_units(chain, c), {}, optimizer, settings.offload, dtype, shard, contract, fmt)
             for c in sizes}
 
 
-
 @dataclass(frozen=True)
 class Candidate:
-    """One unit size, placed: what :func:`score_candidates` scores."""
+    """One unit size, placed: what :func:`score_candidates` scores, and what setup runs if it is chosen."""
 
     costs: list[UnitCost]
     """Its units' costs (compute unknown at setup)."""
@@ -48,7 +48,10 @@ class Candidate:
     room: int
     """Host bytes left for staging once the placement's RAM regions are counted."""
     config: RunConfig
-    """Its settings (the first steps')."""
+    """Its settings (the first steps'), placed."""
+    placement: PlacementPlan | None = None
+    """The placement plan of the kinds the user left unset (None: nothing placed)."""
+
 
 class UnitSizeScores(NamedTuple):
     """Each candidate's roofline plan, its machine (the disks at its request sizes) and SSD bytes a step."""
@@ -60,29 +63,37 @@ class UnitSizeScores(NamedTuple):
     """Where the disk was probed (the offload paths' filesystems); empty: not probed, nothing moves."""
 
 
-def score_sizes(settings: GreedySnakeConfig, fixed: RunConfig, layouts: dict[int, StateLayout],
-                measurements: Measurements, k: int, budget: int, *, speculative: bool, clip_norm: bool,
-                device: DeviceSide) -> UnitSizeScores:
-    """``settings``: the user's; ``fixed``: the settings in effect before the plan (:attr:`Planner.config`).
-    Place each candidate within ``budget`` (one whose staging alone exceeds it is left out, by the
-    placement or the roofline's plan), and score them (:func:`score_candidates`) on ``measurements``:
-    the disks at the candidates' request sizes (where any moves bytes), the optimizer's rate."""
-    placed: dict[int, Candidate] = {}
+def place_candidates(settings: GreedySnakeConfig, fixed: RunConfig, layouts: dict[int, StateLayout], k: int,
+                     budget: int, *, speculative: bool, clip_norm: bool,
+                     device: DeviceSide) -> dict[int, Candidate | ValueError]:
+    """Each candidate size placed within ``budget``, once (pure: every rank computes the same). ``settings``:
+    the user's; ``fixed``: the settings in effect before the plan (:attr:`Planner.config`). With
+    ``auto=True`` the kinds left unset are placed (:func:`place_kinds`); a size whose staging alone
+    exceeds the budget gets the refusal instead (raised if it is the one setup runs)."""
+    planned = settings.auto and bool(settings.offload.unset() & set(REGION_KINDS))
+    placed: dict[int, Candidate | ValueError] = {}
     for lpu, state in layouts.items():
-        try:
-            if settings.offload.unset() & set(REGION_KINDS):
-                lag, placement = place_kinds(settings, fixed, state, k, budget, speculative=speculative,
+        config, placement, room = dataclasses.replace(fixed, layers_per_unit=lpu), None, budget
+        if planned:
+            try:
+                lag, placement = place_kinds(settings, config, state, k, budget, speculative=speculative,
                                              clip_norm=clip_norm, device=device)
-                config = placed_config(settings, fixed, state, lag, placement)
-                room = budget - sum(kind.host_bytes for kind in placement.kinds.values())
-            else:  # every kind placed by the user (the roofline's plan still bounds each size's staging)
-                config, room = fixed, budget
-        except ValueError:
-            continue  # its staging alone exceeds the budget
+            except ValueError as e:
+                placed[lpu] = e
+                continue
+            config = placed_config(settings, config, state, lag, placement)
+            room = budget - sum(kind.host_bytes for kind in placement.kinds.values())
         costs = planned_costs(state, config.offload, config.alpha or 0.0, device.tier)
         schedule = config.schedule.value
         placed[lpu] = Candidate(costs, traffic(costs, schedule, k, clip_norm=clip_norm and schedule == "vertical"),
-                                state.num_slots, room, config)
+                                state.num_slots, room, config, placement)
+    return placed
+
+
+def score_sizes(placed: dict[int, Candidate], measurements: Measurements, k: int) -> UnitSizeScores:
+    """Score the placed candidates (:func:`score_candidates`; the roofline's plan leaves out one whose
+    staging exceeds its room) on ``measurements``: the disks at the candidates' request sizes (where any
+    moves bytes), the optimizer's rate."""
     if not placed:
         return UnitSizeScores({}, {}, {})
     moved = any(c.traffic.read_bytes + c.traffic.write_bytes for c in placed.values())  # (else nothing to measure)
