@@ -303,6 +303,14 @@ SECTIONS: tuple[Section, ...] = (
                                               "`vs_same_in_ram` the step against the same fixed settings in RAM."),
          Result("compare_issue54_thp_seq32", "The same at sequence 32 (the disk binds), with `gs_default`, the "
                                              "compute term of `vs_limit`."),
+         Result("compare_issue56_final_seq32", "Issue 56's speed check over the whole issue: bead1a1 (one "
+                                               "setup placement per unit size, after the commits of the issue "
+                                               "and the race fix) against 6233209, the commit before the "
+                                               "issue's first, bf16-mixed, sequence 32, K=8, three rounds "
+                                               "alternating, on a machine slower and noisier than the runs "
+                                               "above (compare the `gs_default` rows). The tree measured also "
+                                               "holds issue 54's huge pages (b3771a5), which the "
+                                               "`gs_vertical` rows include."),
          Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
                                                  "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
                                                  "Muon) against the element-wise path (`gs_vertical`), every kind "
