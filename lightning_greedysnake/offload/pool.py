@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+from lightning_greedysnake.errors import BufferBudgetError
 from lightning_greedysnake.io import AlignedBuffer, align_up
 from lightning_greedysnake.io.aligned import ALIGN_BYTES
 
@@ -50,10 +51,6 @@ FRAGMENTED_POLL_S = 0.05
 """How often a waiting request (fragmented, or a full budget) asks again whether anything will be
 released: the other thread may have blocked on the asker since (the training thread waiting on the
 optimizer lane whose job asks), and nothing would wake the request to see it."""
-
-
-class BufferBudgetError(ValueError):
-    """A single request is larger than the whole budget, or the budget stayed full too long."""
 
 
 class PoolCorruptionError(AssertionError):

@@ -13,6 +13,7 @@ between them is guarded by ``_lock``, and the lane's queue orders the hand-over.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +22,17 @@ from torch import Tensor
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.io.heap import trim_heap
+from lightning_greedysnake.errors import BufferBudgetError
 from lightning_greedysnake.optim.protocols import StagedBuffer, Staging
 from lightning_greedysnake.optim.state_format import StateFormat, mix
 from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer
+
+
+class ReadAheadGivenBackWarning(UserWarning):
+    """A step found the staging budget full while read-aheads of later steps held part of it, and gave
+    them back to go on (their steps read again what they had read): the result is unchanged, the reads
+    are done twice. The budget's rule (:meth:`~lightning_greedysnake.offload.staging.PoolBudget.read_ahead_fits`)
+    should never let a read-ahead take what a step must have; the tests make this warning an error."""
 
 
 class PartStepper:
@@ -54,6 +63,9 @@ class PartStepper:
         """Likewise, deferred (alpha) parts."""
         self.read_ahead_by_unit: dict[int, int] = {}
         """Per unit, its steps (first parts) that found their reads done (likewise)."""
+        self.read_aheads_given_back = 0
+        """Read-aheads a step gave back for staging it must have (:class:`ReadAheadGivenBackWarning`;
+        likewise)."""
 
     # -- read-ahead (training thread; the lane for part 1) ---------------------------------------------------
     def read_ahead(self, unit: int, unit_need_bytes: int, last: bool = True, part: int = 0) -> bool:
@@ -157,7 +169,7 @@ class PartStepper:
             return
         if self._staging.slots.count > 1 and weights_held is not None and not weights_held.pooled:
             weights_held = None  # host-tier weights: stepped in the other slot (its owner gives it back)
-        stage = self._staging.stage_update  # (a step writes the unit's next slot: the same one with one slot)
+        stage = self._stage_must_run
         state = self._state
         lay = state.units[unit]
         w_ranges = state.byte_ranges(TensorKind.WEIGHTS, unit, lo, hi)
@@ -230,6 +242,27 @@ class PartStepper:
             # back to the OS once, whatever ``trim`` says. Kept, they stay free memory of the lane thread's
             # own glibc arena, which the training thread's allocations never reuse
             trim_heap((hi - lo) * 4)
+
+    def _stage_must_run(self, kind: TensorKind, unit: int, **kwargs: Any) -> StagedBuffer:
+        """Stage what the step must have (a step writes the unit's next slot: the same one with one slot).
+        Where the budget has no room and nothing but this thread's own going on would make it, the
+        read-aheads of later steps (which only this step's end would use) go back first, their reads
+        landed, and it asks again: a read-ahead never stops a step (:class:`ReadAheadGivenBackWarning`)."""
+        while True:
+            try:
+                return self._staging.stage_update(kind, unit, **kwargs)
+            except BufferBudgetError:
+                with self._lock:
+                    held = len(self._ahead)
+                if not held:
+                    raise
+                self.drop_all_read_aheads()  # (each comes back to the pool once its read landed)
+                self.read_aheads_given_back += held
+                warnings.warn(
+                    f"greedysnake: unit {unit}'s optimizer step found no staging room for {kind.value} and gave "
+                    f"back {held} read-ahead(s) of later steps to go on (they are read again). The result is "
+                    "unchanged; this is a bug in greedysnake's staging budget, please report it.",
+                    ReadAheadGivenBackWarning, stacklevel=2)
 
     def _write_back(self, unit: int, lo: int, hi: int, master: StagedBuffer, states: StagedBuffer | None,
                     compute: StagedBuffer | None, weights_held: StagedBuffer | None, mflat: Tensor,

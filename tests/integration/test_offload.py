@@ -606,7 +606,8 @@ def test_spare_budget_reads_every_coming_step_ahead_in_order():
         assert torch.equal(a, b), n
 
 
-def test_the_windows_last_read_ahead_at_the_minimum_budget_leaves_room_for_its_units_gradient(monkeypatch):
+def test_the_windows_last_read_ahead_at_the_minimum_budget_leaves_room_for_its_units_gradient(
+        monkeypatch, accounting_hole: bool = False):
     """On a device tier a unit's gradient accumulates in device memory and the step's host copy is staged
     only when the step takes it: the window's last read-ahead, which may use what the minimum reserves
     for work still to come, must count that copy as still to come. Here the lane is slow on the step
@@ -622,7 +623,7 @@ def test_the_windows_last_read_ahead_at_the_minimum_budget_leaves_room_for_its_u
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             strategy = trainer.strategy
-            manager = strategy.tensor_manager
+            manager = self.manager = strategy.tensor_manager
             seen["min"] = manager.arena.budget.minimum_bytes
             first = manager.layouts[1].params[0].name
 
@@ -632,12 +633,31 @@ def test_the_windows_last_read_ahead_at_the_minimum_budget_leaves_room_for_its_u
 
             strategy.register_gradient_hook(hook)
 
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            self.manager.drain()
+            seen["given_back"] = self.manager.stepper.parts.read_aheads_given_back
+
     _, roomy = _fit(GreedySnakeStrategy(auto=False), 2, n_layer=4, callbacks=[Probe(slow=False)],
                     precision="bf16-mixed")
     _, tight = _fit(GreedySnakeStrategy(auto=False, offload={"buffer_budget_bytes": seen["min"]}), 2,
                     n_layer=4, callbacks=[Probe(slow=True)], precision="bf16-mixed")
     for (n, a), (_, b) in zip(roomy.named_parameters(), tight.named_parameters(), strict=True):
         assert torch.equal(a, b), n
+    if accounting_hole:  # (the read-aheads that took the room went back, and the step went on)
+        assert seen["given_back"] > 0
+
+
+def test_a_read_ahead_that_took_a_steps_room_goes_back_and_the_step_goes_on(monkeypatch):
+    """A gap in the staging budget's accounting (the one the test above guards, put back) must not stop a
+    run: the step that finds no room while read-aheads of later steps hold it gives them back, with a
+    warning (an error in the other tests: ``tests/conftest.py``), and the result is the same."""
+    from lightning_greedysnake.offload.gradients import GradientAccumulator
+    from lightning_greedysnake.optim.part_step import ReadAheadGivenBackWarning
+
+    monkeypatch.setattr(GradientAccumulator, "on_host", GradientAccumulator.in_memory)
+    with pytest.warns(ReadAheadGivenBackWarning, match="gave back .* read-ahead"):
+        test_the_windows_last_read_ahead_at_the_minimum_budget_leaves_room_for_its_units_gradient(
+            monkeypatch, accounting_hole=True)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
