@@ -164,10 +164,6 @@ class ActivationStore:
     def open_files(self) -> list[OffloadFile]:
         return [scratch.file for scratch in self._scratches]
 
-    @property
-    def num_saved_activations(self) -> int:
-        return len(self._host) + len(self._ssd) + len(self._copied)
-
     def begin_window(self, num_microbatches: int, num_units: int) -> None:
         """A window of ``num_microbatches`` begins (saved activations: the input of every unit but the first):
         at its first save, when their size is known, each scratch file gets room for all of its

@@ -69,7 +69,7 @@ class InMemoryTensorStore:
     Lightning steps the user's optimizer on the resident parameters."""
 
     def __init__(self) -> None:
-        self._checkpoints: dict[tuple[int, int], Tensor] = {}
+        self._activations: dict[tuple[int, int], Tensor] = {}
         self.weight_loads: Counter[int] = Counter()
         """Times each unit's weights were acquired, since construction."""
         self.gradient_ready_order: list[int] = []
@@ -86,17 +86,17 @@ class InMemoryTensorStore:
 
     def save_activation(self, unit: int, microbatch: int, hidden: Tensor) -> None:
         key = (unit, microbatch)
-        assert key not in self._checkpoints, f"activation {key} saved twice in one window"
-        self._checkpoints[key] = hidden
+        assert key not in self._activations, f"activation {key} saved twice in one window"
+        self._activations[key] = hidden
 
     def load_activation(self, unit: int, microbatch: int) -> Tensor:
-        return self._checkpoints[(unit, microbatch)]
+        return self._activations[(unit, microbatch)]
 
     def release_activation(self, unit: int, microbatch: int) -> None:
         pass
 
     def drop_activation(self, unit: int, microbatch: int) -> None:
-        self._checkpoints.pop((unit, microbatch), None)
+        self._activations.pop((unit, microbatch), None)
 
     def gradient_ready(self, unit: int) -> None:
         self.gradient_ready_order.append(unit)
@@ -112,10 +112,10 @@ class InMemoryTensorStore:
 
     @property
     def num_saved_activations(self) -> int:
-        return len(self._checkpoints)
+        return len(self._activations)
 
     def end_window(self, completed: bool = True) -> None:
-        self._checkpoints.clear()
+        self._activations.clear()
 
     def close(self) -> None:
-        self._checkpoints.clear()
+        self._activations.clear()

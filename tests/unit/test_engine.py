@@ -50,7 +50,7 @@ def test_window_gradients_equal_plain_autograd(schedule, layers_per_unit, k):
         _loss(engine.fused_forward(m, (x,), {}), y, k).backward()
         engine.fused_backward_done(m)
     engine.finish_window()
-    assert store.num_saved_activations == 0  # every checkpoint was dropped after its last use
+    assert store.num_saved_activations == 0  # every saved activation was dropped after its last use
     assert sorted(store.gradient_ready_order) == list(range(engine.num_units))
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
