@@ -12,8 +12,6 @@ from dataclasses import dataclass
 class IOCounter:
     bytes_read: int = 0
     bytes_written: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
     reads: int = 0
     writes: int = 0
     wait_seconds: float = 0.0
@@ -126,11 +124,9 @@ class IOStats:
             c = self._counters[(kind, tier)]
             if op == "read":
                 c.bytes_read += nbytes
-                c.read_seconds += seconds
                 c.reads += 1
             else:
                 c.bytes_written += nbytes
-                c.write_seconds += seconds
                 c.writes += 1
 
     def copy(self) -> IOStats:
