@@ -154,9 +154,11 @@ def test_a_run_planned_onto_the_device_resumes_a_checkpoint_an_offloaded_run_str
     assert max_abs_diff(dict(resumed.named_parameters()), dict(whole.named_parameters())) <= 1e-5
 
 
-def test_without_a_gpu_nor_with_auto_false_nothing_is_planned_on_the_device(caplog):
+def test_without_a_gpu_nor_with_auto_false_nothing_is_planned_on_the_device(caplog, monkeypatch):
     """On a CPU the "device" is host memory, which the host placement plan already uses (with the
-    background optimizer); with auto=False the fixed defaults hold."""
+    background optimizer); with auto=False the fixed defaults hold. (Not on the simulated device, which
+    is a device: the debug reruns' ``GREEDYSNAKE_SIMULATE_DEVICE=1`` is taken out here.)"""
+    monkeypatch.delenv(SIMULATE_ENV, raising=False)
     for strategy in (GreedySnakeStrategy(auto_device_budget_bytes=100 * _need()),
                      GreedySnakeStrategy(auto=False, auto_device_budget_bytes=100 * _need())):
         seen = Manager()
