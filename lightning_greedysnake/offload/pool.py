@@ -268,10 +268,10 @@ class BufferPool:
                     )
                 # waits in short slices, asking again each time: the other thread may block on this
                 # one meanwhile (the training thread waiting on the lane whose job asks), and nothing
-                # would wake this wait to see that the room will never come
+                # would wake this wait to see that the room will never come. The timeout counts the
+                # time since anything came back (a notification), as one long wait would
                 t0 = time.monotonic()
-                self._cond.wait(FRAGMENTED_POLL_S)
-                full_s += time.monotonic() - t0
+                full_s = 0.0 if self._cond.wait(FRAGMENTED_POLL_S) else full_s + time.monotonic() - t0
                 if full_s >= self.wait_timeout_s:
                     raise BufferBudgetError(
                         f"waited {self.wait_timeout_s:.0f} s for {nbytes} bytes of staging memory ({what}); "

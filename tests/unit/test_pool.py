@@ -231,6 +231,30 @@ def test_an_optimizer_job_does_not_wait_for_buffers_the_training_thread_holds_wh
     pool.close()
 
 
+def test_a_wait_for_room_times_out_only_after_nothing_came_back_for_the_timeout():
+    """A long wait while buffers keep coming back (a slow disk's long steps, each giving some memory back)
+    is progress, not a hang: the timeout counts from the last buffer back, not from the request."""
+    pool = BufferPool(8 * 4096, wait_timeout_s=1.0, others_active=lambda: True)
+    held = [pool.acquire(4096) for _ in range(8)]
+
+    def churn() -> None:  # gives a page back and takes it again, for twice the timeout; then makes room
+        for _ in range(20):
+            time.sleep(0.1)
+            pool.release(held.pop())
+            held.append(pool.acquire(4096))
+        for _ in range(4):
+            pool.release(held.pop())
+
+    t = threading.Thread(target=churn)
+    t.start()
+    got = pool.acquire(4 * 4096, what="unit 1 optimizer_states")
+    t.join()
+    assert got.nbytes == 4 * 4096
+    for buf in (got, *held):
+        pool.release(buf)
+    pool.close()
+
+
 def test_an_optimizer_job_waiting_for_a_full_budget_fails_fast_once_the_training_thread_blocks_on_it():
     """The lane's job waits for room the training thread will give back; then the training thread blocks
     on the lane (submit at the lag bound), still holding it: nothing can ever release it. The waiting job
