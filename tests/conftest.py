@@ -34,7 +34,7 @@ def _read_aheads_never_given_back():
     budget's accounting, which a user's run survives) fails the test, on whichever thread it happens.
     (Imported here, not named in pyproject's ``filterwarnings``: that would import Lightning before pytest's
     log capture, and Lightning then keeps its records from ``caplog``.)"""
-    from lightning_greedysnake.optim.part_step import ReadAheadGivenBackWarning
+    from lightning_greedysnake.errors import ReadAheadGivenBackWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReadAheadGivenBackWarning)

@@ -22,17 +22,10 @@ from torch import Tensor
 
 from lightning_greedysnake.config import TensorKind
 from lightning_greedysnake.io.heap import trim_heap
-from lightning_greedysnake.errors import BufferBudgetError
+from lightning_greedysnake.errors import BufferBudgetError, ReadAheadGivenBackWarning
 from lightning_greedysnake.optim.protocols import StagedBuffer, Staging
 from lightning_greedysnake.optim.state_format import StateFormat, mix
 from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer
-
-
-class ReadAheadGivenBackWarning(UserWarning):
-    """A step found the staging budget full while read-aheads of later steps held part of it, and gave
-    them back to go on (their steps read again what they had read): the result is unchanged, the reads
-    are done twice. The budget's rule (:meth:`~lightning_greedysnake.offload.staging.PoolBudget.read_ahead_fits`)
-    should never let a read-ahead take what a step must have; the tests make this warning an error."""
 
 
 class PartStepper:

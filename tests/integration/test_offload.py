@@ -652,7 +652,7 @@ def test_a_read_ahead_that_took_a_steps_room_goes_back_and_the_step_goes_on(monk
     run: the step that finds no room while read-aheads of later steps hold it gives them back, with a
     warning (an error in the other tests: ``tests/conftest.py``), and the result is the same."""
     from lightning_greedysnake.offload.gradients import GradientAccumulator
-    from lightning_greedysnake.optim.part_step import ReadAheadGivenBackWarning
+    from lightning_greedysnake.errors import ReadAheadGivenBackWarning
 
     monkeypatch.setattr(GradientAccumulator, "on_host", GradientAccumulator.in_memory)
     with pytest.warns(ReadAheadGivenBackWarning, match="gave back .* read-ahead"):
