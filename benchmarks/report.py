@@ -303,6 +303,11 @@ SECTIONS: tuple[Section, ...] = (
                                               "`vs_same_in_ram` the step against the same fixed settings in RAM."),
          Result("compare_issue54_thp_seq32", "The same at sequence 32 (the disk binds), with `gs_default`, the "
                                              "compute term of `vs_limit`."),
+         Result("compare_issue54_limit_seq128", "Issue 54's target at sequence 128 as the issue states it: "
+                                                "every kind on SSD (`gs_vertical`) against max(the same round's "
+                                                "`gs_default` step, the disk's time at the probed speeds) in "
+                                                "`vs_limit`, with Lightning in RAM beside them, 913499f, "
+                                                "bf16-mixed, K=8, three rounds alternating (no baseline tree)."),
          Result("compare_issue56_final_seq32", "Issue 56's speed check over the whole issue: bead1a1 (one "
                                                "setup placement per unit size, after the commits of the issue "
                                                "and the race fix) against 6233209, the commit before the "
