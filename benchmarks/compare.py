@@ -125,6 +125,14 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
             extra["write_GBps_busy"] = round(write_b / 1e9 / write_busy, 3) if write_busy else 0.0
             requests = sum(t.read_requests + t.write_requests for t in steady)
             extra["request_MiB"] = round((read_b + write_b) * n / requests / 2**20, 2) if requests else 0.0
+            # the forward phase apart (the previous step's deferred parts run in it): its share of the step and
+            # the disk's busy fraction in it and in the rest
+            forward, wall = sum(t.forward_s for t in steady) / n, sum(t.wall_s for t in steady) / n
+            fwd_busy = sum(t.forward_disk_busy_s for t in steady) / n
+            busy = sum(t.disk_busy_s for t in steady) / n
+            extra["forward_s"] = round(forward, 3)
+            extra["forward_disk_busy"] = round(fwd_busy / forward, 3) if forward else 0.0
+            extra["backward_disk_busy"] = round((busy - fwd_busy) / (wall - forward), 3) if wall > forward else 0.0
             # the roofline's physical terms: the disk at its probed speeds (reads and writes one after the other)
             # and the optimizer's kernel rate over every element; compute is the gs_default row of the same round
             extra["disk_s"] = round(read_b / args.read_bps + write_b / args.write_bps, 3)
@@ -237,7 +245,8 @@ def _medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "tokens_per_s": round(key[1] * runs[0]["seq"] / step_s, 1), "seq": runs[0]["seq"],
                     "runs": len(runs)})
         for name in ("ssd_GB_per_step", "disk_s", "optimizer_s", "disk_busy_fraction", "read_GBps_busy",
-                     "write_GBps_busy", "queue_depth", "optimizer_cpu_s", "optimizer_read_wait_s"):
+                     "write_GBps_busy", "queue_depth", "optimizer_cpu_s", "optimizer_read_wait_s", "forward_s",
+                     "forward_disk_busy", "backward_disk_busy"):
             if all(r.get(name) is not None for r in runs):
                 out[-1][name] = statistics.median(r[name] for r in runs)
     return out
@@ -409,7 +418,7 @@ def main() -> None:
                        "vs_lightning_auto", "vs_baseline", "vs_limit", "binds", "vs_same_in_ram",
                        "vs_limit_same_schedule", "lane_cpu_vs_ram", "disk_busy_fraction", "read_GBps_busy",
                        "write_GBps_busy", "queue_depth", "optimizer_cpu_s", "optimizer_read_wait_s",
-                       "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
+                       "forward_s", "forward_disk_busy", "backward_disk_busy", "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
     write_result(str(out), args, [*MODEL_FLAGS, "ks", "steps", "precision", "budget_gb", "baseline", "rounds"], rows,

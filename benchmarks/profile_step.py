@@ -8,7 +8,9 @@
 ``greedysnake_ssd`` puts every kind on SSD (``auto=False``) and prints, per step, where the step waits: the
 training thread on reads (weights, saved activations) and on the optimizer, the optimizer lane's CPU time
 apart from its waits on reads, the disk's busy fraction (a request in flight), the bandwidth it achieved while
-busy against the probe's, the mean queue depth and request size (``StepTelemetry``).
+busy against the probe's, the mean queue depth and request size, and the forward phase apart (its wall
+time, the training thread's waits on reads in it, the disk's busy fraction in it and in the rest of the
+step: ``StepTelemetry``). ``--alpha`` sets ``greedysnake_ssd``'s deferred share (the fixed 0.25 by default).
 
 The GPT 1024 x 12 of ``compare.py`` (168M parameters), sequence 128, K=8; the last of ``--steps`` steps is
 profiled (greedysnake's warm-step plan applies after step 2). One process per system: run them one after
@@ -39,6 +41,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--offload-dir", default="/tmp/greedysnake_profile")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="greedysnake_ssd's alpha (default: auto=False's fixed 0.25)")
     args = parser.parse_args()
     module_cls, _ = gpt_module(1024, 12, 16, 8192, args.seq, optimizer="AdamW")
 
@@ -63,9 +67,10 @@ def main() -> None:
             print(f"{args.system}, {args.precision}: the profiled step took {time.perf_counter() - self.t0:.3f} s")
             print(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
+    fixed = {} if args.alpha is None else {"alpha": args.alpha}
     strategy: Any = ("auto" if args.system == "lightning" else
-                     GreedySnakeStrategy(auto=False, offload={"return_weights": False}) if args.system == "greedysnake_ssd"
-                     else GreedySnakeStrategy(offload={"return_weights": False}))
+                     GreedySnakeStrategy(auto=False, offload={"return_weights": False}, **fixed)
+                     if args.system == "greedysnake_ssd" else GreedySnakeStrategy(offload={"return_weights": False}))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, accumulate_grad_batches=args.k, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -80,13 +85,14 @@ def breakdown(steps: list[Any]) -> None:
     if not steps:
         return
     print("step  wall_s  wait_reads  wait_opt  lane_busy  lane_cpu  lane_wait_reads  disk_busy  read_GBps  "
-          "write_GBps  depth  request_MiB  GB_read  GB_written")
+          "write_GBps  depth  request_MiB  GB_read  GB_written  fwd_s  fwd_wait  fwd_disk  bwd_disk")
     for s in steps:
         print(f"{s.step:>4}  {s.wall_s:6.3f}  {s.io_wait_s:10.3f}  {s.optimizer_unhidden_s:8.3f}  "
               f"{s.optimizer_busy_s:9.3f}  {s.optimizer_cpu_s:8.3f}  {s.optimizer_read_wait_s:15.3f}  "
               f"{s.disk_busy_fraction:9.1%}  {s.read_gb_per_s_busy:9.2f}  {s.write_gb_per_s_busy:10.2f}  "
               f"{s.queue_depth:5.2f}  {s.mean_request_bytes / 2**20:11.2f}  {s.request_bytes_read / 1e9:7.3f}  "
-              f"{s.request_bytes_written / 1e9:10.3f}")
+              f"{s.request_bytes_written / 1e9:10.3f}  {s.forward_s:5.3f}  {s.forward_io_wait_s:8.3f}  "
+              f"{s.forward_disk_busy_fraction:8.1%}  {s.backward_disk_busy_fraction:8.1%}")
 
 
 if __name__ == "__main__":

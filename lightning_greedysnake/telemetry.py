@@ -52,6 +52,15 @@ class StepTelemetry:
     request_bytes_written: int = 0
     request_seconds: float = 0.0
     """The requests' durations added (reads and writes): over ``disk_busy_s``, the mean queue depth."""
+    forward_s: float = 0.0
+    """Wall seconds from the step's start to its first backward op (the compute lane's): the vertical
+    schedule's forward phase, in which the previous step's deferred (alpha) parts are stepped; the rest of
+    ``wall_s`` is the backward and the step's end. (The horizontal schedule's: its first micro-batch's
+    forward.) ``wall_s`` where no backward op was timed."""
+    forward_disk_busy_s: float = 0.0
+    """Of ``disk_busy_s``, the seconds within the forward phase."""
+    forward_io_wait_s: float = 0.0
+    """Wall seconds the training thread waited on reads within the forward phase."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,6 +75,17 @@ class StepTelemetry:
     def disk_busy_fraction(self) -> float:
         """The fraction of the step in which the disk had a request in flight."""
         return self.disk_busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def forward_disk_busy_fraction(self) -> float:
+        """The fraction of the forward phase in which the disk had a request in flight."""
+        return self.forward_disk_busy_s / self.forward_s if self.forward_s > 0 else 0.0
+
+    @property
+    def backward_disk_busy_fraction(self) -> float:
+        """Likewise, of the rest of the step (the backward and the step's end)."""
+        rest = self.wall_s - self.forward_s
+        return (self.disk_busy_s - self.forward_disk_busy_s) / rest if rest > 0 else 0.0
 
     @property
     def read_gb_per_s_busy(self) -> float:
@@ -90,7 +110,8 @@ class StepTelemetry:
         names = ("tokens_per_s", "ssd_gb_per_s", "wall_s", "compute_s", "ssd_read_busy_s", "ssd_write_busy_s",
                  "optimizer_busy_s", "io_wait_s", "optimizer_unhidden_s", "host_registrations", "optimizer_cpu_s",
                  "optimizer_read_wait_s", "disk_busy_s", "disk_busy_fraction", "read_gb_per_s_busy",
-                 "write_gb_per_s_busy", "queue_depth", "mean_request_bytes")
+                 "write_gb_per_s_busy", "queue_depth", "mean_request_bytes", "forward_s", "forward_disk_busy_fraction",
+                 "backward_disk_busy_fraction", "forward_io_wait_s")
         out: dict[str, float] = {name: float(getattr(self, name)) for name in names}
         out.update({f"read_bytes/{k}": float(v) for k, v in self.bytes_read.items()})
         out.update({f"written_bytes/{k}": float(v) for k, v in self.bytes_written.items()})
@@ -162,6 +183,7 @@ class StepRecorder:
         def moved(op: str, attr: str) -> Any:
             return getattr(requests.get(op, none), attr) - getattr(self._requests.get(op, none), attr)
         self._step += 1
+        backward_from = first_backward_op(lanes.spans(self._t, now).get("compute", []), self._t, now)
         entry = StepTelemetry(
             step=self._step,
             wall_s=wall,
@@ -185,6 +207,9 @@ class StepRecorder:
             request_bytes_read=moved("read", "nbytes"),
             request_bytes_written=moved("write", "nbytes"),
             request_seconds=moved("read", "seconds") + moved("write", "seconds"),
+            forward_s=backward_from - self._t,
+            forward_disk_busy_s=lanes.busy(("disk_read", "disk_write"), self._t, backward_from),
+            forward_io_wait_s=lanes.busy("wait", self._t, backward_from),
         )
         self._requests, self._job_cpu = requests, job_cpu
         self.tokens = 0
@@ -198,6 +223,14 @@ class StepRecorder:
             self.manager.stats.lanes.keep_all = False
             self._trace_start = None
         return entry
+
+
+def first_backward_op(compute: list[tuple[float, float, str]], since: float, until: float) -> float:
+    """The start of the first backward op (``B{u}.{m}``, ``L{u}.{m} backward``: the engine's names, which
+    :func:`~lightning_greedysnake.planner.measure.unit_times` reads too) of the compute lane in ``[since,
+    until]``; ``until`` where there is none."""
+    return min((start for start, _, name in compute
+                if start >= since and (name.startswith("B") or name.endswith("backward"))), default=until)
 
 
 LANE_ORDER = ("compute", "wait", "optimizer", "optimizer_wait", "ssd_read", "ssd_write", "disk_read", "disk_write")

@@ -143,5 +143,10 @@ def test_where_the_step_waits_every_kind_on_ssd():
         assert 0 < s.optimizer_cpu_s <= s.optimizer_busy_s + 1e-3
         assert s.optimizer_read_wait_s <= s.optimizer_busy_s + 1e-3
         assert s.mean_request_bytes > 0
+        # the forward phase: up to the first backward op, within the step; its disk time within both
+        assert 0 < s.forward_s < s.wall_s
+        assert s.forward_disk_busy_s <= min(s.forward_s, s.disk_busy_s) + 1e-6
+        assert s.forward_io_wait_s <= s.forward_s + 1e-6
+        assert 0 <= s.backward_disk_busy_fraction <= 1 + 1e-6
         metrics = s.as_metrics()
         assert metrics["disk_busy_fraction"] == pytest.approx(s.disk_busy_s / s.wall_s)
