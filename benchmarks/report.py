@@ -308,6 +308,12 @@ SECTIONS: tuple[Section, ...] = (
                                                 "`gs_default` step, the disk's time at the probed speeds) in "
                                                 "`vs_limit`, with Lightning in RAM beside them, 913499f, "
                                                 "bf16-mixed, K=8, three rounds alternating (no baseline tree)."),
+         Result("compare_issue54_diskbound_seq8_k2", "Issue 54's limit where the disk binds, as on a GPU (the "
+                                                     "compute a fraction of the disk's time: sequence 8, K=2): "
+                                                     "`gs_vertical` against max(`gs_default`, the disk at the "
+                                                     "round's probed speeds), with the forward phase's and the "
+                                                     "rest's disk busy fractions, c8d41b9, bf16-mixed, three "
+                                                     "rounds."),
          Result("compare_issue56_final_seq32", "Issue 56's speed check over the whole issue: bead1a1 (one "
                                                "setup placement per unit size, after the commits of the issue "
                                                "and the race fix) against 6233209, the commit before the "
