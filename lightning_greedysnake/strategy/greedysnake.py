@@ -54,7 +54,7 @@ from lightning_greedysnake.strategy import after_fit, checkpoints, checks, progr
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, read_ahead, tokens_in
 from lightning_greedysnake.strategy.manager_setup import move_all_but_units
-from lightning_greedysnake.strategy.planning import Planner
+from lightning_greedysnake.strategy.planning import plan_before_setup
 from lightning_greedysnake.strategy.planning.placement import PlacementPlan
 from lightning_greedysnake.strategy.run import Run, cut_model, open_run
 from lightning_greedysnake.strategy.setup_context import SetupContext
@@ -153,7 +153,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
     @property
     def plan_choice(self) -> Choice | None:
         """The warm-step plan's choice when ``auto=True`` (after the second optimizer step)."""
-        return self._run.planner.choice if self._run is not None else None
+        return self._run.planner.choice if self._run is not None and self._run.planner is not None else None
 
     @property
     def engine(self) -> WindowEngine:
@@ -236,8 +236,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
             self.world_size, self.num_processes, trainer.accumulate_grad_batches, Path(trainer.default_root_dir),
             fitting, self.precision_plugin, self.broadcast, self.broadcast_parameters, self.data_parallel_hooks,
             self.gradient_hooks, self._warn_once, rank_zero_info, owner=self._owner)
-        planner = Planner(ctx, module)  # (the device plan and the host budget, before Lightning's setup)
-        cut = cut_model(ctx, planner.config, module)
+        before = plan_before_setup(ctx, module)  # (the device plan and the host budget, before Lightning's setup)
+        cut = cut_model(ctx, before.config, module)
         uses_manager = cut.config.offload.uses_tensor_manager
         if uses_manager:  # the units stay where they are: the tensor manager brings them to the device one by one
             move_all_but_units(module, cut.units, self.root_device)
@@ -250,7 +250,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             checks.check_loss_scaling(self.precision_plugin, uses_manager)
         optimizer = self.optimizers[0] if (fitting and self.optimizers) else None
         clip = checks.clip_policy(trainer, module, self._warn_once) if fitting and uses_manager else ClipPolicy()
-        self._run = run = open_run(ctx, planner, module, cut, optimizer, clip)
+        self._run = run = open_run(ctx, before, module, cut, optimizer, clip)
         self.precision_plugin.gradient_owner = run.tensor_manager  # (clipping acts on its buffers)
 
     @override
@@ -415,7 +415,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             if scaler.update(found_inf=dropped or not stepped, step=step + 1):  # (normal with fp16; as DeepSpeed)
                 rank_zero_info(f"greedysnake: fp16 gradients overflowed in {step_running(step)}: step skipped, "
                                f"loss scale {before:g} -> {scaler.scale:g}")
-        assert run.telemetry is not None  # (built with the tensor manager)
+        assert run.telemetry is not None and run.planner is not None  # (built with the tensor manager)
         plan_due = run.planner.step_ended()
         if run.timer is not None:  # once per window: the compute spans the device finished (all, for the plan)
             run.timer.collect(wait=plan_due)

@@ -1,11 +1,12 @@
 """A run's parts, built complete at setup from what setup reads of the strategy and the Trainer, and
 closed together.
 
-:class:`SetupContext` is everything the planner and the builders take (never the strategy itself); the
-run's one :class:`~lightning_greedysnake.strategy.planning.Planner` is built from it first (the device
-plan); :func:`cut_model` finds the layered model and cuts it into units (before Lightning moves the model);
-:func:`open_run` plans the run (the planner's setup plan, with ``auto=True``), builds the tensor
-manager, the engine and the window's helpers, and returns them as one :class:`Run`, whose ``config`` is
+:class:`SetupContext` is everything the planner and the builders take (never the strategy itself); from
+it the device plan and the host budget are planned first (:func:`~lightning_greedysnake.strategy.planning.
+plan_before_setup`); :func:`cut_model` finds the layered model and cuts it into units (before Lightning moves
+the model); :func:`open_run` builds the run's one :class:`~lightning_greedysnake.strategy.planning.Planner`
+and plans the run (its setup plan, with ``auto=True``), builds the tensor manager, the engine and the
+window's helpers, and returns them as one :class:`Run`, whose ``config`` is
 the one resolved configuration every part was built from (a new one after the warm-step plan,
 :meth:`Run.apply`).
 
@@ -49,7 +50,7 @@ from lightning_greedysnake.strategy.manager_setup import (
 )
 from lightning_greedysnake.strategy.nonfinite import NonFiniteGuard
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.strategy.planning import Planner
+from lightning_greedysnake.strategy.planning import BeforeSetup, Planner, measurements_for
 from lightning_greedysnake.strategy.planning.placement import PlacementPlan, empty_path_note
 from lightning_greedysnake.strategy.report import kinds_without_bytes
 from lightning_greedysnake.strategy.setup_context import SetupContext
@@ -75,7 +76,7 @@ class ModelCut:
 
 def cut_model(ctx: SetupContext, config: RunConfig, module: nn.Module) -> ModelCut:
     """Find the layered model and cut it into units of ``config``'s size (the device plan's settings,
-    :attr:`Planner.config`; the unit plan may choose another size at :func:`open_run`); refuse what
+    :attr:`BeforeSetup.config`; the unit plan may choose another size at :func:`open_run`); refuse what
     cannot train, before any work."""
     if ctx.fitting:
         checks.check_module_for_training(module, ctx.warn)
@@ -93,7 +94,7 @@ class Run:
     """One fit's (or evaluation's) parts, built complete by :func:`open_run`, closed together by
     :meth:`close`. Owned by the training thread."""
 
-    def __init__(self, cut: ModelCut, engine: WindowEngine, guard: NonFiniteGuard, planner: Planner,
+    def __init__(self, cut: ModelCut, engine: WindowEngine, guard: NonFiniteGuard, planner: Planner | None,
                  directories: OffloadDirectories, *, checkpoints: CheckpointSeam = LIGHTNING,
                  placement: PlacementPlan | None = None, telemetry: StepRecorder | None = None,
                  timer: ComputeTimer | None = None, hand_back: HandBack | None = None) -> None:
@@ -113,7 +114,8 @@ class Run:
         """The placement planned at setup (``auto=True`` and a kind left unset; else None)."""
         self.telemetry = telemetry
         self.planner = planner
-        """The run's planner, whose warm-step plan runs after the warm step (with the tensor manager)."""
+        """The run's planner, whose warm-step plan runs after the warm step (with the tensor manager; else
+        None)."""
         self.directories = directories
         self.hand_back = hand_back
         """What the end of fit gives back (with the tensor manager; planned at setup)."""
@@ -156,13 +158,13 @@ class Run:
                 self.directories.cleanup(manager.files if manager is not None else [])
 
 
-def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelCut,
+def open_run(ctx: SetupContext, before: BeforeSetup, module: nn.Module, cut: ModelCut,
              optimizer: torch.optim.Optimizer | None, clip: ClipPolicy) -> Run:
-    """Plan (``planner``'s setup plan), build and open the run over ``cut`` (after Lightning's own setup:
-    ``optimizer`` is the one it configured, None outside fitting). With the tensor manager: the unit size
-    and the placement planned, the manager made, connected to the ranks and opened in its prepared
-    directories with the model's initial weights; otherwise the units stay on the device with rank 0's
-    weights."""
+    """Plan (the run's :class:`Planner`, over what was planned ``before`` Lightning's setup), build and open
+    the run over ``cut`` (after Lightning's own setup: ``optimizer`` is the one it configured, None outside
+    fitting). With the tensor manager: the unit size and the placement planned, the manager made, connected
+    to the ranks and opened in its prepared directories with the model's initial weights; otherwise the
+    units stay on the device with rank 0's weights."""
     guard = NonFiniteGuard(cut.config.on_nonfinite, ctx.warn, loss_scaled=ctx.precision.loss_scaler is not None)
     if not cut.config.offload.uses_tensor_manager:
         if ctx.fitting and ctx.settings.optimizer_path != "auto":
@@ -182,12 +184,13 @@ def open_run(ctx: SetupContext, planner: Planner, module: nn.Module, cut: ModelC
         except BaseException:
             directories.cleanup([])
             raise
-        return Run(cut, engine, guard, planner, directories)
+        return Run(cut, engine, guard, None, directories)
     shard = (ctx.global_rank, ctx.world_size) if ctx.is_distributed and cut.config.shard_state else None
     dtype, scaler = ctx.precision.compute_dtype, ctx.precision.loss_scaler
     speculative = step_mode(clip, loss_scaled=scaler is not None).speculative  # (fp16's second slots, planned)
     # how the optimizer is stepped, decided once, before any work (an optimizer no path steps exactly is refused)
     contract = optimizer_contract(optimizer, ctx.settings.optimizer_path, ctx.warn)
+    planner = Planner(ctx, before, measurements_for(ctx, cut.chain, optimizer, contract, shard))
     planned = planner.plan_setup(cut.chain, optimizer, contract, dtype, shard, speculative=speculative,
                                  clip_norm=clip.defer)
     config = planned.config

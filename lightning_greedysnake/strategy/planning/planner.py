@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,25 +63,55 @@ def in_host_memory(placement: Tier | Split) -> bool:
     return placement is not Tier.SSD
 
 
-class Planner:
-    """The run's one planner, built once at setup from what setup reads (:class:`SetupContext`) and the
-    LightningModule: the device plan (:attr:`config`) and the run's host budget (:attr:`host_budget_bytes`,
-    rank 0's) are decided on construction, before Lightning's own setup. Two entry points:
-    :meth:`plan_setup` (the unit size, the placement, the saved activations' tier), and the warm step
-    (:meth:`step_ended`, then :meth:`plan_warm_step` once, after optimizer step :data:`PLAN_STEP`, when
-    ``auto=True`` left any of :data:`FIRST_STEP_SETTINGS` unset)."""
+@dataclass(frozen=True)
+class BeforeSetup:
+    """What is planned before Lightning's own setup places the model (:func:`plan_before_setup`)."""
 
-    def __init__(self, ctx: SetupContext, module: nn.Module) -> None:
+    config: RunConfig
+    """The settings in effect before the tensor manager's plan: the device plan's (every kind on the GPU
+    where it all fits)."""
+    host_budget_bytes: int
+    """The run's host budget, measured once (rank 0's): every plan of the run (the unit size, the
+    placement, the saved activations' tier, the warm-step plan) is made within this one number, not within
+    the memory available when each runs (which the run itself lowers)."""
+
+
+def plan_before_setup(ctx: SetupContext, module: nn.Module) -> BeforeSetup:
+    """The device plan and the run's host budget, from what setup reads and the LightningModule."""
+    config = plan_device(ctx.settings, module, ctx.device, simulated=ctx.simulated,
+                         loss_scaling=ctx.precision.loss_scaler is not None, broadcast=ctx.broadcast,
+                         report=ctx.report).resolved()
+    return BeforeSetup(config, ctx.broadcast(host_budget_bytes(ctx.settings, ctx.local_processes)))
+
+
+def measurements_for(ctx: SetupContext, chain: LayerChain, optimizer: Any, contract: OptimizerContract,
+                     shard: tuple[int, int] | None) -> Measurements:
+    """The run's measurements of its machine (taken when a plan first asks): the optimizer's rate on a
+    probe sized by the model's trainable elements (this rank's share), the offload paths' disks."""
+    settings = ctx.settings
+    params = sum(p.numel() for m in (*chain.pre_modules, *chain.blocks, *chain.post_modules)
+                 for p in m.parameters() if p.requires_grad) // (shard[1] if shard else 1)
+    return Measurements(optimizer, probe_numel(params), contract.probe_shape, ctx.optimizer_threads,
+                        not ctx.device_tier,
+                        [probe_directory(p, ctx.default_root) for p in (settings.offload.paths or [None])],
+                        settings.offload)
+
+
+class Planner:
+    """The run's one planner with the tensor manager, built complete at setup from what setup reads
+    (:class:`SetupContext`), what was planned before Lightning's setup (:class:`BeforeSetup`: the device
+    plan, :attr:`config`, and the run's host budget, :attr:`host_budget_bytes`) and the run's measurements.
+    Two entry points: :meth:`plan_setup` (the unit size, the placement, the saved activations' tier), and the
+    warm step (:meth:`step_ended`, then :meth:`plan_warm_step` once, after optimizer step :data:`PLAN_STEP`,
+    when ``auto=True`` left any of :data:`FIRST_STEP_SETTINGS` unset)."""
+
+    def __init__(self, ctx: SetupContext, before: BeforeSetup, measurements: Measurements) -> None:
         self.ctx = ctx
-        self.config = plan_device(ctx.settings, module, ctx.device, simulated=ctx.simulated,
-                                  loss_scaling=ctx.precision.loss_scaler is not None, broadcast=ctx.broadcast,
-                                  report=ctx.report).resolved()
-        """The settings in effect before the tensor manager's plan: the device plan's (every kind on the GPU
-        where it all fits)."""
-        self.host_budget_bytes: int = ctx.broadcast(host_budget_bytes(ctx.settings, ctx.local_processes))
-        """The run's host budget, measured once (rank 0's): every plan of the run (the unit size, the
-        placement, the saved activations' tier, the warm-step plan) is made within this one number, not within
-        the memory available when each runs (which the run itself lowers)."""
+        self.config = before.config
+        self.host_budget_bytes = before.host_budget_bytes
+        self.measurements = measurements
+        """The run's measurements of its machine (the optimizer's rate, the disks), each taken at the
+        first plan that asks (setup's unit-size plan or the warm step's) and kept."""
         self.pending = ctx.settings.auto and bool(ctx.settings.unset() & FIRST_STEP_SETTINGS)
         """The warm-step plan is still to run."""
         self.steps, self.since = 0, 0.0
@@ -90,9 +121,6 @@ class Planner:
         and :attr:`unit_seconds` each unit's forward and backward seconds a micro-batch."""
         self.machine: Machine | None = None
         self.unit_seconds: tuple[list[float], list[float]] | None = None
-        self.measurements: Measurements | None = None
-        """The run's measurements of its machine (the optimizer's rate, the disks), made with the
-        optimizer at :meth:`plan_setup` and taken there or at the warm step, whichever plan asks first."""
         self.warm_step_s: float | None = None
         """The warm step's wall time (from the end of the step before it to its own end), beside which the
         warm-step plan prints its prediction."""
@@ -110,11 +138,6 @@ class Planner:
         # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
         # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
         planned_weights = ctx.device_tier and settings.auto and settings.offload.weights is None
-        params = sum(p.numel() for m in (*chain.pre_modules, *chain.blocks, *chain.post_modules)
-                     for p in m.parameters() if p.requires_grad) // (shard[1] if shard else 1)
-        self.measurements = Measurements(
-            optimizer, probe_numel(params), contract.probe_shape, ctx.optimizer_threads, not ctx.device_tier,
-            [probe_directory(p, ctx.default_root) for p in (settings.offload.paths or [None])], settings.offload)
         device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
                                           if planned_weights else None))
         sizes = ([c for c in CANDIDATES if c <= max(1, len(chain.blocks))]
@@ -167,7 +190,6 @@ class Planner:
         the host budget; where none can be measured, 1 (and the report says why)."""
         ctx = self.ctx
         result: int | str = 1
-        assert self.measurements is not None
         if ctx.is_global_zero:
             try:
                 scores = score_sizes({lpu: c for lpu, c in placed.items() if isinstance(c, Candidate)},
@@ -272,7 +294,6 @@ class Planner:
         the disks at these units' request sizes, weighted by the bytes each kind moves a step), with the
         words the report says the disks in. Raises ``OSError`` where a disk cannot be measured."""
         measured = self.measurements
-        assert measured is not None  # (made at setup)
         lane, inline = measured.rates
         if not manager.config.uses_ssd:
             return Machine(math.inf, math.inf, lane, inline, measured.shared), "no SSD tier"
