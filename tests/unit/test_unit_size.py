@@ -167,7 +167,8 @@ def warm_step(settings: GreedySnakeConfig, costs: list[UnitCost], machine: Machi
 
     import torch
 
-    from lightning_greedysnake.strategy.planning import Planner
+    from lightning_greedysnake.strategy.planning import Planner, plan_before_setup
+    from lightning_greedysnake.strategy.planning.measurements import Measurements
     from lightning_greedysnake.strategy.setup_context import SetupContext
 
     def nothing(*args: Any) -> None:
@@ -176,7 +177,8 @@ def warm_step(settings: GreedySnakeConfig, costs: list[UnitCost], machine: Machi
     ctx = SetupContext(dataclasses.replace(settings, auto_host_budget_bytes=budget), torch.device("cpu"), False,
                        0, 0, 1, 1, 4, Path("."), True, SimpleNamespace(loss_scaler=None), lambda obj: obj, nothing,
                        nothing, nothing, nothing, nothing)
-    planner = Planner(ctx, torch.nn.Linear(1, 1))
+    measurements = Measurements(None, 1 << 16, None, 1, True, [Path(".")], settings.offload)  # (not taken here)
+    planner = Planner(ctx, plan_before_setup(ctx, torch.nn.Linear(1, 1)), measurements)
     return planner.larger_units(costs, machine, budget, unit_input_bytes, 1, {**OPTIONS, **options})
 
 
