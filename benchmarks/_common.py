@@ -134,6 +134,63 @@ def child_result(script: str, name: str, args: Any, flags: list[str], extra: lis
     return json.loads(line[0][len("RESULT "):])
 
 
+IO_LOAD = r"""
+import mmap, os, signal, sys, threading, time
+path, request, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+size = request * threads * 8
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+fill = mmap.mmap(-1, request)
+for offset in range(0, size, request):  # (written once: a read of a hole moves nothing)
+    os.pwritev(fd, [fill], offset)
+stop, moved = threading.Event(), [0] * threads
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+def load(i):
+    buf, n = mmap.mmap(-1, request), 0
+    while not stop.is_set():
+        offset = ((i + n * threads) % (size // request)) * request
+        (os.pwritev if n % 2 else os.preadv)(fd, [buf], offset)
+        moved[i] += request
+        n += 1
+workers = [threading.Thread(target=load, args=(i,)) for i in range(threads)]
+t0 = time.perf_counter()
+for w in workers: w.start()
+print("started", flush=True)
+for w in workers: w.join()
+print(f"GBps {sum(moved) / 1e9 / (time.perf_counter() - t0):.3f}", flush=True)
+os.close(fd)
+os.unlink(path)
+"""
+"""A disk load apart from the measured process: ``threads`` threads, each alternating an O_DIRECT read and
+write of ``request`` bytes over a scratch file, as fast as the disk takes them, until SIGTERM
+(:func:`io_load`)."""
+
+
+@contextlib.contextmanager
+def io_load(directory: str, request_bytes: int = 12 << 20, threads: int = 4) -> Any:
+    """Keep the disk of ``directory`` busy (reads and writes alternated, ``threads`` deep, requests of
+    ``request_bytes``: the sizes and depth greedysnake's SSD path issues) in a process of its own while the
+    body runs, so that what the disk's traffic costs a computation beside it (its DMA through memory, its
+    interrupts, the kernel's work) is measured without greedysnake's own threads. Yields a dict whose
+    ``GBps`` is the load's bandwidth, read and written together, once the body is done."""
+    import time
+    from pathlib import Path
+
+    result: dict[str, float] = {}
+    path = str(Path(directory) / ".io-load.bin")
+    proc = subprocess.Popen([sys.executable, "-c", IO_LOAD, path, str(request_bytes), str(threads)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.readline()  # "started"
+    time.sleep(1.0)  # (the load at full speed before the body starts)
+    try:
+        yield result
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+        found = [line.split()[1] for line in out.splitlines() if line.startswith("GBps")]
+        result["GBps"] = float(found[0]) if found else 0.0
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process under it, found through ``/proc`` before any is killed (ninja puts
     each compiler it starts in a process group of its own, which a kill of the child's group misses, and
@@ -335,7 +392,6 @@ def measure_machine(args: Any, directory: str, quick: bool = False, device_tier:
     ``device_tier`` (None: whether CUDA is available), the cores the training and I/O threads leave), so
     the roofline's optimizer bound is the lane's, not all cores'. ``quick``: 8 MiB once and a small
     optimizer (a dry run's numbers, seconds sooner and meaningless)."""
-    from pathlib import Path
 
     from lightning_greedysnake.planner.measure import available_cores, optimizer_rate
     from lightning_greedysnake.planner.threads import optimizer_threads

@@ -31,6 +31,7 @@ when ``gs_default`` ran in the same round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -47,12 +48,16 @@ optimizer state on NVMe), the peer of greedysnake with its state on SSD; ``deeps
 both in host memory (ZeRO-Offload), the peer of greedysnake with its state in RAM (the defaults where the
 host budget holds the model's state)."""
 
-SYSTEMS = ["gs_vertical", "gs_vertical_ram", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu",
+SYSTEMS = ["gs_vertical", "gs_vertical_ram", "gs_vertical_ram_io", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu",
            "gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state", "gs_vertical_whole", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_vertical_ram``: the same fixed settings with every
 kind in RAM (the same schedule, recompute, lag and lane without the disk: the step and the lane's CPU that
-``gs_vertical``'s are set against, ``vs_same_in_ram`` and ``lane_cpu_vs_ram``); ``gs_planned``: it with the
+``gs_vertical``'s are set against, ``vs_same_in_ram`` and ``lane_cpu_vs_ram``); ``gs_vertical_ram_io``:
+``gs_vertical_ram`` while another process keeps the offload disk busy (``_common.io_load``: reads and writes
+alternated at greedysnake's request size and depth, as fast as the disk takes them), what the disk's traffic
+alone costs the same computation (its ``vs_same_in_ram``; ``gs_vertical``'s step against it,
+``vs_ram_beside_disk``, is what the SSD path costs beyond that); ``gs_planned``: it with the
 planner's choice, planned from the costs ``gs_vertical`` measured at the same K (so it runs after it); ``gs_auto``: the defaults
 (``auto=True``: placement planned at setup, the rest after the second step) with ``--host-budget-gb``;
 ``gs_auto_ssd``: the defaults with every kind on SSD (ZeRO-Infinity's placement given explicitly; the
@@ -80,7 +85,7 @@ def _ssd_bytes(trainer: Any) -> int:
 
 def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, Any]:
     import lightning as L
-    from _common import WARMUP_STEPS, gpt_module, token_loader
+    from _common import WARMUP_STEPS, gpt_module, io_load, token_loader
 
     from lightning_greedysnake import GreedySnakeStrategy
     from lightning_greedysnake.config import TensorKind
@@ -166,7 +171,7 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
     if system in ("gs_auto_ssd", "gs_auto_ssd_bf16_state"):
         settings = {"offload": {kind: "ssd" for kind in ("weights", "master_weights", "optimizer_states", "gradients")}}
         offload.pop("buffer_budget_bytes")
-    if system == "gs_vertical_ram":
+    if system in ("gs_vertical_ram", "gs_vertical_ram_io"):
         settings = {"auto": False, "offload": {kind.value: "host" for kind in TensorKind}}
     if system == "gs_default":
         settings = {}
@@ -191,7 +196,10 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
                         default_root_dir=args.offload_dir)
     with trainer.init_module(empty_init=system != "lightning_auto"):
         module = Module()
-    trainer.fit(module, token_loader(args.vocab, args.seq, k * args.steps))
+    with io_load(args.offload_dir) if system == "gs_vertical_ram_io" else contextlib.nullcontext({}) as load:
+        trainer.fit(module, token_loader(args.vocab, args.seq, k * args.steps))
+    if load:
+        extra["io_load_GBps"] = load["GBps"]
     return {"step_times": times, **extra}
 
 
@@ -327,6 +335,11 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str | None = None) -> None:
                                                                            row.get("optimizer_s", 0.0)), 3)
             if same.get("optimizer_cpu_s"):
                 row["lane_cpu_vs_ram"] = round(row["optimizer_cpu_s"] / same["optimizer_cpu_s"], 3)
+            beside = same_k.get("gs_vertical_ram_io")
+            if beside is not None:  # beyond what the disk's traffic alone costs the same computation
+                row["vs_ram_beside_disk"] = round(row["step_s"] / beside["step_s"], 3)
+        if row["system"] == "gs_vertical_ram_io" and same is not None:
+            row["vs_same_in_ram"] = round(row["step_s"] / same["step_s"], 3)
 
 
 AUTO_FALSE_ON_SSD = ("gs_vertical", "gs_bf16_state", "gs_8bit_state", "gs_vertical_whole")
@@ -415,7 +428,8 @@ def main() -> None:
         rows = _medians(rows) + rows
     add_ratios(rows, args.baseline)
     print_table(rows, ["system", "k", "round", "step_s", "tokens_per_s", "vs_deepspeed", "vs_deepspeed_cpu",
-                       "vs_lightning_auto", "vs_baseline", "vs_limit", "binds", "vs_same_in_ram",
+                       "vs_lightning_auto", "vs_baseline", "vs_limit", "binds", "vs_same_in_ram", "vs_ram_beside_disk",
+                       "io_load_GBps",
                        "vs_limit_same_schedule", "lane_cpu_vs_ram", "disk_busy_fraction", "read_GBps_busy",
                        "write_GBps_busy", "queue_depth", "optimizer_cpu_s", "optimizer_read_wait_s",
                        "forward_s", "forward_disk_busy", "backward_disk_busy", "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
