@@ -314,6 +314,13 @@ SECTIONS: tuple[Section, ...] = (
                                                      "round's probed speeds), with the forward phase's and the "
                                                      "rest's disk busy fractions, c8d41b9, bf16-mixed, three "
                                                      "rounds."),
+         Result("compare_issue54_io_cost_seq32", "What the disk's traffic alone costs the computation, against "
+                                                 "what the SSD path costs (598d08d, bf16-mixed, sequence 32, K=8, "
+                                                 "three rounds): `gs_vertical_ram_io` is the same fixed settings "
+                                                 "in RAM while another process keeps the disk busy "
+                                                 "(`vs_same_in_ram`), `gs_vertical`'s `vs_ram_beside_disk` its "
+                                                 "step against that; the forward phase apart."),
+         Result("compare_issue54_io_cost_seq128", "The same at sequence 128."),
          Result("compare_issue56_final_seq32", "Issue 56's speed check over the whole issue: bead1a1 (one "
                                                "setup placement per unit size, after the commits of the issue "
                                                "and the race fix) against 6233209, the commit before the "
