@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from lightning_greedysnake.config import TensorKind
-from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.errors import BufferBudgetError, ReadAheadGivenBackWarning
+from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.optim.protocols import StagedBuffer, Staging
 from lightning_greedysnake.optim.state_format import StateFormat, mix
 from lightning_greedysnake.optim.unit_optimizer import UnitOptimizer

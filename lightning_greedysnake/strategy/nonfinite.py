@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_greedysnake.steps import step_running
 from lightning_greedysnake.offload.device import named_sync
+from lightning_greedysnake.steps import step_running
 
 
 class NonFiniteError(FloatingPointError):

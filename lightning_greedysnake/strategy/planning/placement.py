@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from lightning_greedysnake.config import (
     REGION_KINDS,
     GreedySnakeConfig,
-    RunConfig,
     OffloadConfig,
+    RunConfig,
     Split,
     TensorKind,
     Tier,
