@@ -321,6 +321,10 @@ SECTIONS: tuple[Section, ...] = (
                                                  "(`vs_same_in_ram`), `gs_vertical`'s `vs_ram_beside_disk` its "
                                                  "step against that; the forward phase apart."),
          Result("compare_issue54_io_cost_seq128", "The same at sequence 128."),
+         Result("compare_issue54_planned_ssd_seq32", "Issue 54's option (b), the planned defaults with every kind "
+                                                     "on SSD (`gs_auto_ssd`, which plans recompute as "
+                                                     "`gs_default` does) against max(`gs_default`, the disk), "
+                                                     "4067d53, bf16-mixed, sequence 32, K=8, three rounds."),
          Result("compare_issue56_final_seq32", "Issue 56's speed check over the whole issue: bead1a1 (one "
                                                "setup placement per unit size, after the commits of the issue "
                                                "and the race fix) against 6233209, the commit before the "
