@@ -180,7 +180,9 @@ def io_load(directory: str, request_bytes: int = 12 << 20, threads: int = 4) -> 
     proc = subprocess.Popen([sys.executable, "-c", IO_LOAD, path, str(request_bytes), str(threads)],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    proc.stdout.readline()  # "started"
+    if proc.stdout.readline().strip() != "started":  # (it failed before the load began: its error is above)
+        proc.wait()
+        raise RuntimeError(f"the disk load in {directory} did not start (exit status {proc.returncode})")
     time.sleep(1.0)  # (the load at full speed before the body starts)
     try:
         yield result

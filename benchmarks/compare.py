@@ -48,8 +48,8 @@ optimizer state on NVMe), the peer of greedysnake with its state on SSD; ``deeps
 both in host memory (ZeRO-Offload), the peer of greedysnake with its state in RAM (the defaults where the
 host budget holds the model's state)."""
 
-SYSTEMS = ["gs_vertical", "gs_vertical_ram", "gs_vertical_ram_io", "gs_planned", "gs_auto", "gs_auto_ssd", "gs_default", "gs_cpu",
-           "gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state", "gs_vertical_whole", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
+SYSTEMS = ["gs_vertical", "gs_vertical_ram", "gs_vertical_ram_io", "gs_planned", "gs_auto", "gs_auto_ssd",
+           "gs_default", "gs_cpu", "gs_bf16_state", "gs_8bit_state", "gs_auto_ssd_bf16_state", "gs_vertical_whole", "gs_horizontal", "lightning_auto", "deepspeed", "deepspeed_cpu"]
 """``gs_vertical``: the vertical schedule with the fixed defaults (``auto=False``: ZeRO-Infinity's
 placement, every kind on SSD, alpha 0.25, lag 2); ``gs_vertical_ram``: the same fixed settings with every
 kind in RAM (the same schedule, recompute, lag and lane without the disk: the step and the lane's CPU that
@@ -432,7 +432,8 @@ def main() -> None:
                        "io_load_GBps",
                        "vs_limit_same_schedule", "lane_cpu_vs_ram", "disk_busy_fraction", "read_GBps_busy",
                        "write_GBps_busy", "queue_depth", "optimizer_cpu_s", "optimizer_read_wait_s",
-                       "forward_s", "forward_disk_busy", "backward_disk_busy", "fraction_of_roofline", "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
+                       "forward_s", "forward_disk_busy", "backward_disk_busy", "fraction_of_roofline",
+                       "ssd_GB_per_step", "bytes_vs_vertical", "time_vs_vertical", "time_vs_cpu"])
     out = Path(args.out)
     plotted = plot(rows, out.with_suffix(".png"))
     write_result(str(out), args, [*MODEL_FLAGS, "ks", "steps", "precision", "budget_gb", "baseline", "rounds"], rows,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lightning_greedysnake.offload.stats import IOStats, RequestCounter
+from lightning_greedysnake.planner.measure import is_backward_op
 
 
 @dataclass
@@ -226,11 +227,9 @@ class StepRecorder:
 
 
 def first_backward_op(compute: list[tuple[float, float, str]], since: float, until: float) -> float:
-    """The start of the first backward op (``B{u}.{m}``, ``L{u}.{m} backward``: the engine's names, which
-    :func:`~lightning_greedysnake.planner.measure.unit_times` reads too) of the compute lane in ``[since,
-    until]``; ``until`` where there is none."""
-    return min((start for start, _, name in compute
-                if start >= since and (name.startswith("B") or name.endswith("backward"))), default=until)
+    """The start of the first backward op (:func:`~lightning_greedysnake.planner.measure.is_backward_op`) of
+    the compute lane in ``[since, until]``; ``until`` where there is none."""
+    return min((start for start, _, name in compute if start >= since and is_backward_op(name)), default=until)
 
 
 LANE_ORDER = ("compute", "wait", "optimizer", "optimizer_wait", "ssd_read", "ssd_write", "disk_read", "disk_write")

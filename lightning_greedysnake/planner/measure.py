@@ -204,6 +204,13 @@ def _optimizer_rate(numel: int, repeats: int, optimizer: Any, shape: tuple[int, 
     return numel / best
 
 
+def is_backward_op(name: str) -> bool:
+    """Whether the compute lane's op ``name`` is a unit's backward (``B{u}.{m}``, ``L{u}.{m} backward``:
+    recompute included) rather than its forward (``F{u}.{m}``, ``L{u}.{m} forward``): the engine's and the
+    strategy's names, read by :func:`unit_times` and by the step telemetry's forward phase."""
+    return name[:1] in ("B", "L") and not name.endswith("forward")
+
+
 def unit_times(spans: dict[str, list[tuple[float, float, str]]], num_units: int
                ) -> tuple[list[float], list[float]]:
     """Forward and backward (recompute included) seconds per micro-batch of each unit, from the compute
@@ -221,10 +228,7 @@ def unit_times(spans: dict[str, list[tuple[float, float, str]]], num_units: int
         if not op or op[0] not in "FBL" or "." not in op:
             continue
         unit = int(op[1:].split(".")[0])
-        if op[0] == "F" or name.endswith("forward"):
-            fwd.setdefault(unit, []).append(end - start)
-        else:
-            bwd.setdefault(unit, []).append(end - start)
+        (bwd if is_backward_op(name) else fwd).setdefault(unit, []).append(end - start)
 
     def fastest(values: list[float]) -> float:
         return min(values, default=0.0)
