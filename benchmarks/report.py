@@ -325,6 +325,12 @@ SECTIONS: tuple[Section, ...] = (
                                                      "on SSD (`gs_auto_ssd`, which plans recompute as "
                                                      "`gs_default` does) against max(`gs_default`, the disk), "
                                                      "4067d53, bf16-mixed, sequence 32, K=8, three rounds."),
+         Result("compare_issue54_fast_disk_seq32", "Issue 54 on a faster disk (the probe is in the machine "
+                                                   "record), 8be93fe, bf16-mixed, sequence 32, K=8, three rounds "
+                                                   "(written to /tmp and copied here): the disk about half busy, "
+                                                   "the step bound by the two cores; `gs_auto_ssd`'s unit size, "
+                                                   "planned at setup from the disk alone, differs between rounds "
+                                                   "(its `plan` field), and so does its step."),
          Result("compare_issue56_final_seq32", "Issue 56's speed check over the whole issue: bead1a1 (one "
                                                "setup placement per unit size, after the commits of the issue "
                                                "and the race fix) against 6233209, the commit before the "
