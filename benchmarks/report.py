@@ -248,6 +248,10 @@ SECTIONS: tuple[Section, ...] = (
         (Result("unit_size_1024x12", "GPT 1024 x 12, sequence 128, K=8, 32-true, two rounds."),
          Result("unit_size_512x8", "GPT 512 x 8, sequence 32, K=8, 32-true, two rounds: a small model on a CPU, "
                                    "where larger units pay the engine's per-op cost fewer times."),
+         Result("unit_size_1024x12_seq32_bf16", "GPT 1024 x 12, sequence 32, K=8, bf16-mixed, every kind on "
+                                                "SSD, three rounds (54c166d): `compare.py`'s model and settings, "
+                                                "where the two cores bind; the planned size beside one and eight "
+                                                "blocks a unit."),
          Result("disk_mix", "A read stream beside a write stream, against the two in turn.")),
     ),
     Section(

@@ -4,6 +4,7 @@ processes, rounds apart.
 
     python benchmarks/unit_size.py                                    # GPT 512 x 8, seq 32, K=8, on SSD
     python benchmarks/unit_size.py --n-embd 1024 --n-layer 12 --seq 128 --placement ssd --rounds 2
+    python benchmarks/unit_size.py --n-embd 1024 --n-layer 12 --n-head 16 --seq 32 --precision bf16-mixed --sizes 1 8
 
 Every kind is on SSD (``--placement ssd``; ``host``: in RAM), the rest as the defaults plan it (alpha,
 lag, recompute and the staging budget after the second step, which may also suggest larger units). Reports each system's step time (the median of steps 2..N, rounds' median), its ratio to the
@@ -60,6 +61,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as d:
         strategy = GreedySnakeStrategy(layers_per_unit=lpu, offload=dict(placement, path=d, activations="host"))
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=args.steps, logger=False,
+                            precision=args.precision,
                             accumulate_grad_batches=args.k, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[Timer()])
         trainer.fit(module, token_loader(args.vocab, args.seq, args.k * args.steps))
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--placement", choices=["ssd", "host"], default="ssd")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's (e.g. bf16-mixed, as compare.py's)")
     parser.add_argument("--offload-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "unit_size.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -96,7 +99,8 @@ def main() -> None:
         args.offload_dir = d
         for r in range(args.rounds):
             for system in systems:
-                row = run_child(__file__, system, args, [*MODEL_FLAGS, "k", "steps", "placement", "offload_dir"], [])
+                row = run_child(__file__, system, args, [*MODEL_FLAGS, "k", "steps", "placement", "precision",
+                                                                    "offload_dir"], [])
                 runs[system].append(row)
                 print(f"  round {r} {system}: layers_per_unit {row['layers_per_unit']}, {row['step_s']:.3f} s",
                       file=sys.stderr)
@@ -116,7 +120,7 @@ def main() -> None:
         r["after_first_vs_fastest"] = round(r["after_first_s"] / fastest_total, 3)
     print_table(rows, ["system", "setup_layers_per_unit", "layers_per_unit", "step_s", "vs_fastest_fixed", "after_first_s",
                        "after_first_vs_fastest", "per_round"])
-    write_result(args.out, args, [*MODEL_FLAGS, "k", "steps", "rounds", "placement"], rows)
+    write_result(args.out, args, [*MODEL_FLAGS, "k", "steps", "rounds", "placement", "precision"], rows)
 
 
 if __name__ == "__main__":
