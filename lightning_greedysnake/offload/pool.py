@@ -7,16 +7,20 @@ one that fits later waits for a release (write-behind completions release from I
 Nobody calls :meth:`BufferPool.release` directly but a :class:`~lightning_greedysnake.offload.staging.Staged`
 handle, which does so only after every transfer on its buffer completed.
 
-With a device tier (a ``pinner``) the memory is page-locked for asynchronous copies, and registering it
-(``cudaHostRegister``) is slow and serializes with the driver: the pool then registers its memory once,
-as segments of a :class:`PinnedArena` (the first as large as the budget), carves every buffer out of them
-and gives it back into them; it never evicts nor unregisters until it is closed. A segment is added only
-when no free range fits a request the budget allows (a larger budget, or fragmented free ranges): in
-the first steps, never in the steady state (``registrations`` counts them).
+The pool maps its memory once, as segments of a :class:`StagingArena` (the first as large as the
+budget), carves every buffer out of them and gives it back into them; it never unmaps a segment until it
+is shrunk or closed. A segment is added only when no free range fits a request the budget allows (a larger
+budget, or fragmented free ranges): in the first steps, never in the steady state. The buffers of a run
+come in several sizes (a unit's weights, master weights, state, gradient, a deferred part's): a fresh
+mapping for each size the moment a cached one did not fit, as this pool once made without a device tier,
+faulted in and zeroed about a gigabyte a step on ``compare.py``'s GPT at one block a unit (about ten
+mappings of 48 to 160 MiB a step), a ninth of its step with every kind on SSD. With a device tier (a ``pinner``) each
+segment is also page-locked for asynchronous copies, once, as it is added: registering memory
+(``cudaHostRegister``) is slow and serializes with the driver (``registrations`` counts them).
 
 Debug mode (``GREEDYSNAKE_DEBUG_POOL=1``, or ``debug=True``): every buffer the pool hands out fresh and
 every buffer given back is filled with a poison pattern (all bits set: NaN in every float dtype), and an
-acquisition of a cached buffer first checks that the pattern is intact. So a read of a buffer after it
+acquisition of a free range first checks that the pattern is intact. So a read of a buffer after it
 was given back computes with NaN instead of plausible stale numbers, and a late write into a free
 buffer (an I/O still filling it) is an error naming the buffer's last owner.
 """
@@ -27,8 +31,9 @@ import bisect
 import os
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
+
+import torch
 
 from lightning_greedysnake.errors import BufferBudgetError
 from lightning_greedysnake.io import AlignedBuffer, align_up
@@ -44,8 +49,8 @@ def debug_pool_enabled() -> bool:
 
 
 FRAGMENTED_WAIT_S = 1.0
-"""With a :class:`PinnedArena`: how long a request whose bytes fit the budget but no free range waits for
-releases (transfers or the optimizer lane in flight) before the arena registers another segment."""
+"""How long a request whose bytes fit the budget but no free range waits for releases (transfers or the
+optimizer lane in flight) before the arena maps another segment."""
 
 FRAGMENTED_POLL_S = 0.05
 """How often a waiting request (fragmented, or a full budget) asks again whether anything will be
@@ -58,7 +63,7 @@ class PoolCorruptionError(AssertionError):
 
 
 class CarvedBuffer(AlignedBuffer):
-    """``nbytes`` of a :class:`PinnedArena` segment at ``offset``: the arena owns (and registered) the
+    """``nbytes`` of a :class:`StagingArena` segment at ``offset``: the arena owns (and registered) the
     memory, so :meth:`close` gives nothing back (the pool's release does)."""
 
     def __init__(self, segment: AlignedBuffer, segment_index: int, offset: int, nbytes: int) -> None:
@@ -68,7 +73,12 @@ class CarvedBuffer(AlignedBuffer):
         self._segment = segment
         self._mmap = None
         self._unpin = None
-        self.tensor = segment.tensor[offset : offset + nbytes]
+        # its own tensor over the segment's memory, not a view of the segment's tensor: views share their
+        # base's version counter, so an in-place write into one buffer (a step's new weights) would look to
+        # autograd like a change of every tensor saved from any other (weights used in place on the host)
+        base = segment.tensor
+        self.tensor = torch.empty(0, dtype=base.dtype).set_(base.untyped_storage(), base.storage_offset() + offset,
+                                                            (nbytes,))
 
     def memoryview(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         end = self.nbytes if nbytes is None else offset + nbytes
@@ -86,11 +96,12 @@ class CarvedBuffer(AlignedBuffer):
         pass  # (the arena's memory: given back by the pool's release, freed with the arena)
 
 
-class PinnedArena:
-    """Page-locked segments, each registered once, with the free ranges of each (first fit, coalesced).
-    Owned by a :class:`BufferPool`; every method is called with the pool's lock held."""
+class StagingArena:
+    """Mapped segments (with a ``pinner``, page-locked: each registered once), with the free ranges of
+    each (best fit, coalesced). Owned by a :class:`BufferPool`; every method is called with the pool's
+    lock held."""
 
-    def __init__(self, pinner: tuple[Callable[[int, int], None], Callable[[int], None]], debug: bool) -> None:
+    def __init__(self, pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None, debug: bool) -> None:
         self._pinner = pinner
         self._debug = debug
         self.segments: list[AlignedBuffer] = []
@@ -120,10 +131,11 @@ class PinnedArena:
         return CarvedBuffer(self.segments[index], index, offset, nbytes)
 
     def grow(self, nbytes: int, segment_bytes: int) -> CarvedBuffer:
-        """``nbytes`` at the start of a new registered segment of at least ``segment_bytes``."""
+        """``nbytes`` at the start of a new segment of at least ``segment_bytes`` (registered with a pinner)."""
         segment = AlignedBuffer(align_up(max(nbytes, segment_bytes)))
-        segment.pin(*self._pinner)
-        self.registrations += 1
+        if self._pinner is not None:
+            segment.pin(*self._pinner)
+            self.registrations += 1
         if self._debug:
             BufferPool._poison(segment)
         self.segments.append(segment)
@@ -159,30 +171,28 @@ class BufferPool:
         """Debug mode: who held each free buffer last (its ``what``), for the corruption message."""
         self._owner: dict[int, str] = {}
         self._budget_bytes = budget_bytes
-        """The most bytes held at once (in use plus cached). Written under ``_cond`` (:meth:`set_budget`)."""
+        """The most bytes in use at once. Written under ``_cond`` (:meth:`set_budget`)."""
         self.wait_timeout_s = wait_timeout_s
         self._cond = threading.Condition()
-        self._free: dict[int, list[AlignedBuffer]] = defaultdict(list)
-        self._free_bytes = 0
         self._in_use: dict[int, AlignedBuffer] = {}
         self.in_use_bytes = 0
         self._closed = False
         self._returning = 0
         """Buffers whose owners released them but that wait for I/O to finish before coming back."""
-        self._arena = PinnedArena(pinner, self.debug) if pinner is not None else None
-        """With a ``pinner`` (``(pin, unpin)`` of the device tier): the registered segments every buffer is
-        carved from (see the module's docstring); without one, buffers are cached by size in ``_free``."""
+        self._arena = StagingArena(pinner, self.debug)
+        """The segments every buffer is carved from (see the module's docstring); with a ``pinner`` (``(pin,
+        unpin)`` of the device tier), registered."""
         self.others_active = others_active
         """Whether a thread other than the caller holds buffers it will give back without the caller going
         on (asked by the calling thread, about the other: :meth:`StepLane.others_will_release
         <lightning_greedysnake.optim.lane.StepLane.others_will_release>`): then waiting for memory makes
         sense even when no I/O is in flight."""
         self.unserved_growths = 0
-        """Segments registered for a fragmented request that nothing in flight could serve (no transfer on
+        """Segments added for a fragmented request that nothing in flight could serve (no transfer on
         its way back, and ``others_active`` false: the other thread gone idle or blocked on the asker).
         Written under ``_cond``; read after a drain."""
         self.valve_growths = 0
-        """Segments registered after a fragmented request waited :data:`FRAGMENTED_WAIT_S` for a release
+        """Segments added after a fragmented request waited :data:`FRAGMENTED_WAIT_S` for a release
         that did not come (likewise)."""
 
     @property
@@ -218,46 +228,35 @@ class BufferPool:
                         return None
                     self._cond.wait(left)  # (a write-behind's completion gives its buffer back, and notifies)
                     continue
-                if self._arena is not None:
-                    if self.in_use_bytes + nbytes <= self._budget_bytes:
-                        arena = self._arena
-                        buf = arena.take(nbytes)
-                        if buf is None and arena.capacity_bytes < self._budget_bytes:
-                            buf = arena.grow(nbytes, self._budget_bytes - arena.capacity_bytes)  # (first use, a larger budget)
-                        if buf is None and not block:
-                            return None  # (fragmented: as if full)
-                        in_flight = self._returning > 0 or (self.others_active is not None and self.others_active())
-                        if buf is None and (not in_flight or fragmented_s >= FRAGMENTED_WAIT_S):
-                            # nothing coming back makes room, or not soon: one more registered segment
-                            buf = arena.grow(nbytes, self._budget_bytes // 4)
-                            if in_flight:
-                                self.valve_growths += 1
-                            else:
-                                self.unserved_growths += 1
-                        if buf is not None:
-                            if self.debug:
-                                self._check_poison(buf, what)
-                            break
-                        # the bytes fit but no free range does: wait for a release to make one (as a full
-                        # budget waits), rather than register memory in the steady state
-                        t0 = time.monotonic()
-                        self._cond.wait(FRAGMENTED_POLL_S)
-                        fragmented_s += time.monotonic() - t0
+                if self.in_use_bytes + nbytes <= self._budget_bytes:
+                    arena = self._arena
+                    buf = arena.take(nbytes)
+                    if buf is None and arena.capacity_bytes < self._budget_bytes:
+                        buf = arena.grow(nbytes, self._budget_bytes - arena.capacity_bytes)  # (first use, a larger budget)
+                    if buf is None and not block:  # (fragmented: as if full, waiting as a full budget does)
+                        left = deadline - time.monotonic()
+                        if self._returning == 0 or left <= 0:
+                            return None
+                        self._cond.wait(left)
                         continue
-                else:
-                    cached = self._free.get(nbytes)
-                    if cached:
-                        buf = cached.pop()
-                        self._free_bytes -= nbytes
+                    in_flight = self._returning > 0 or (self.others_active is not None and self.others_active())
+                    if buf is None and (not in_flight or fragmented_s >= FRAGMENTED_WAIT_S):
+                        # nothing coming back makes room, or not soon: one more segment
+                        buf = arena.grow(nbytes, self._budget_bytes // 4)
+                        if in_flight:
+                            self.valve_growths += 1
+                        else:
+                            self.unserved_growths += 1
+                    if buf is not None:
                         if self.debug:
                             self._check_poison(buf, what)
                         break
-                    if self.in_use_bytes + nbytes <= self._budget_bytes:
-                        self._evict(self.in_use_bytes + self._free_bytes + nbytes - self._budget_bytes)
-                        buf = AlignedBuffer(nbytes)  # (unpinned: a pinner makes the arena)
-                        if self.debug:
-                            self._poison(buf)  # fresh memory is zero: as plausible as stale numbers
-                        break
+                    # the bytes fit but no free range does: wait for a release to make one (as a full
+                    # budget waits), rather than map memory in the steady state
+                    t0 = time.monotonic()
+                    self._cond.wait(FRAGMENTED_POLL_S)
+                    fragmented_s += time.monotonic() - t0
+                    continue
                 # (here the request does not fit the budget: a non-blocking one returned None above)
                 if self._returning == 0 and not (self.others_active is not None and self.others_active()):
                     # nothing in flight will ever give memory back: waiting would hang
@@ -303,22 +302,13 @@ class BufferPool:
             owned = self._in_use.pop(id(buf), None)
             assert owned is buf, "released a buffer this pool did not hand out"
             self.in_use_bytes -= buf.nbytes
-            if self._arena is not None:
-                assert isinstance(buf, CarvedBuffer)
-                if self.debug and not self._closed:
-                    self._poison(buf)
-                    self._last_owner[(buf.segment_index, buf.offset)] = self._owner.pop(id(buf), "?")
-                self._arena.give_back(buf)
-                if self._closed and not self._in_use:
-                    self._arena.close()
-            elif self._closed:
-                buf.close()
-            else:
-                if self.debug:
-                    self._poison(buf)
-                    self._last_owner[id(buf)] = self._owner.pop(id(buf), "?")
-                self._free[buf.nbytes].append(buf)
-                self._free_bytes += buf.nbytes
+            assert isinstance(buf, CarvedBuffer)
+            if self.debug and not self._closed:
+                self._poison(buf)
+                self._last_owner[(buf.segment_index, buf.offset)] = self._owner.pop(id(buf), "?")
+            self._arena.give_back(buf)
+            if self._closed and not self._in_use:
+                self._arena.close()
             self._cond.notify_all()
 
     @staticmethod
@@ -345,46 +335,28 @@ class BufferPool:
         held = ", ".join(f"{self._owner.get(key, '?')} ({buf.nbytes})" for key, buf in self._in_use.items())
         return f" ({held})"
 
-    def _last_owner_of(self, buf: AlignedBuffer) -> str:
-        if isinstance(buf, CarvedBuffer):  # (the last owner of the range that started where it starts)
-            return self._last_owner.get((buf.segment_index, buf.offset), "?")
-        return self._last_owner.get(id(buf), "?")
+    def _last_owner_of(self, buf: CarvedBuffer) -> str:
+        """(The last owner of the range that started where ``buf`` starts.)"""
+        return self._last_owner.get((buf.segment_index, buf.offset), "?")
 
     @property
     def registrations(self) -> int:
         """Page-lock registrations of the pool's memory since construction (the arena's segments)."""
         with self._cond:
-            return self._arena.registrations if self._arena is not None else 0
-
-    def _evict(self, excess: int) -> None:
-        """Close cached buffers until ``excess`` bytes are gone (called with the lock held)."""
-        for size in sorted(self._free, reverse=True):
-            bufs = self._free[size]
-            while bufs and excess > 0:
-                evicted = bufs.pop()
-                self._last_owner.pop(id(evicted), None)
-                evicted.close()
-                self._free_bytes -= size
-                excess -= size
+            return self._arena.registrations
 
     def shrink(self, budget_bytes: int) -> None:
-        """A smaller budget, and the memory beyond what is in use given back to the system: the cached
-        buffers, and with nothing in use the registered segments (a request registers a new one, of at
-        most the new budget). The end of a run: the hand-back needs one unit's staging, not the run's."""
+        """A smaller budget, and with nothing in use the segments given back to the system (a request maps a
+        new one, of at most the new budget). The end of a run: the hand-back needs one unit's staging, not
+        the run's."""
         with self._cond:
             self._budget_bytes = budget_bytes
-            self._evict(self._free_bytes)
-            if self._arena is not None and not self._in_use:
+            if not self._in_use:
                 self._arena.close()
 
     def close(self) -> None:
-        """Frees cached buffers; buffers still in use are freed as they come back."""
+        """Frees the segments now, or as the last buffer still in use comes back."""
         with self._cond:
             self._closed = True
-            if self._arena is not None and not self._in_use:
+            if not self._in_use:
                 self._arena.close()
-            for bufs in self._free.values():
-                for buf in bufs:
-                    buf.close()
-            self._free.clear()
-            self._free_bytes = 0
