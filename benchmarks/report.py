@@ -335,6 +335,11 @@ SECTIONS: tuple[Section, ...] = (
                                                    "the step bound by the two cores; `gs_auto_ssd`'s unit size, "
                                                    "planned at setup from the disk alone, differs between rounds "
                                                    "(its `plan` field), and so does its step."),
+         Result("compare_issue54_arena_seq32", "The staging pool's one mapped arena without a device tier "
+                                               "(a07cbbc) against the cache by exact size before it (6fbdbca), "
+                                               "bf16-mixed, sequence 32, K=8, three rounds alternating: "
+                                               "`vs_baseline` is the speed-up; `gs_auto_ssd` planned eight "
+                                               "blocks a unit in every run, where the old cache seldom missed."),
          Result("compare_issue56_final_seq32", "Issue 56's speed check over the whole issue: bead1a1 (one "
                                                "setup placement per unit size, after the commits of the issue "
                                                "and the race fix) against 6233209, the commit before the "
