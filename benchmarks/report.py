@@ -340,6 +340,13 @@ SECTIONS: tuple[Section, ...] = (
                                                "bf16-mixed, sequence 32, K=8, three rounds alternating: "
                                                "`vs_baseline` is the speed-up; `gs_auto_ssd` planned eight "
                                                "blocks a unit in every run, where the old cache seldom missed."),
+         Result("compare_issue54_after_arena_seq32", "Issue 54's three readings after the one arena (286362c), "
+                                                     "bf16-mixed, sequence 32, K=8, three rounds: `gs_vertical` "
+                                                     "against max(`gs_default`, the disk) (`vs_limit`, as the "
+                                                     "issue states it) and against the same fixed settings in "
+                                                     "RAM (`vs_same_in_ram`); the planned defaults on SSD "
+                                                     "(`gs_auto_ssd`) against max(`gs_default`, the disk)."),
+         Result("compare_issue54_after_arena_seq128", "The same at sequence 128."),
          Result("compare_issue56_final_seq32", "Issue 56's speed check over the whole issue: bead1a1 (one "
                                                "setup placement per unit size, after the commits of the issue "
                                                "and the race fix) against 6233209, the commit before the "
