@@ -163,6 +163,47 @@ class UnitGradients(L.Callback):
         return [{n: calls[s] for n, calls in self.per_name.items()} for s in range(steps)]
 
 
+class Grads(UnitGradients):
+    """Every window's gradient: ``param.grad`` where Lightning steps resident parameters, else the tensor
+    manager's accumulators (through the strategy's gradient hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resident: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        self.resident.append({n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None})
+
+    @property
+    def grads(self) -> list[dict[str, torch.Tensor]]:
+        return self.windows() if self.per_name else self.resident
+
+
+NOISE = 1e-6
+"""A reference gradient this small in every window is rounding noise: an attention's key bias, which
+softmax does not see (one shift of all of a query's scores), or, under rotary embeddings, the part of it in
+the slowest rotary pair, which over a short sequence barely rotates. Adam normalizes noise into lr-sized
+steps, differently for any order of summation (and any CPU's kernels), so such weights are compared by
+their gradients only."""
+
+
+def assert_weights_match(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                         ref_windows: list[dict[str, torch.Tensor]], noisy: str, most: int) -> None:
+    """Every weight to 1e-5, but those whose reference gradient is noise in every window (:data:`NOISE`,
+    not exactly zero): only in parameters whose name ends with ``noisy`` (an attention's q/k/v bias), at
+    most ``most`` elements of each. Compare the windows' gradients too: they hold these weights to account."""
+    peak = {n: torch.stack([w[n].abs() for w in ref_windows]).amax(0) for n in ref if n in ref_windows[0]}
+    noise_only = {n: (g < NOISE) & (g > 0) for n, g in peak.items()}
+    skipped = {n: int(m.sum()) for n, m in noise_only.items() if m.any()}
+    assert all(n.endswith(noisy) for n in skipped), skipped
+    assert all(count <= most for count in skipped.values()), skipped
+    for name in ref:
+        diff = (got[name] - ref[name]).abs()
+        if name in noise_only:
+            diff = diff.masked_fill(noise_only[name], 0)
+        assert diff.max() <= 1e-5, (name, diff.max().item())
+
+
 class ResumableLoader:
     """A DataLoader that resumes mid-epoch (Lightning's ``state_dict``/``load_state_dict`` protocol for
     stateful loaders): it remembers how many batches it handed out and skips them after a restore."""

@@ -17,7 +17,7 @@ from lightning_greedysnake import GreedySnakeStrategy  # noqa: E402
 from lightning_greedysnake.models import chain_of  # noqa: E402
 from lightning_greedysnake.models import hf as hf_adapter  # noqa: E402
 from lightning_greedysnake.recipes.hf_module import HFCausalLMModule, export_hf  # noqa: E402
-from tests.helpers import make_trainer, max_abs_diff, token_loader  # noqa: E402
+from tests.helpers import Grads, assert_weights_match, make_trainer, max_abs_diff, token_loader  # noqa: E402
 
 VOCAB = 64
 LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -55,7 +55,7 @@ def _fit(strategy: Any, family: str = "llama", root: Any = None, pretrained: str
          empty_init: bool = False, callbacks: list | None = None, max_epochs: int = 2) -> tuple[dict, Any, Any]:
     L.seed_everything(0, verbose=False)
     trainer = make_trainer(strategy, 3, max_epochs=max_epochs, default_root_dir=root, callbacks=callbacks or [],
-                           enable_checkpointing=bool(callbacks))
+                           enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []))
     with trainer.init_module(empty_init=empty_init):
         module = HFCausalLMModule(CONFIGS[family], pretrained=pretrained, lr=3e-3, warmup_steps=2)
     trainer.fit(module, token_loader(7, vocab=VOCAB))
@@ -64,9 +64,16 @@ def _fit(strategy: Any, family: str = "llama", root: Any = None, pretrained: str
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_greedysnake_trains_a_hf_model_as_lightning_does(family, tmp_path):
-    reference, _, _ = _fit("auto", family, tmp_path / "a")
-    got, _, _ = _fit(GreedySnakeStrategy(auto=False), family, tmp_path / "g")  # state on SSD
-    assert max_abs_diff(reference, got) <= 1e-5
+    """Every window's gradient to 1e-6, the weights to 1e-5 but GPT-2's key bias (a third of each fused
+    c_attn.bias): its gradient is rounding noise, which Adam turns into lr-sized steps (1.4e-5 on an AMD
+    EPYC's kernels, where the gradients agree to 1e-7)."""
+    ref_grads, got_grads = Grads(), Grads()
+    reference, _, _ = _fit("auto", family, tmp_path / "a", callbacks=[ref_grads])
+    got, _, _ = _fit(GreedySnakeStrategy(auto=False), family, tmp_path / "g", callbacks=[got_grads])  # state on SSD
+    assert len(got_grads.grads) == len(ref_grads.grads) > 0
+    for step, (g, r) in enumerate(zip(got_grads.grads, ref_grads.grads, strict=True)):
+        assert g.keys() == r.keys() and max_abs_diff(g, r) <= 1e-6, step
+    assert_weights_match(got, reference, ref_grads.grads, "attn.c_attn.bias", CONFIGS["gpt2"]["n_embd"])
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
