@@ -12,10 +12,11 @@ budget), carves every buffer out of them and gives it back into them; it never u
 is shrunk or closed. A segment is added only when no free range fits a request the budget allows (a larger
 budget, or fragmented free ranges): in the first steps, never in the steady state. The buffers of a run
 come in several sizes (a unit's weights, master weights, state, gradient, a deferred part's): a fresh
-mapping for each size the moment a cached one did not fit, as this pool once made without a device tier,
-faulted in and zeroed about a gigabyte a step on ``compare.py``'s GPT at one block a unit (about ten
-mappings of 48 to 160 MiB a step), a ninth of its step with every kind on SSD. With a device tier (a ``pinner``) each
-segment is also page-locked for asynchronous copies, once, as it is added: registering memory
+mapping for each size the moment a cached one did not fit, as this pool once made without a device
+tier, faulted in and zeroed about a gigabyte a step on ``compare.py``'s GPT at one block a unit (about
+ten mappings of 48 to 160 MiB a step), a ninth of its step with every kind on SSD
+(``benchmarks/results/compare_issue54_arena_seq32.json``). With a device tier (a ``pinner``) each segment
+is also page-locked for asynchronous copies, once, as it is added: registering memory
 (``cudaHostRegister``) is slow and serializes with the driver (``registrations`` counts them).
 
 Debug mode (``GREEDYSNAKE_DEBUG_POOL=1``, or ``debug=True``): every buffer the pool hands out fresh and
@@ -75,10 +76,13 @@ class CarvedBuffer(AlignedBuffer):
         self._unpin = None
         # its own tensor over the segment's memory, not a view of the segment's tensor: views share their
         # base's version counter, so an in-place write into one buffer (a step's new weights) would look to
-        # autograd like a change of every tensor saved from any other (weights used in place on the host)
+        # autograd like a change of every tensor saved from any other (weights used in place on the host).
+        # Made outside inference mode whatever the caller's (an evaluation loop's): a slice of the segment's
+        # tensor never was an inference tensor, and training writes into the buffer it carves later
         base = segment.tensor
-        self.tensor = torch.empty(0, dtype=base.dtype).set_(base.untyped_storage(), base.storage_offset() + offset,
-                                                            (nbytes,))
+        with torch.inference_mode(False):
+            self.tensor = torch.empty(0, dtype=base.dtype).set_(
+                base.untyped_storage(), base.storage_offset() + offset, (nbytes,))
 
     def memoryview(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         end = self.nbytes if nbytes is None else offset + nbytes
@@ -101,7 +105,8 @@ class StagingArena:
     each (best fit, coalesced). Owned by a :class:`BufferPool`; every method is called with the pool's
     lock held."""
 
-    def __init__(self, pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None, debug: bool) -> None:
+    def __init__(self, pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None,
+                 debug: bool) -> None:
         self._pinner = pinner
         self._debug = debug
         self.segments: list[AlignedBuffer] = []
@@ -131,7 +136,8 @@ class StagingArena:
         return CarvedBuffer(self.segments[index], index, offset, nbytes)
 
     def grow(self, nbytes: int, segment_bytes: int) -> CarvedBuffer:
-        """``nbytes`` at the start of a new segment of at least ``segment_bytes`` (registered with a pinner)."""
+        """``nbytes`` at the start of a new segment of at least ``segment_bytes`` (registered, with a
+        pinner)."""
         segment = AlignedBuffer(align_up(max(nbytes, segment_bytes)))
         if self._pinner is not None:
             segment.pin(*self._pinner)

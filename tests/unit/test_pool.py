@@ -124,6 +124,55 @@ def test_buffers_of_every_size_come_from_one_mapping_without_a_device_tier():
     pool.close()
 
 
+def test_each_buffer_has_its_own_version_counter_and_none_is_an_inference_tensor():
+    """Buffers carved from one segment are separate tensors to autograd: an in-place write into one (a
+    step's new weights) does not bump the version of a tensor saved from another (weights used in place,
+    saved for backward), which slices of the segment's tensor did. A buffer carved inside inference mode
+    (an evaluation loop) is a normal tensor, which training may write and save."""
+    import torch
+
+    pool = BufferPool(4 * 4096)
+    a, b = pool.acquire(4096), pool.acquire(4096)
+    w = torch.ones(4, requires_grad=True)
+    saved = a.view(torch.float32, 4)
+    loss = (w * saved).sum()  # (autograd saves ``saved`` for w's gradient)
+    b.view(torch.float32, 4).add_(1.0)
+    loss.backward()  # (raised "modified by an inplace operation" when both were views of the segment)
+    pool.release(a)
+    pool.release(b)
+    with torch.inference_mode():
+        c = pool.acquire(4096)
+    assert not c.tensor.is_inference()
+    pool.release(c)
+    pool.close()
+
+
+def test_a_fragmented_request_ahead_of_need_waits_for_a_write_behind():
+    """Work ahead of need (``block=False``) whose bytes fit the budget but no free range does waits, up to
+    ``returning_wait_s``, for a buffer on its way back from a write, as it does when the budget is full,
+    rather than being refused at once (a promised prefetch was refused under slow writes)."""
+    pool = BufferPool(4 * 4096)
+    a, b, c, d = (pool.acquire(4096) for _ in range(4))
+    pool.release(a)
+    pool.release(c)  # (two free pages apart: the two wanted next fit the budget, no free range does)
+    assert pool.in_use_bytes + 2 * 4096 <= pool.budget_bytes
+    assert pool.acquire(2 * 4096, block=False) is None  # (no wait asked: refused at once)
+    pool.will_return()  # b released behind a write still in flight (its page joins the two)
+
+    def finish_write() -> None:
+        time.sleep(0.2)
+        pool.release(b, returning=True)
+
+    t = threading.Thread(target=finish_write)
+    t.start()
+    got = pool.acquire(2 * 4096, block=False, returning_wait_s=5.0)
+    t.join()
+    assert got is not None and got.nbytes == 2 * 4096
+    pool.release(got)
+    pool.release(d)
+    pool.close()
+
+
 def test_the_debug_pool_poisons_what_is_given_back_and_names_a_write_into_a_free_buffer():
     import torch
 
