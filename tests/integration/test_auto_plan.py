@@ -177,10 +177,9 @@ def test_larger_units_predicted_faster_are_suggested_for_the_next_run_and_the_un
     """The files are laid out by the unit size: where the warm-step plan finds larger units faster, the
     report names the ``layers_per_unit`` to set; this run keeps its units. Stand-ins: setup's choice is
     pinned to one block, and every larger size counts as faster."""
-    from lightning_greedysnake.planner import unit_size
-    from lightning_greedysnake.strategy.planning import Planner
+    from lightning_greedysnake.planner import setup, unit_size
 
-    monkeypatch.setattr(Planner, "unit_size", lambda *a, **kw: 1)
+    monkeypatch.setattr(setup, "choose_unit_size", min)  # (setup's: the smallest scored size)
     monkeypatch.setattr(unit_size, "LARGER_UNIT_GAIN", -10.0)
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=1 << 30, offload=ALL_SSD)
     with caplog.at_level("INFO"):

@@ -13,11 +13,13 @@ import torch
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.models import find_layered_model
+from lightning_greedysnake.offload.regions import placement_of
 from lightning_greedysnake.optim.contract import optimizer_contract
 from lightning_greedysnake.planner import measure
 from lightning_greedysnake.planner.unit_size import CANDIDATES
-from lightning_greedysnake.strategy.planning import unit_size
-from lightning_greedysnake.strategy.planning.placement import staging_estimate
+from lightning_greedysnake.planner.measure import unit_costs
+from lightning_greedysnake.planner.plan import staging_bytes
+from lightning_greedysnake.strategy.planning.placement import PlannedState, candidate_layouts
 from tests.helpers import TinyGPTModule, bf16_policy_run, make_trainer, max_abs_diff, token_loader
 from tests.integration.test_planned_placement import K, Seen
 
@@ -100,9 +102,9 @@ def test_sizes_whose_staging_exceeds_the_budget_are_not_candidates(monkeypatch, 
     _, _, chain = find_layered_model(module, None)
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    layouts = unit_size.candidate_layouts(settings, chain, optimizer, optimizer_contract(optimizer), torch.float32, None,
-                                          [1, 2])
-    staging = {lpu: staging_estimate(state, settings.resolved().offload, 2) for lpu, state in layouts.items()}
+    layouts = candidate_layouts(settings, chain, optimizer, optimizer_contract(optimizer), torch.float32, None, [1, 2])
+    staging = {lpu: staging_bytes(unit_costs(PlannedState(state, placement_of(state, settings.resolved().offload))), 2)
+               for lpu, state in layouts.items()}
     budget = (staging[1] + staging[2]) // 2  # one block per unit fits (at the fixed lag, 2), two do not
     strategy = GreedySnakeStrategy(auto_host_budget_bytes=budget, offload=ON_SSD)
     with caplog.at_level("INFO"):
@@ -114,7 +116,7 @@ def test_sizes_whose_staging_exceeds_the_budget_are_not_candidates(monkeypatch, 
 def test_setup_places_each_candidate_size_once_and_runs_the_chosen_ones_placement(monkeypatch, caplog):
     """One pass: each unit size is placed once within the host budget and scored, and setup runs the chosen
     size's placement as scored (it placed the chosen size a second time before)."""
-    from lightning_greedysnake.strategy.planning import placement
+    from lightning_greedysnake.planner import setup as placement
 
     calls: list[int] = []
     real = placement.plan_placement

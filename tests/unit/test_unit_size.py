@@ -38,18 +38,34 @@ def disk(latency_s: float, bytes_per_s: float = 2e9):
     return bandwidth
 
 
+class Probed:
+    """The measurements setup's plan asks for (:class:`~lightning_greedysnake.planner.setup.Probes`), given."""
+
+    def __init__(self, bandwidth, rate: float) -> None:
+        self.bandwidth, self.rates, self.where, self.asked = bandwidth, (rate, None), "/mnt/nvme", []
+
+    def disk(self, requests):
+        self.asked.append(list(requests))
+        return self.bandwidth
+
+
 def at_setup(bandwidth, costs: list[UnitCost] | None = None, rate: float = 1e9, on_ssd: frozenset[str] | None = None,
              sizes=(1, 2, 4, 8), budget: int = 1 << 30):
-    """Setup's scores of ``costs`` (per layer; no compute, as setup sees them) merged into each size."""
-    from lightning_greedysnake.strategy.planning.unit_size import Candidate, score_candidates
+    """Setup's plan (:func:`~lightning_greedysnake.planner.setup.plan_setup`, nothing to place) of ``costs``
+    (per layer; no compute, as setup sees them) merged into each size: its scores."""
+    from lightning_greedysnake.planner.setup import SetupInputs, Sized, plan_setup
 
-    placed = {}
+    candidates = {}
     for lpu in sizes:
         units = merge(costs or layers(), lpu)
         if on_ssd is not None:
             units = [dataclasses.replace(u, on_ssd=on_ssd) for u in units]
-        placed[lpu] = Candidate(units, traffic(units, "vertical", 4), 2, budget, FIRST_STEPS)
-    return score_candidates(placed, bandwidth, rate, 4)
+        candidates[lpu] = Sized(units, {}, 2)
+    inputs = SetupInputs(candidates, frozenset(), budget, 4, FIRST_STEPS.lag, False, FIRST_STEPS.alpha, "vertical",
+                         False, False, FIRST_STEPS.offload.prefetch_units)
+    choice = plan_setup(inputs, Probed(bandwidth, rate))
+    assert choice.scores is not None and choice.layers_per_unit == choose_unit_size(choice.scores.plans)
+    return choice.scores
 
 
 def test_a_disk_slow_per_request_gets_larger_units():

@@ -6,14 +6,20 @@ is :mod:`lightning_greedysnake.planner`'s, which measures nothing and reads no s
 from __future__ import annotations
 
 import functools
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning_greedysnake.config import OffloadConfig
 from lightning_greedysnake.offload.preflight import disk_free_bytes
-from lightning_greedysnake.planner.measure import PROBE_SIZES, interpolate, optimizer_rate, request_bandwidth
+from lightning_greedysnake.planner.measure import (
+    PROBE_SIZES,
+    interpolate,
+    optimizer_rate,
+    probe_sizes,
+    request_bandwidth,
+)
 from lightning_greedysnake.planner.unit_size import Bandwidth
 
 
@@ -74,20 +80,18 @@ class Measurements:
         lane = optimizer_rate(numel=self.numel, optimizer=self.optimizer, threads=self.threads, shape=self.shape)
         return lane, optimizer_rate(numel=self.numel, optimizer=self.optimizer, shape=self.shape) if self.shared else None
 
-    def disk(self, sizes: list[int]) -> Bandwidth:
-        """The offload paths' (read, write) bytes/s by request size: measured at ``sizes`` (capped by
+    def disk(self, requests: Sequence[int]) -> Bandwidth:
+        """The offload paths' (read, write) bytes/s by request size: measured at the probe sizes that
+        bracket ``requests`` (:func:`~lightning_greedysnake.planner.measure.probe_sizes`, capped by
         :func:`probe_cap_bytes`) the first time, the same points afterwards (interpolated). Paths are
         striped round robin, so the slowest binds, once per path. Raises ``OSError`` where a disk cannot
         be measured."""
         if self._disk is None:
             cap = min(probe_cap_bytes(d) for d in self.dirs)
-            sizes = [s for s in sizes if s <= cap] or [cap]
+            sizes = [s for s in probe_sizes(requests) if s <= cap] or [cap]
             per_path = [request_bandwidth(d, sizes, self.io.io_threads, self.io.io_chunk_bytes, self.io.direct_io,
                                           min(8 << 20, cap)) for d in self.dirs]
             n = len(self.dirs)
             self._disk = {s: (n * min(p[s][0] for p in per_path), n * min(p[s][1] for p in per_path)) for s in sizes}
         return interpolate(self._disk)
 
-
-NOTHING_MOVES: Bandwidth = interpolate({1: (math.inf, math.inf)})
-"""The disks of a plan that puts nothing on SSD: not measured."""

@@ -1,12 +1,15 @@
-"""``auto=True`` at setup: the host budget, and the kinds whose placement the user left unset placed
-between host memory and SSD within it (:mod:`lightning_greedysnake.planner.placement`). Settings the
-user gave are kept as given."""
+"""``auto=True`` at setup, the settings' side of the plan: the host budget, each candidate unit size as
+the pure plan takes it (:func:`sized`), and the plan's choice turned into the run's settings
+(:func:`placed_config`: the kinds the user left unset placed between the device, host memory and SSD,
+:mod:`lightning_greedysnake.planner.setup`). Settings the user gave are kept as given."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from collections.abc import Mapping
+
+import torch
 
 from lightning_greedysnake.config import (
     REGION_KINDS,
@@ -18,18 +21,17 @@ from lightning_greedysnake.config import (
     Tier,
 )
 from lightning_greedysnake.layout import StateLayout, UnitLayout, unit_tiers
+from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.offload.regions import SLOTTED, placement_of
-from lightning_greedysnake.offload.staging import staging_budget_of
+from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner.measure import unit_costs
-from lightning_greedysnake.planner.placement import PlacementPlan, plan_placement
+from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.roofline import UnitCost
+from lightning_greedysnake.planner.setup import ACTIVATION_SHARE, SetupChoice, Sized
+from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.planning.device import DeviceSide, weights_room_bytes
-
-ACTIVATION_SHARE = 8
-"""The placement leaves 1/8 of the host budget for saved activations in host memory (their size
-depends on the batch, which setup does not see: with ``offload.activations`` unset the first save puts
-them on SSD when a window's exceed it, and the warm-step plan counts them as measured)."""
+from lightning_greedysnake.tensor_manager import state_format_for, state_layout
 
 
 def available_memory_bytes() -> int:
@@ -49,15 +51,6 @@ def host_budget_bytes(config: GreedySnakeConfig, local_processes: int) -> int:
     if config.auto_host_budget_bytes is not None:
         return config.auto_host_budget_bytes
     return available_memory_bytes() // 2 // max(1, local_processes)
-
-
-def staging_estimate(state: StateLayout, offload: OffloadConfig, lag: int, device_tier: bool = False) -> int:
-    """The staging budget the tensor manager will take: the user's, else the automatic one with every
-    planned kind on SSD (the most it can be: host-resident units need no staging, device-resident
-    weights none outside a step). ``device_tier``: units placed on ``device`` are in device memory."""
-    if offload.buffer_budget_bytes is not None:
-        return offload.buffer_budget_bytes
-    return staging_budget_of(state, offload, lag, device_tier).automatic_bytes
 
 
 def budget_error(settings: GreedySnakeConfig, budget: int, staging: int, lag: int) -> str:
@@ -154,49 +147,39 @@ def as_placement(sizes: list[int], host_units: int, device_units: int = 0) -> Ti
     return placement
 
 
-def place_kinds(settings: GreedySnakeConfig, fixed: RunConfig, state: StateLayout, k: int, budget: int, *,
-                speculative: bool, clip_norm: bool, device: DeviceSide) -> tuple[int, PlacementPlan]:
-    """The first window's lag and the placement plan of the kinds ``settings`` (the user's) leave unset
-    (``auto=True`` with at least one), within ``budget``; ``fixed``: the settings in effect before this
-    plan (:attr:`Planner.config`). Pure: every rank computes the same from the same inputs. Raises
-    ``ValueError`` when the staging alone exceeds the budget."""
-    planned = settings.offload.unset() & set(REGION_KINDS)
-    every_ssd = fixed.offload.placed({kind: Tier.SSD for kind in planned})
-    n = state.num_units
+def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer: torch.optim.Optimizer | None,
+                      contract: OptimizerContract, dtype: torch.dtype, shard: tuple[int, int] | None,
+                      sizes: list[int]) -> dict[int, StateLayout]:
+    """Each candidate size's state layout (the optimizer's state format found once)."""
+    fmt = state_format_for(optimizer, contract.slots, settings.offload.optimizer_state_dtype, shard,
+                           contract.whole_parameters)
+    return {c: state_layout(make_units(chain, c), {}, optimizer, settings.offload, dtype, shard, contract, fmt)
+            for c in sizes}
+
+
+def sized(state: StateLayout, fixed: RunConfig, planned: frozenset[TensorKind], *, speculative: bool,
+          device: DeviceSide) -> Sized:
+    """``state`` as the pure plan takes it (:class:`~lightning_greedysnake.planner.setup.Sized`): the
+    ``planned`` kinds on SSD, the others as ``fixed`` (the settings in effect before the plan) places them;
+    ``speculative``: fp16's two slots of the kinds a step rewrites."""
+    every_ssd = dataclasses.replace(fixed.offload, **{kind.value: Tier.SSD for kind in planned})
     kept = {kind.value: [state.kept_unit_bytes(kind, u) * (2 if speculative and kind in SLOTTED else 1)
-                         for u in range(n)] for kind in REGION_KINDS}
-    tiers = placement_of(state, every_ssd, device.tier)  # (the given kinds' as given)
-    given = {kind.value: sum(t is not Tier.SSD for t in tiers[kind]) for kind in REGION_KINDS if kind not in planned}
-    given_device = {kind.value: sum(t is Tier.DEVICE for t in tiers[kind]) for kind in REGION_KINDS
-                    if kind not in planned}
-    for kind, count in given_device.items():  # (device-resident units take no RAM)
-        kept[kind] = [0] * count + kept[kind][count:]
-    lag = fixed.lag
-    if settings.lag is None:  # the first window's lag: the deepest whose staging fits (the plan may change it)
-        fits = [lag for lag in (2, 1, 0)
-                if staging_estimate(state, every_ssd, lag) + budget // ACTIVATION_SHARE <= budget]
-        lag = fits[0] if fits else 0
-    staging = staging_estimate(state, every_ssd, lag, device.tier)
-    if staging > budget:
-        raise ValueError(budget_error(settings, budget, staging, lag))
-    reserved = staging + budget // ACTIVATION_SHARE
-    schedule = fixed.schedule.value
-    room = 0
-    if device.tier and device.budget_bytes and TensorKind.WEIGHTS in planned:
-        room = weights_room_bytes(state, fixed.offload, device.budget_bytes)
-    costs = unit_costs(PlannedState(state, tiers, fixed.alpha or 0.0))
-    return lag, plan_placement(costs, kept, given, budget, reserved, schedule, k, clip_norm=clip_norm and schedule == "vertical", device_room=room,
-                               given_device=given_device)
+                         for u in range(state.num_units)] for kind in REGION_KINDS}
+    room = (weights_room_bytes(state, fixed.offload, device.budget_bytes)
+            if device.tier and device.budget_bytes and TensorKind.WEIGHTS in planned else 0)
+    return Sized(planned_costs(state, every_ssd, fixed.alpha or 0.0, device.tier), kept, state.num_slots, room)
 
 
-def placed_config(settings: GreedySnakeConfig, fixed: RunConfig, state: StateLayout, lag: int,
-                  plan: PlacementPlan) -> RunConfig:
-    """``fixed`` (the settings in effect before this plan) with ``plan``'s placement of the kinds
-    ``settings`` (the user's) leave unset, and the first window's ``lag``."""
-    placement = {kind: as_placement(state.all_region_bytes(kind), plan.kinds[kind.value].host_units,
-                                    plan.kinds[kind.value].device_units)
-                 for kind in settings.offload.unset() & set(REGION_KINDS)}
-    return dataclasses.replace(fixed, offload=settings.offload.placed(placement), lag=lag)
+def placed_config(settings: GreedySnakeConfig, fixed: RunConfig, state: StateLayout, choice: SetupChoice) -> RunConfig:
+    """``fixed`` (the settings in effect before the plan) with the plan's unit size, lag and order, and its
+    placement of the kinds ``settings`` (the user's) leave unset."""
+    offload = fixed.offload
+    if choice.placement is not None:
+        offload = settings.offload.placed({
+            TensorKind(name): as_placement(state.all_region_bytes(TensorKind(name)), kind.host_units, kind.device_units)
+            for name, kind in choice.placement.kinds.items() if kind.planned})
+    return dataclasses.replace(fixed, layers_per_unit=choice.layers_per_unit, lag=choice.lag, offload=offload,
+                               schedule=ScheduleKind(choice.schedule))
 
 
 def empty_path_note(settings: GreedySnakeConfig, config: RunConfig, plan: PlacementPlan | None) -> str:

@@ -15,15 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_greedysnake.config import REGION_KINDS, RunConfig, Split, Tier
+from lightning_greedysnake.config import REGION_KINDS, RunConfig, TensorKind, Tier
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.activations import ActivationTierPlan
-from lightning_greedysnake.offload.staging import staging_budget_of
 from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
-from lightning_greedysnake.planner.measure import probe_numel, probe_sizes, unit_costs, unit_times
+from lightning_greedysnake.planner.measure import probe_numel, unit_costs, unit_times
 from lightning_greedysnake.planner.plan import ALPHAS, merge
 from lightning_greedysnake.planner.roofline import traffic
+from lightning_greedysnake.planner.setup import ACTIVATION_SHARE, SetupInputs, plan_setup
+from lightning_greedysnake.planner.staging import staging_budget
 from lightning_greedysnake.planner.unit_size import (
     CANDIDATES,
     choose_unit_size,
@@ -32,15 +33,14 @@ from lightning_greedysnake.planner.unit_size import (
     requests,
     table,
 )
-from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
 from lightning_greedysnake.strategy.planning.measurements import Measurements, probe_directory
-from lightning_greedysnake.strategy.planning.placement import ACTIVATION_SHARE, host_budget_bytes
-from lightning_greedysnake.strategy.planning.unit_size import (
-    Candidate,
+from lightning_greedysnake.strategy.planning.placement import (
+    budget_error,
     candidate_layouts,
-    place_candidates,
-    score_sizes,
+    host_budget_bytes,
+    placed_config,
+    sized,
 )
 from lightning_greedysnake.strategy.report import TERMS
 from lightning_greedysnake.strategy.setup_context import SetupContext, SetupPlan
@@ -54,13 +54,6 @@ PLAN_STEP = 2
 first step's compute runs slow (every staging buffer touched for the first time, each kernel's first
 call) and would make the plan see compute bind where the disk does. A run of fewer steps is not planned
 (the settings in effect are kept)."""
-
-
-def in_host_memory(placement: Tier | Split) -> bool:
-    """A kind placed wholly in host memory on a run that computes on the host (``device`` is host RAM then)."""
-    if isinstance(placement, Split):
-        return placement.ssd == 0
-    return placement is not Tier.SSD
 
 
 @dataclass(frozen=True)
@@ -128,33 +121,51 @@ class Planner:
     # -- at setup -------------------------------------------------------------------------------------
     def plan_setup(self, chain: LayerChain, optimizer: Any, contract: OptimizerContract, dtype: torch.dtype,
                    shard: tuple[int, int] | None, *, speculative: bool, clip_norm: bool) -> SetupPlan:
-        """``layers_per_unit`` and the placement of the unset kinds for units of that size: each candidate
-        size placed once (the user's or ``auto=False``'s size the only one), rank 0's choice among them
-        (:meth:`unit_size`) run by every rank with its placement (:meth:`report_setup` prints it as a
-        table once the tensor manager is laid out); and the saved activations' share. ``speculative``:
-        fp16's two slots of the kinds a step rewrites; ``contract``: how ``optimizer`` is stepped (its
-        state slots, its layout's cuts)."""
-        ctx, settings, budget = self.ctx, self.ctx.settings, self.host_budget_bytes
+        """``layers_per_unit``, the placement of the unset kinds for units of that size, the first window's
+        lag and order: rank 0 sizes each candidate (the user's or ``auto=False``'s size the only one) and
+        plans in one call (:func:`~lightning_greedysnake.planner.setup.plan_setup`, on the run's
+        measurements), and every rank runs its plan (:meth:`report_setup` prints the placement once the
+        tensor manager is laid out); and the saved activations' share. ``speculative``: fp16's two slots of
+        the kinds a step rewrites; ``contract``: how ``optimizer`` is stepped (its state slots, its
+        layout's cuts)."""
+        ctx, settings, budget, fixed = self.ctx, self.ctx.settings, self.host_budget_bytes, self.config
+        sizes = ([c for c in CANDIDATES if c <= max(1, len(chain.blocks))]
+                 if settings.auto and settings.layers_per_unit is None else [fixed.layers_per_unit])
+        planned = settings.offload.unset() & set(REGION_KINDS) if settings.auto else frozenset()
         # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
         # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
-        planned_weights = ctx.device_tier and settings.auto and settings.offload.weights is None
+        planned_weights = ctx.device_tier and TensorKind.WEIGHTS in planned
         device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
                                           if planned_weights else None))
-        sizes = ([c for c in CANDIDATES if c <= max(1, len(chain.blocks))]
-                 if settings.auto and settings.layers_per_unit is None else [self.config.layers_per_unit])
-        placed = place_candidates(settings, self.config,
-                                  candidate_layouts(settings, chain, optimizer, contract, dtype, shard, sizes),
-                                  ctx.accumulate, budget, speculative=speculative, clip_norm=clip_norm, device=device)
-        lpu = self.unit_size(placed) if len(sizes) > 1 else sizes[0]
-        chosen = placed[lpu]
-        if isinstance(chosen, ValueError):
-            raise chosen
-        # every rank runs rank 0's (the same: the same budget and sizes)
-        config, placement = ctx.broadcast((chosen.config, chosen.placement))
+        result = None
+        if ctx.is_global_zero:  # (every rank runs rank 0's plan: the disks and the optimizer measured once)
+            layouts = candidate_layouts(settings, chain, optimizer, contract, dtype, shard, sizes)
+            choice = plan_setup(SetupInputs(
+                {lpu: sized(state, fixed, planned, speculative=speculative, device=device)
+                 for lpu, state in layouts.items()},
+                frozenset(kind.value for kind in planned), budget, ctx.accumulate, fixed.lag, settings.lag is None,
+                fixed.alpha or 0.0, fixed.schedule.value, settings.auto and settings.schedule is None
+                and not ctx.device_tier, clip_norm, fixed.offload.prefetch_units, fixed.offload.buffer_budget_bytes,
+            ), self.measurements)
+            result = choice, placed_config(settings, fixed, layouts[choice.layers_per_unit], choice)
+        choice, config = ctx.broadcast(result)
+        if choice.fallback is not None:
+            ctx.report(f"greedysnake: {choice.fallback}")
+        if choice.refused_staging_bytes is not None:
+            raise ValueError(budget_error(settings, budget, choice.refused_staging_bytes, choice.lag))
+        if choice.scores is not None:
+            ctx.report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up to "
+                       "rounding, not bit for bit, and this choice rests on a measurement): each candidate placed "
+                       "within the host budget, its step predicted by the roofline from the disk's speed at its "
+                       f"request sizes, without compute (setup sees no batch) {TERMS}\n"
+                       + table(*choice.scores[:3], choice.layers_per_unit, choice.scores.probed))
         activations = (ActivationTierPlan(budget // ACTIVATION_SHARE, ctx.report)
                        if settings.auto and settings.offload.activations is None else None)
-        config, note = self.scheduled(config)
-        return SetupPlan(config, placement, make_units(chain, lpu), activations, note)
+        note = (None if config.schedule is fixed.schedule else
+                "greedysnake schedule: horizontal (auto=True: every kind is in host memory, so nothing moves per "
+                "micro-batch and one micro-batch's activations are held at a time, as in Lightning; set "
+                "schedule=vertical to fix it)")
+        return SetupPlan(config, choice.placement, make_units(chain, config.layers_per_unit), activations, note)
 
     def report_setup(self, planned: SetupPlan, notes: dict[str, str]) -> None:
         """Say the setup plan once the tensor manager is laid out: the placement table (``notes``: the kinds
@@ -165,52 +176,6 @@ class Planner:
                             f"{TERMS}:\n" + planned.placement.table(notes))
         if planned.schedule_note is not None:
             self.ctx.report(planned.schedule_note)
-
-    def scheduled(self, config: RunConfig) -> tuple[RunConfig, str | None]:
-        """``config`` (placed) with the run's schedule, and why where it was planned horizontal (said by
-        :meth:`report_setup`): the user's; unset with ``auto=True``, horizontal where
-        the model computes on the host (no device tier) and every kind is wholly in host memory (nothing moves
-        per micro-batch for the vertical order to save, and it would hold K micro-batches' activations where
-        the horizontal order holds one's, as Lightning does), else the fixed default (vertical). A device run
-        keeps the vertical order: its host-resident kinds cross the bus per use."""
-        settings = self.ctx.settings
-        if settings.schedule is not None or not settings.auto or self.ctx.device_tier:
-            return config, None
-        in_ram = all(in_host_memory(config.offload.tier(kind)) for kind in REGION_KINDS)
-        if not in_ram:
-            return config, None
-        return (dataclasses.replace(config, schedule=ScheduleKind.HORIZONTAL),
-                "greedysnake schedule: horizontal (auto=True: every kind is in host memory, so nothing moves per "
-                "micro-batch and one micro-batch's activations are held at a time, as in Lightning; set "
-                "schedule=vertical to fix it)")
-
-    def unit_size(self, placed: dict[int, Candidate | ValueError]) -> int:
-        """``layers_per_unit`` for this run (``auto=True`` and unset): rank 0's choice
-        (:mod:`~lightning_greedysnake.planner.unit_size`) among the ``placed`` candidates whose staging fits
-        the host budget; where none can be measured, 1 (and the report says why)."""
-        ctx = self.ctx
-        result: int | str = 1
-        if ctx.is_global_zero:
-            try:
-                scores = score_sizes({lpu: c for lpu, c in placed.items() if isinstance(c, Candidate)},
-                                     self.measurements, ctx.accumulate)
-                if scores.plans:
-                    result = choose_unit_size(scores.plans)
-                    ctx.report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up "
-                               "to rounding, not bit for bit, and this choice rests on a measurement): each "
-                               "candidate placed within the host budget, its step predicted by the roofline from "
-                               "the disk's speed at its request sizes, without compute (setup sees no batch) "
-                               f"{TERMS}\n" + table(scores.plans, scores.machines, scores.ssd_bytes, result,
-                                                     scores.probed))
-            except OSError as e:
-                result = f"layers_per_unit=1: the offload disk could not be measured ({e})"
-            except ValueError as e:  # a setting refused: setup refuses it next, on every rank (none waits here)
-                result = f"layers_per_unit=1 ({e})"
-        result = ctx.broadcast(result)
-        if isinstance(result, str):
-            ctx.report(f"greedysnake: {result}")
-            return 1
-        return result
 
     # -- after the warm step --------------------------------------------------------------------------
     def step_ended(self) -> bool:
@@ -246,10 +211,8 @@ class Planner:
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
         lags = (0, 1, 2) if "lag" in unset else (config.lag,)
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
-            device_tier = manager.copies is not None
-            lags = tuple(lag for lag in lags
-                         if staging_budget_of(manager.state, manager.config, lag, device_tier).minimum_bytes
-                         <= explicit_budget)
+            lags = tuple(lag for lag in lags if staging_budget(
+                [u.staging() for u in costs], lag, manager.config.prefetch_units).minimum_bytes <= explicit_budget)
         options: dict[str, Any] = {
             "alphas": ALPHAS if "alpha" in unset else (config.alpha,),
             "lags": lags or (config.lag,),
@@ -298,7 +261,7 @@ class Planner:
         if not manager.config.uses_ssd:
             return Machine(math.inf, math.inf, lane, inline, measured.shared), "no SSD tier"
         said = "setup's probe" if measured.disk_measured else "probed now"
-        bandwidth = measured.disk(probe_sizes(requests(costs, manager.state.num_slots)))
+        bandwidth = measured.disk(requests(costs, manager.state.num_slots))
         schedule = config.schedule.value
         moved = traffic(costs, schedule, self.ctx.accumulate, clip_norm=manager.clip.defer and schedule == "vertical")
         machine = dataclasses.replace(machine_at(costs, moved, bandwidth, lane, manager.state.num_slots),
