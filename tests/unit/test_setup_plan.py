@@ -59,7 +59,9 @@ def test_a_disk_that_cannot_be_measured_leaves_the_smallest_size_and_says_why():
 def test_a_size_whose_staging_exceeds_the_budget_is_refused_and_no_candidate():
     need = {lpu: staging_bytes(merge(layers(), lpu), 2) for lpu in (1, 2)}
     budget = (need[1] + need[2]) // 2  # one layer a unit fits, two do not
-    choice = plan_setup(inputs(planned=KINDS, budget=budget), Probed(disk(latency_s=5e-3), 1e9))
+    probes = Probed(disk(latency_s=5e-3), 1e9)
+    choice = plan_setup(inputs(planned=KINDS, budget=budget), probes)
+    assert max(probes.asked[0]) == LAYER  # (one layer's requests: the larger sizes' are not asked for)
     assert choice.refused_staging_bytes is None and choice.layers_per_unit == 1 and sorted(choice.scores.plans) == [1]
     refused = plan_setup(inputs(sizes=(2,), planned=KINDS, budget=budget), Probed(None, 1e9))
     assert (refused.refused_staging_bytes, refused.lag, refused.layers_per_unit) == (need[2], 2, 2)
