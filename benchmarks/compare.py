@@ -89,7 +89,8 @@ def run_lightning(args: argparse.Namespace, system: str, k: int) -> dict[str, An
 
     from lightning_greedysnake import GreedySnakeStrategy
     from lightning_greedysnake.config import TensorKind
-    from lightning_greedysnake.planner.measure import unit_costs, unit_times
+    from lightning_greedysnake.planner.measure import unit_times
+    from lightning_greedysnake.strategy.planning.placement import unit_costs
 
     Module, _ = gpt_module(args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq,
                            optimizer="AdamW8bit" if system == "gs_8bit_state" else "AdamW")

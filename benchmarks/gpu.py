@@ -385,7 +385,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_greedysnake import GreedySnakeStrategy
     from lightning_greedysnake.config import OffloadConfig
     from lightning_greedysnake.planner import roofline
-    from lightning_greedysnake.planner.measure import unit_costs
+    from lightning_greedysnake.strategy.planning.placement import unit_costs
 
     progress("imports done")
     cuda = torch.cuda.is_available()

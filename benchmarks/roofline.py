@@ -26,7 +26,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from _common import gpt_module, token_loader
     from lightning_greedysnake import GreedySnakeStrategy
     from lightning_greedysnake.planner import Machine, predict
-    from lightning_greedysnake.planner.measure import unit_costs, unit_times
+    from lightning_greedysnake.planner.measure import unit_times
+    from lightning_greedysnake.strategy.planning.placement import unit_costs
 
     schedule, k = args.child.split(":")
     k = int(k)

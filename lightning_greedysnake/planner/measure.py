@@ -1,4 +1,6 @@
-"""The measured inputs of the roofline: the tensor manager's byte sizes per unit, and timings."""
+"""The probes of the machine the roofline takes (the disks' bandwidth by request size, the optimizer's rate,
+the cores) and the units' compute times read from a trace. The units' byte sizes are the strategy's
+planning's to gather (:func:`lightning_greedysnake.strategy.planning.placement.unit_costs`)."""
 
 from __future__ import annotations
 
@@ -8,55 +10,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
-
-from lightning_greedysnake.config import REGION_KINDS, TensorKind
-from lightning_greedysnake.layout import UnitLayout
-from lightning_greedysnake.planner.roofline import UnitCost
-
-
-class SizedStore(Protocol):
-    """What the roofline needs of the tensor manager: its units and their byte sizes."""
-
-    @property
-    def layouts(self) -> Sequence[UnitLayout]: ...
-
-    def region_bytes(self, kind: TensorKind, u: int) -> int: ...
-
-    def deferred_bytes(self, kind: TensorKind, u: int) -> int:
-        """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""
-
-    def on_ssd(self, kind: TensorKind, u: int) -> bool:
-        """Whether unit ``u``'s region of ``kind`` lives on SSD."""
-
-    def on_device(self, kind: TensorKind, u: int) -> bool:
-        """Whether unit ``u``'s region of ``kind`` is resident on the device."""
-
-
-def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backward_s: list[float] | None = None,
-               activation_bytes: dict[int, int] | None = None) -> list[UnitCost]:
-    """:class:`UnitCost` per unit of a tensor manager (sizes as laid out; times if given;
-    ``activation_bytes`` as the engine measured them). Every unit but the fused last one recomputes its
-    forward in backward."""
-    last = len(manager.layouts) - 1
-    out = []
-    for u, lay in enumerate(manager.layouts):
-        out.append(UnitCost(
-            forward_s=forward_s[u] if forward_s else 0.0,
-            backward_s=backward_s[u] if backward_s else 0.0,
-            weight_bytes=manager.region_bytes(TensorKind.WEIGHTS, u),
-            grad_bytes=manager.region_bytes(TensorKind.GRADIENTS, u),
-            master_bytes=manager.region_bytes(TensorKind.MASTER_WEIGHTS, u),
-            state_bytes=manager.region_bytes(TensorKind.OPTIMIZER_STATES, u),
-            params=lay.trainable_numel,
-            alpha_weight_bytes=manager.deferred_bytes(TensorKind.WEIGHTS, u),
-            alpha_grad_bytes=manager.deferred_bytes(TensorKind.GRADIENTS, u),
-            recompute_s=(forward_s[u] if forward_s and u < last else 0.0),
-            activation_bytes=(activation_bytes or {}).get(u, 0),
-            on_ssd=frozenset(kind.value for kind in REGION_KINDS if manager.on_ssd(kind, u)),
-            on_device=frozenset(kind.value for kind in REGION_KINDS if manager.on_device(kind, u)),
-        ))
-    return out
+from typing import Any
 
 
 def disk_bandwidth(directory: Path, nbytes: int = 256 << 20, chunk_bytes: int = 16 << 20,

@@ -1,7 +1,7 @@
 """Choosing ``layers_per_unit``: one model and one rule for setup and the warm step. Pure arithmetic.
 
 Each candidate size is scored by the roofline (:func:`~lightning_greedysnake.planner.plan.plan`) over
-its units' costs (:func:`~lightning_greedysnake.planner.measure.unit_costs`) on its machine; the
+its units' costs (:func:`~lightning_greedysnake.strategy.planning.placement.unit_costs`) on its machine; the
 smallest wins unless a larger one is predicted :data:`LARGER_UNIT_GAIN` faster than every smaller one.
 
 - **At setup** no batch has run: the costs carry no compute, so the score is the SSD-bound step (plus

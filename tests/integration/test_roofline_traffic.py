@@ -9,7 +9,7 @@ import pytest
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.planner import traffic
-from lightning_greedysnake.planner.measure import unit_costs
+from lightning_greedysnake.strategy.planning.placement import unit_costs
 from tests.helpers import TinyGPTModule, make_trainer, token_loader
 
 STEPS = 3

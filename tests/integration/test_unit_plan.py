@@ -17,7 +17,7 @@ from lightning_greedysnake.offload.regions import placement_of
 from lightning_greedysnake.optim.contract import optimizer_contract
 from lightning_greedysnake.planner import measure
 from lightning_greedysnake.planner.unit_size import CANDIDATES
-from lightning_greedysnake.planner.measure import unit_costs
+from lightning_greedysnake.strategy.planning.placement import unit_costs
 from lightning_greedysnake.planner.plan import staging_bytes
 from lightning_greedysnake.strategy.planning.placement import PlannedState, candidate_layouts
 from tests.helpers import TinyGPTModule, bf16_policy_run, make_trainer, max_abs_diff, token_loader

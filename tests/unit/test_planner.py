@@ -95,7 +95,7 @@ def test_the_planners_memory_model_is_the_tensor_managers(placement, tmp_path):
     from lightning_greedysnake import GPT, GPTConfig, OffloadConfig
     from lightning_greedysnake.config import Split
     from lightning_greedysnake.models import find_layered_model, make_units
-    from lightning_greedysnake.planner.measure import unit_costs
+    from lightning_greedysnake.strategy.planning.placement import unit_costs
     from lightning_greedysnake.tensor_manager import TieredTensorStore
 
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=8))
@@ -135,7 +135,7 @@ def test_the_plan_commands_units_are_the_tensor_managers(dtype, tmp_path):
     from lightning_greedysnake import GPT, GPTConfig, OffloadConfig
     from lightning_greedysnake.models import find_layered_model, make_units
     from lightning_greedysnake.plan import gpt_costs
-    from lightning_greedysnake.planner.measure import unit_costs
+    from lightning_greedysnake.strategy.planning.placement import unit_costs
     from lightning_greedysnake.tensor_manager import TieredTensorStore
 
     config = GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=64, block_size=8)

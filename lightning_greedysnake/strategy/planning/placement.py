@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -25,7 +26,6 @@ from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.offload.regions import SLOTTED, placement_of
 from lightning_greedysnake.optim.contract import OptimizerContract
-from lightning_greedysnake.planner.measure import unit_costs
 from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.roofline import UnitCost
 from lightning_greedysnake.planner.setup import ACTIVATION_SHARE, SetupChoice, Sized
@@ -80,10 +80,54 @@ def budget_error(settings: GreedySnakeConfig, budget: int, staging: int, lag: in
     return f"{given} cannot hold {what}. Fix: {fix}."
 
 
+class SizedStore(Protocol):
+    """What the roofline needs of the tensor manager: its units and their byte sizes."""
+
+    @property
+    def layouts(self) -> Sequence[UnitLayout]: ...
+
+    def region_bytes(self, kind: TensorKind, u: int) -> int: ...
+
+    def deferred_bytes(self, kind: TensorKind, u: int) -> int:
+        """Bytes of unit ``u``'s region of ``kind`` that its deferred (alpha) part moves."""
+
+    def on_ssd(self, kind: TensorKind, u: int) -> bool:
+        """Whether unit ``u``'s region of ``kind`` lives on SSD."""
+
+    def on_device(self, kind: TensorKind, u: int) -> bool:
+        """Whether unit ``u``'s region of ``kind`` is resident on the device."""
+
+
+def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backward_s: list[float] | None = None,
+               activation_bytes: dict[int, int] | None = None) -> list[UnitCost]:
+    """:class:`UnitCost` per unit of a tensor manager (sizes as laid out; times if given;
+    ``activation_bytes`` as the engine measured them). Every unit but the fused last one recomputes its
+    forward in backward."""
+    last = len(manager.layouts) - 1
+    out = []
+    for u, lay in enumerate(manager.layouts):
+        out.append(UnitCost(
+            forward_s=forward_s[u] if forward_s else 0.0,
+            backward_s=backward_s[u] if backward_s else 0.0,
+            weight_bytes=manager.region_bytes(TensorKind.WEIGHTS, u),
+            grad_bytes=manager.region_bytes(TensorKind.GRADIENTS, u),
+            master_bytes=manager.region_bytes(TensorKind.MASTER_WEIGHTS, u),
+            state_bytes=manager.region_bytes(TensorKind.OPTIMIZER_STATES, u),
+            params=lay.trainable_numel,
+            alpha_weight_bytes=manager.deferred_bytes(TensorKind.WEIGHTS, u),
+            alpha_grad_bytes=manager.deferred_bytes(TensorKind.GRADIENTS, u),
+            recompute_s=(forward_s[u] if forward_s and u < last else 0.0),
+            activation_bytes=(activation_bytes or {}).get(u, 0),
+            on_ssd=frozenset(kind.value for kind in REGION_KINDS if manager.on_ssd(kind, u)),
+            on_device=frozenset(kind.value for kind in REGION_KINDS if manager.on_device(kind, u)),
+        ))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class PlannedState:
     """A state layout placed as ``tiers`` say (:func:`~lightning_greedysnake.offload.regions.placement_of`),
-    before any tensor manager exists: the cost model's :class:`~lightning_greedysnake.planner.measure.SizedStore`
+    before any tensor manager exists: the cost model's :class:`SizedStore`
     at setup (:func:`planned_costs`), as the tensor manager is after the first steps. The deferred part of
     every unit but the first (never deferred) is about ``alpha`` of it."""
 
@@ -110,7 +154,7 @@ class PlannedState:
 
 
 def planned_costs(state: StateLayout, offload: OffloadConfig, alpha: float, device_tier: bool) -> list[UnitCost]:
-    """The cost model's units (:func:`~lightning_greedysnake.planner.measure.unit_costs`, the same the
+    """The cost model's units (:func:`unit_costs`, the same the
     warm-step plan takes from the tensor manager) of ``state`` placed as ``offload`` says."""
     return unit_costs(PlannedState(state, placement_of(state, offload, device_tier), alpha))
 

@@ -20,7 +20,7 @@ from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.activations import ActivationTierPlan
 from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
-from lightning_greedysnake.planner.measure import probe_numel, unit_costs, unit_times
+from lightning_greedysnake.planner.measure import probe_numel, unit_times
 from lightning_greedysnake.planner.plan import ALPHAS, merge
 from lightning_greedysnake.planner.roofline import traffic
 from lightning_greedysnake.planner.setup import ACTIVATION_SHARE, SetupInputs, plan_setup
@@ -41,6 +41,7 @@ from lightning_greedysnake.strategy.planning.placement import (
     host_budget_bytes,
     placed_config,
     sized,
+    unit_costs,
 )
 from lightning_greedysnake.strategy.report import TERMS
 from lightning_greedysnake.strategy.setup_context import SetupContext, SetupPlan
