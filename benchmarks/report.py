@@ -355,6 +355,11 @@ SECTIONS: tuple[Section, ...] = (
                                                "above (compare the `gs_default` rows). The tree measured also "
                                                "holds issue 54's huge pages (b3771a5), which the "
                                                "`gs_vertical` rows include."),
+         Result("compare_issue56_setup_plan_seq32", "Issue 56 item 7's speed check: setup's plan in one call "
+                                                    "(604d852) against the commit before it (09fcbef), "
+                                                    "bf16-mixed, sequence 32, K=8, three rounds alternating: "
+                                                    "`vs_baseline` is the speed-up (the change is setup's; the "
+                                                    "steps run the same plan)."),
          Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
                                                  "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
                                                  "Muon) against the element-wise path (`gs_vertical`), every kind "
