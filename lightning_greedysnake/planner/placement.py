@@ -18,8 +18,8 @@ each step's new weights, once), and takes no RAM. The units after them are place
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
 
 from lightning_greedysnake.kinds import REGION_KIND_NAMES
 from lightning_greedysnake.planner.roofline import ON_SSD, Traffic, UnitCost, traffic
@@ -60,6 +60,8 @@ class PlacementPlan:
     """The same with every kind on SSD (ZeRO-Infinity's placement), for comparison."""
     device_room_bytes: int = 0
     """Device memory the plan could give the compute weights (0: no device tier, or not planned)."""
+    units: list[UnitCost] = field(default_factory=list)
+    """The units placed so (what the roofline scores the placement by)."""
 
     @property
     def host_bytes(self) -> int:
@@ -103,40 +105,40 @@ def host_units_within(sizes: list[int], room: int) -> int:
     return n
 
 
-def _placed(units: list[UnitCost], host_units: Mapping[str, int]) -> list[UnitCost]:
-    """``units`` with each kind's first ``host_units[kind]`` units off the SSD."""
-    return [replace(u, on_ssd=frozenset(kind for kind in ON_SSD if i >= host_units.get(kind, 0)))
+def _placed(units: list[UnitCost], host_units: Mapping[str, int], device_units: Mapping[str, int]) -> list[UnitCost]:
+    """``units`` with each kind's first ``host_units[kind]`` units off the SSD, the first
+    ``device_units[kind]`` of them on the device."""
+    return [replace(u, on_ssd=frozenset(kind for kind in ON_SSD if i >= host_units.get(kind, 0)),
+                    on_device=frozenset(kind for kind in ON_SSD if i < device_units.get(kind, 0)))
             for i, u in enumerate(units)]
 
 
-def plan_placement(units: list[UnitCost], kept: Mapping[str, list[int]], given: Mapping[str, int],
+def plan_placement(units: list[UnitCost], kept: Mapping[str, list[int]], planned: Collection[str],
                    budget_bytes: int, reserved_bytes: int, schedule: str, k: int,
-                   clip_norm: bool = False, device_room: int = 0,
-                   given_device: Mapping[str, int] | None = None) -> PlacementPlan:
-    """Plan every kind not in ``given``.
+                   clip_norm: bool = False, device_room: int = 0) -> PlacementPlan:
+    """Plan the ``planned`` kinds; the others stay where ``units`` hold them (the user's: a prefix of
+    units off the SSD, the first of them on the device, where they take no RAM).
 
     ``units``: each unit's region sizes (as the traffic model takes them; times are not used);
-    ``kept``: per kind, each unit's RAM in the host tier (0 for a unit of a given kind on the device:
-    it takes none); ``given``: the user's kinds, as the number of first units they keep off the SSD, of
-    which ``given_device`` on the device; ``reserved_bytes``: the part of ``budget_bytes`` kept back
-    for staging and saved activations; ``device_room``: device memory for planned compute weights
-    (``kept["weights"]`` is also what a unit of them takes there)."""
+    ``kept``: per kind, each unit's RAM in the host tier; ``reserved_bytes``: the part of ``budget_bytes``
+    kept back for staging and saved activations; ``device_room``: device memory for planned compute
+    weights (``kept["weights"]`` is also what a unit of them takes there)."""
     n = len(units)
-    host_units = {kind: given.get(kind, 0) for kind in KINDS}
-    device_units = {kind: (given_device or {}).get(kind, 0) for kind in KINDS}
-    if "weights" not in given and device_room > 0:
+    planned, given = [kind for kind in KINDS if kind in planned], [kind for kind in KINDS if kind not in planned]
+    host_units = {kind: sum(kind not in u.on_ssd for u in units) if kind in given else 0 for kind in KINDS}
+    device_units = {kind: sum(kind in u.on_device for u in units) if kind in given else 0 for kind in KINDS}
+    kept = {kind: [0] * device_units[kind] + list(kept[kind][device_units[kind]:]) for kind in KINDS}
+    if "weights" in planned and device_room > 0:
         device_units["weights"] = host_units["weights"] = host_units_within(kept["weights"], device_room)
 
     def ssd_bytes(placement: Mapping[str, int]) -> int:
-        t = traffic(_placed(units, placement), schedule, k, clip_norm=clip_norm)
+        t = traffic(_placed(units, placement, {}), schedule, k, clip_norm=clip_norm)
         return t.read_bytes + t.write_bytes
 
     room = budget_bytes - reserved_bytes - sum(sum(kept[kind][:host_units[kind]]) for kind in given)
 
     def in_ram(kind: str) -> int:
-        return sum(kept[kind][device_units[kind]:host_units[kind]]) if kind not in given else sum(
-            kept[kind][:host_units[kind]])
-    planned = [kind for kind in KINDS if kind not in given]
+        return sum(kept[kind][device_units[kind]:host_units[kind]])
     base = ssd_bytes(host_units)
 
     def saved_per_byte(kind: str) -> float:
@@ -153,10 +155,9 @@ def plan_placement(units: list[UnitCost], kept: Mapping[str, list[int]], given: 
         start = device_units[kind]
         host_units[kind] = start + host_units_within(kept[kind][start:], max(room, 0))
         room -= in_ram(kind)
-    kinds = {kind: KindPlacement(host_units[kind], n, in_ram(kind), sum(kept[kind]), kind not in given,
-                                 device_units[kind],
-                                 sum(kept[kind][:device_units[kind]]) if kind not in given else 0) for kind in KINDS}
-    return PlacementPlan(kinds, budget_bytes, reserved_bytes,
-                         traffic(_placed(units, host_units), schedule, k, clip_norm=clip_norm),
-                         traffic(_placed(units, {}), schedule, k, clip_norm=clip_norm),
-                         device_room if "weights" not in given else 0)
+    kinds = {kind: KindPlacement(host_units[kind], n, in_ram(kind), sum(kept[kind]), kind in planned,
+                                 device_units[kind], sum(kept[kind][:device_units[kind]])) for kind in KINDS}
+    placed = _placed(units, host_units, device_units)
+    return PlacementPlan(kinds, budget_bytes, reserved_bytes, traffic(placed, schedule, k, clip_norm=clip_norm),
+                         traffic(_placed(units, {}, {}), schedule, k, clip_norm=clip_norm),
+                         device_room if "weights" in planned else 0, placed)

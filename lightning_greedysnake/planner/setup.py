@@ -8,13 +8,12 @@ choice to make."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from lightning_greedysnake.planner.placement import KINDS, PlacementPlan, plan_placement
+from lightning_greedysnake.planner.placement import PlacementPlan, plan_placement
 from lightning_greedysnake.planner.plan import Choice, staging_bytes
 from lightning_greedysnake.planner.roofline import Machine, UnitCost, traffic
 from lightning_greedysnake.planner.unit_size import (
@@ -143,25 +142,11 @@ def place(inputs: SetupInputs, sized: Sized) -> Placed:
         lag = next((lag for lag in (2, 1, 0) if staging(lag) + budget // ACTIVATION_SHARE <= budget), 0)
     if staging(lag) > budget:
         return Placed(lag, None, costs, staging(lag))
-    given = [kind for kind in KINDS if kind not in inputs.planned]
-    # the given kinds as given: their units off the SSD, of which those on the device (taking no RAM)
-    host = {kind: sum(kind not in u.on_ssd for u in costs) for kind in given}
-    device = {kind: sum(kind in u.on_device for u in costs) for kind in given}
-    kept = {kind: [0] * device.get(kind, 0) + list(sized.kept[kind][device.get(kind, 0):]) for kind in KINDS}
     vertical = inputs.schedule == "vertical"
-    plan = plan_placement(costs, kept, host, budget, staging(lag) + budget // ACTIVATION_SHARE, inputs.schedule,
-                          inputs.k, clip_norm=inputs.clip_norm and vertical, device_room=sized.device_room,
-                          given_device=device)
-
-    def tiers(i: int, unit: UnitCost) -> UnitCost:
-        ssd, dev = set(unit.on_ssd), set(unit.on_device)
-        for kind in inputs.planned:
-            placed = plan.kinds[kind]
-            ssd.discard(kind) if i < placed.host_units else ssd.add(kind)
-            dev.add(kind) if i < placed.device_units else dev.discard(kind)
-        return dataclasses.replace(unit, on_ssd=frozenset(ssd), on_device=frozenset(dev))
-
-    return Placed(lag, plan, [tiers(i, u) for i, u in enumerate(costs)])
+    plan = plan_placement(costs, sized.kept, inputs.planned, budget, staging(lag) + budget // ACTIVATION_SHARE,
+                          inputs.schedule, inputs.k, clip_norm=inputs.clip_norm and vertical,
+                          device_room=sized.device_room)
+    return Placed(lag, plan, plan.units)
 
 
 def plan_setup(inputs: SetupInputs, probes: Probes) -> SetupChoice:

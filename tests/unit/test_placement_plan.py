@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from lightning_greedysnake.config import GreedySnakeConfig, Tier
 from lightning_greedysnake.layout import unit_tiers
-from lightning_greedysnake.planner.placement import host_units_within, plan_placement
+from lightning_greedysnake.planner.placement import KINDS, host_units_within, plan_placement
 from lightning_greedysnake.planner.roofline import UnitCost
-from lightning_greedysnake.strategy.planning.placement import as_placement, available_memory_bytes, host_budget_bytes
+from lightning_greedysnake.strategy.planning.placement import (
+    as_placement,
+    available_memory_bytes,
+    host_budget_bytes,
+)
 
 MB = 1 << 20
 N = 6
@@ -31,7 +36,7 @@ def kept(costs: list[UnitCost]) -> dict[str, list[int]]:
 
 def test_a_budget_for_everything_keeps_everything_in_ram_and_moves_no_bytes():
     costs = units()
-    plan = plan_placement(costs, kept(costs), {}, budget_bytes=10**12, reserved_bytes=64 * MB,
+    plan = plan_placement(costs, kept(costs), KINDS, budget_bytes=10**12, reserved_bytes=64 * MB,
                           schedule="vertical", k=4)
     assert all(k.host_units == N for k in plan.kinds.values())
     assert plan.traffic.read_bytes == plan.traffic.write_bytes == 0
@@ -40,7 +45,7 @@ def test_a_budget_for_everything_keeps_everything_in_ram_and_moves_no_bytes():
 
 def test_no_room_keeps_everything_on_ssd():
     costs = units()
-    plan = plan_placement(costs, kept(costs), {}, budget_bytes=64 * MB, reserved_bytes=64 * MB,
+    plan = plan_placement(costs, kept(costs), KINDS, budget_bytes=64 * MB, reserved_bytes=64 * MB,
                           schedule="vertical", k=4)
     assert all(k.host_units == 0 for k in plan.kinds.values())
     assert plan.traffic == plan.all_ssd
@@ -53,7 +58,7 @@ def test_weights_come_first_then_state_and_master_and_the_budget_is_never_exceed
     reserved = 10 * MB
     for room_mb in range(0, 120, 3):
         budget = reserved + room_mb * MB
-        plan = plan_placement(costs, kept(costs), {}, budget, reserved, "vertical", k=4)
+        plan = plan_placement(costs, kept(costs), KINDS, budget, reserved, "vertical", k=4)
         assert plan.host_bytes <= budget
         w, m, s, g = (plan.kinds[k].host_units for k in ("weights", "master_weights", "optimizer_states", "gradients"))
         if w < N:  # nothing else before the weights are all in
@@ -64,7 +69,7 @@ def test_weights_come_first_then_state_and_master_and_the_budget_is_never_exceed
         if room_mb:
             assert moved < plan.all_ssd.read_bytes + plan.all_ssd.write_bytes
     # enough for the weights and part of the next kind: the weights all in, the rest a prefix
-    plan = plan_placement(costs, kept(costs), {}, reserved + 30 * MB, reserved, "vertical", k=4)
+    plan = plan_placement(costs, kept(costs), KINDS, reserved + 30 * MB, reserved, "vertical", k=4)
     assert plan.kinds["weights"].host_units == N and 0 < plan.kinds["master_weights"].host_units + plan.kinds[
         "optimizer_states"].host_units
 
@@ -73,7 +78,8 @@ def test_the_users_kinds_are_kept_and_their_ram_counts_against_the_budget():
     costs = units()
     reserved = 10 * MB
     # the user keeps the state on SSD, and 3 units of the weights in RAM
-    plan = plan_placement(costs, kept(costs), {"optimizer_states": 0, "weights": 3}, reserved + 20 * MB, reserved,
+    costs = [dataclasses.replace(u, on_ssd=u.on_ssd - {"weights"} if i < 3 else u.on_ssd) for i, u in enumerate(costs)]
+    plan = plan_placement(costs, kept(costs), ("master_weights", "gradients"), reserved + 20 * MB, reserved,
                           "vertical", k=4)
     assert plan.kinds["optimizer_states"].host_units == 0 and not plan.kinds["optimizer_states"].planned
     assert plan.kinds["weights"].host_units == 3 and not plan.kinds["weights"].planned
@@ -84,11 +90,11 @@ def test_the_users_kinds_are_kept_and_their_ram_counts_against_the_budget():
 
 def test_a_kind_with_no_bytes_goes_to_ram_and_one_that_moves_nothing_stays_put():
     costs = units(master=False, alpha=0.0)  # 32-true: no master copy; alpha 0: gradients never wait
-    plan = plan_placement(costs, kept(costs), {}, 10 * MB, 10 * MB, "vertical", k=4)
+    plan = plan_placement(costs, kept(costs), KINDS, 10 * MB, 10 * MB, "vertical", k=4)
     assert plan.kinds["master_weights"].host_units == N  # nothing to keep: no file for it
-    plan = plan_placement(costs, kept(costs), {}, 10**12, 10 * MB, "vertical", k=4)
+    plan = plan_placement(costs, kept(costs), KINDS, 10**12, 10 * MB, "vertical", k=4)
     assert plan.kinds["gradients"].host_units == 0  # would take RAM and save nothing
-    horizontal = plan_placement(costs, kept(costs), {}, 10**12, 10 * MB, "horizontal", k=4)
+    horizontal = plan_placement(costs, kept(costs), KINDS, 10**12, 10 * MB, "horizontal", k=4)
     assert horizontal.kinds["gradients"].host_units == N  # partial sums go out and back every micro-batch
 
 
@@ -111,15 +117,19 @@ def test_the_config_value_keeps_exactly_the_planned_units():
 def test_on_a_gpu_the_compute_weights_go_to_the_device_first_and_take_no_ram():
     costs = units()
     reserved = 10 * MB
-    plan = plan_placement(costs, kept(costs), {}, reserved + 8 * MB, reserved, "vertical", k=4, device_room=7 * MB)
+    plan = plan_placement(costs, kept(costs), KINDS, reserved + 8 * MB, reserved, "vertical", k=4, device_room=7 * MB)
     w = plan.kinds["weights"]
     assert (w.device_units, w.host_units, w.device_bytes) == (3, N, 6 * MB)  # 3 on the device, 3 in RAM
+    # the units placed so, as the roofline scores the plan: the device's weights stage a step's new values
+    assert [("weights" in u.on_device, "weights" in u.on_ssd) for u in plan.units] == [(True, False)] * 3 + [
+        (False, False)] * 3
     assert w.host_bytes == 6 * MB and plan.host_bytes <= reserved + 8 * MB
     assert plan.kinds["master_weights"].host_units == 0  # (2 MB left: not one 4 MB master unit)
     assert "device 3/6 units, host 3/6 units" in plan.table() and "device room for weights" in plan.table()
     # the user's weights are kept as given (and on the device they take no RAM)
-    given = plan_placement(costs, {**kept(costs), "weights": [0] * N}, {"weights": N}, reserved + 8 * MB, reserved,
-                           "vertical", k=4, device_room=7 * MB, given_device={"weights": N})
+    on_device = [dataclasses.replace(u, on_ssd=u.on_ssd - {"weights"}, on_device=frozenset({"weights"})) for u in costs]
+    given = plan_placement(on_device, kept(costs), ("master_weights", "optimizer_states", "gradients"),
+                           reserved + 8 * MB, reserved, "vertical", k=4, device_room=7 * MB)
     assert given.kinds["weights"].device_units == N and given.kinds["master_weights"].host_units == 2
     assert given.traffic.read_bytes < plan.traffic.read_bytes
 
