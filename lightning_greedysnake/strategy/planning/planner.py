@@ -138,9 +138,10 @@ class Planner:
         planned_weights = ctx.device_tier and TensorKind.WEIGHTS in planned
         device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
                                           if planned_weights else None))
+        # (every rank lays each size out: a layout it cannot make is refused on every rank, none waits below)
+        layouts = candidate_layouts(settings, chain, optimizer, contract, dtype, shard, sizes)
         result = None
         if ctx.is_global_zero:  # (every rank runs rank 0's plan: the disks and the optimizer measured once)
-            layouts = candidate_layouts(settings, chain, optimizer, contract, dtype, shard, sizes)
             choice = plan_setup(SetupInputs(
                 {lpu: sized(state, fixed, planned, speculative=speculative, device=device)
                  for lpu, state in layouts.items()},
