@@ -134,3 +134,26 @@ def test_setup_places_each_candidate_size_once_and_runs_the_chosen_ones_placemen
     assert sorted(calls) == sorted(-(-BLOCKS // size) for size in CANDIDATES), calls
     assert "greedysnake unit size" in caplog.text and chosen_row(caplog.text) == lpu
     assert len(seen.tiers["weights"]) == -(-BLOCKS // lpu)
+
+
+def test_an_error_in_rank_0s_plan_is_broadcast_and_raised(monkeypatch):
+    """Setup's plan runs on rank 0 only: an error there goes out in the broadcast every rank waits in, and
+    every rank raises it (no rank is left waiting for a plan)."""
+    from lightning_greedysnake.strategy.planning import planner
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the plan broke")
+
+    monkeypatch.setattr(planner, "plan_setup", broken)
+    strategy = GreedySnakeStrategy(offload=ON_SSD)
+    sent: list[Any] = []
+    real = strategy.broadcast
+
+    def recording(obj: Any, src: int = 0) -> Any:
+        sent.append(obj)
+        return real(obj, src)
+
+    strategy.broadcast = recording  # (what setup's context takes for the ranks' broadcast)
+    with pytest.raises(RuntimeError, match="the plan broke"):
+        fit(strategy)
+    assert any(isinstance(obj, RuntimeError) for obj in sent), sent

@@ -140,17 +140,24 @@ class Planner:
                                           if planned_weights else None))
         # (every rank lays each size out: a layout it cannot make is refused on every rank, none waits below)
         layouts = candidate_layouts(settings, chain, optimizer, contract, dtype, shard, sizes)
-        result = None
-        if ctx.is_global_zero:  # (every rank runs rank 0's plan: the disks and the optimizer measured once)
-            choice = plan_setup(SetupInputs(
-                {lpu: sized(state, fixed, planned, speculative=speculative, device=device)
-                 for lpu, state in layouts.items()},
-                frozenset(kind.value for kind in planned), budget, ctx.accumulate, fixed.lag, settings.lag is None,
-                fixed.alpha or 0.0, fixed.schedule.value, settings.auto and settings.schedule is None
-                and not ctx.device_tier, clip_norm, fixed.offload.prefetch_units, fixed.offload.buffer_budget_bytes,
-            ), self.measurements)
-            result = choice, placed_config(settings, fixed, layouts[choice.layers_per_unit], choice)
-        choice, config = ctx.broadcast(result)
+        result: Any = None
+        if ctx.is_global_zero:  # (every rank runs rank 0's plan, or raises its error: none waits in the broadcast)
+            try:
+                choice = plan_setup(SetupInputs(
+                    {lpu: sized(state, fixed, planned, speculative=speculative, device=device)
+                     for lpu, state in layouts.items()},
+                    frozenset(kind.value for kind in planned), budget, ctx.accumulate, fixed.lag, settings.lag is None,
+                    fixed.alpha or 0.0, fixed.schedule.value, settings.auto and settings.schedule is None
+                    and not ctx.device_tier, clip_norm, fixed.offload.prefetch_units,
+                    fixed.offload.buffer_budget_bytes,
+                ), self.measurements)
+                result = choice, placed_config(settings, fixed, layouts[choice.layers_per_unit], choice)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                result = e
+        result = ctx.broadcast(result)
+        if isinstance(result, Exception):
+            raise result
+        choice, config = result
         if choice.fallback is not None:
             ctx.report(f"greedysnake: {choice.fallback}")
         if choice.refused_staging_bytes is not None:
