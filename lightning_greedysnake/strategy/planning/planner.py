@@ -162,12 +162,12 @@ class Planner:
             ctx.report(f"greedysnake: {choice.fallback}")
         if choice.refused_staging_bytes is not None:
             raise ValueError(budget_error(settings, budget, choice.refused_staging_bytes, choice.lag))
-        if choice.scores is not None:
+        if (scores := choice.scores) is not None:
             ctx.report("greedysnake unit size (auto=True; set layers_per_unit to fix it: unit sizes agree up to "
                        "rounding, not bit for bit, and this choice rests on a measurement): each candidate placed "
                        "within the host budget, its step predicted by the roofline from the disk's speed at its "
                        f"request sizes, without compute (setup sees no batch) {TERMS}\n"
-                       + table(*choice.scores[:3], choice.layers_per_unit, choice.scores.probed))
+                       + table(scores.plans, scores.machines, scores.ssd_bytes, choice.layers_per_unit, scores.probed))
         activations = (ActivationTierPlan(budget // ACTIVATION_SHARE, ctx.report)
                        if settings.auto and settings.offload.activations is None else None)
         note = (None if config.schedule is fixed.schedule else
