@@ -322,7 +322,7 @@ class SimulatedCopies(OrderedCopies):
         self.bytes_per_s, self.latency_s = bytes_per_s, latency_s
         self._random = random.Random(seed)
         self._lock = threading.RLock()
-        """Guards the tables and the timeline below. Reentrant: a tensor's finalizer (``_forget``,
+        """Guards the tables and the timeline below. Reentrant: a tensor's finalizer (``unpin``,
         ``_forget_fresh``) may run on a thread that holds it, when an allocation under it starts a garbage
         collection that frees a tensor held in a reference cycle (a future's callback that captured it)."""
         self._h2d_thread = Completer("greedysnake-sim-h2d")
@@ -404,12 +404,8 @@ class SimulatedCopies(OrderedCopies):
             ptr = t.data_ptr()
             with self._lock:
                 self._registered[ptr] = ptr + t.numel() * t.element_size()
-            weakref.finalize(t, self._forget, ptr)  # (page-locked for its lifetime, as torch's pinned tensors)
+            weakref.finalize(t, self.unpin, ptr)  # (page-locked for its lifetime, as torch's pinned tensors)
         return t
-
-    def _forget(self, ptr: int) -> None:
-        with self._lock:
-            self._registered.pop(ptr, None)
 
     def memory_allocated(self) -> int:
         """Bytes of simulated device memory still referenced (``torch.cuda.memory_allocated``'s analogue)."""

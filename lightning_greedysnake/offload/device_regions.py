@@ -46,8 +46,6 @@ from lightning_greedysnake.offload.device import Copy, DeviceCopies
 
 
 class DeviceRegions:
-    tier = "device"
-
     def __init__(self, kind: str, region_bytes: list[int], copies: DeviceCopies) -> None:
         """``region_bytes``: per region (0: none on the device); the memory is taken now, for the run."""
         self.kind = kind
@@ -65,9 +63,6 @@ class DeviceRegions:
         thread before the unit's step is submitted, cleared when it acquires the unit again; read by the
         thread that runs the step; see the module's docstring)."""
         self._lock = threading.Lock()
-
-    def region_bytes(self, unit: int) -> int:
-        return self.layout.sizes[unit]
 
     def tensor(self, unit: int, dtype: torch.dtype, numel: int) -> Tensor:
         """Region ``unit``'s first ``numel`` elements as ``dtype``: what the parameters are bound to."""
@@ -97,15 +92,13 @@ class DeviceRegions:
         """Copy ``buf``'s bytes ``byte_range`` (default: the whole region) into the same bytes of region
         ``unit`` on the H2D stream. ``buf`` must stay unchanged until the copy is done (its handle
         tracks the returned copy)."""
-        lo, hi = self._range(unit, buf, byte_range)
-        self._wait(self._take_reads(unit))  # a D2H copy still reading these bytes finishes first
-        memory = self._memory[unit]
-        assert memory is not None
+        device, lo, hi = self._range(unit, buf, byte_range)
+        self._finish_reads(unit)  # a D2H copy still reading these bytes finishes first
         with self._lock:
             freed = self._readers_done.get(unit)
         # ordering: after the compute stream's last read of the region (the event the training thread
         # recorded before submitting the step), not its later work; none recorded: its point now
-        copy = self._copies.to_device(buf.view(torch.uint8, hi - lo, lo), memory[lo:hi], after=freed)
+        copy = self._copies.to_device(buf.view(torch.uint8, hi - lo, lo), device, after=freed)
         with self._lock:
             self._last_write[unit] = copy
         return copy
@@ -113,29 +106,26 @@ class DeviceRegions:
     def submit_read(self, unit: int, buf: AlignedBuffer, label: str | None = None,
                     byte_range: tuple[int, int] | None = None) -> Copy:
         """Copy region ``unit``'s bytes ``byte_range`` into the same bytes of ``buf`` on the D2H stream."""
-        lo, hi = self._range(unit, buf, byte_range)
+        device, lo, hi = self._range(unit, buf, byte_range)
         last = self.last_write(unit)
-        memory = self._memory[unit]
-        assert memory is not None
         # ordering: after the H2D copy that produced these bytes (the unit's last write: the H2D stream
         # runs in order), on the device; none yet: the compute stream's point now
-        copy = self._copies.to_host(memory[lo:hi], buf.view(torch.uint8, hi - lo, lo), after=last)
+        copy = self._copies.to_host(device, buf.view(torch.uint8, hi - lo, lo), after=last)
         with self._lock:
             self._reads.setdefault(unit, []).append(copy)
         return copy
 
-    def _range(self, unit: int, buf: AlignedBuffer, byte_range: tuple[int, int] | None) -> tuple[int, int]:
+    def _range(self, unit: int, buf: AlignedBuffer,
+               byte_range: tuple[int, int] | None) -> tuple[Tensor, int, int]:
         size = self.layout.sizes[unit]
         lo, hi = byte_range if byte_range is not None else (0, size)
         assert 0 <= lo <= hi <= size and buf.nbytes >= hi, (lo, hi, size, buf.nbytes)
-        return lo, hi
+        return self.tensor(unit, torch.uint8, hi)[lo:], lo, hi
 
-    def _take_reads(self, unit: int) -> list[Copy]:
+    def _finish_reads(self, unit: int) -> None:
+        """Wait for region ``unit``'s D2H copies in flight (taken under the lock, waited for outside it)."""
         with self._lock:
-            return self._reads.pop(unit, [])
-
-    @staticmethod
-    def _wait(copies: list[Copy]) -> None:
+            copies = self._reads.pop(unit, [])
         for copy in copies:
             copy.exception()  # (a failed read was raised to whoever waited for it)
 
@@ -144,7 +134,7 @@ class DeviceRegions:
         with self._lock:
             units = set(self._reads) | set(self._last_write)
         for unit in units:
-            self._wait(self._take_reads(unit))
+            self._finish_reads(unit)
             last = self.last_write(unit)
             if last is not None:
                 last.result()

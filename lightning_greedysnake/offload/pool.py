@@ -227,24 +227,21 @@ class BufferPool:
         deadline = time.monotonic() + returning_wait_s
         with self._cond:
             assert not self._closed, "buffer pool is closed"
+            arena = self._arena
             while True:
-                if not block and self.in_use_bytes + nbytes > self._budget_bytes:
+                fits = self.in_use_bytes + nbytes <= self._budget_bytes
+                buf = None
+                if fits:
+                    buf = arena.take(nbytes)
+                    if buf is None and arena.capacity_bytes < self._budget_bytes:
+                        buf = arena.grow(nbytes, self._budget_bytes - arena.capacity_bytes)  # (first use, a larger budget)
+                if buf is None and not block:  # (the budget full, or fragmented: as if full)
                     left = deadline - time.monotonic()
                     if self._returning == 0 or left <= 0:
                         return None
                     self._cond.wait(left)  # (a write-behind's completion gives its buffer back, and notifies)
                     continue
-                if self.in_use_bytes + nbytes <= self._budget_bytes:
-                    arena = self._arena
-                    buf = arena.take(nbytes)
-                    if buf is None and arena.capacity_bytes < self._budget_bytes:
-                        buf = arena.grow(nbytes, self._budget_bytes - arena.capacity_bytes)  # (first use, a larger budget)
-                    if buf is None and not block:  # (fragmented: as if full, waiting as a full budget does)
-                        left = deadline - time.monotonic()
-                        if self._returning == 0 or left <= 0:
-                            return None
-                        self._cond.wait(left)
-                        continue
+                if fits:
                     in_flight = self._returning > 0 or (self.others_active is not None and self.others_active())
                     if buf is None and (not in_flight or fragmented_s >= FRAGMENTED_WAIT_S):
                         # nothing coming back makes room, or not soon: one more segment

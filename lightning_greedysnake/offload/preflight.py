@@ -181,10 +181,7 @@ class OffloadDirLock:
                 names = dict.fromkeys([*self._files, *(f.name for f in files)])
                 self._write(tuple(n for n in names if (self.path.parent / n).exists()))
             else:
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
+                self.path.unlink(missing_ok=True)
             self._fd = None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

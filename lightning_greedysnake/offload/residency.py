@@ -18,8 +18,7 @@ bound to are a device copy of them, made on the H2D stream (:meth:`acquire`) or 
 for none of the ops queued on the compute stream (see :mod:`~lightning_greedysnake.offload.device`). The
 host handle tracks that copy, so it is changed or given back only once the copy is done; the compute
 stream waits for the copy's event before the unit's first op, and the memory goes back to the allocator
-after the compute stream's uses (recorded on it); ``_on_device`` and ``_device_prefetch`` belong to the
-training thread.
+after the compute stream's uses (recorded on it); ``_device_prefetch`` belongs to the training thread.
 
 Device-resident weights (``offload.weights='device'`` on a device tier): the unit's compute weights
 live in device memory for the whole run (:class:`~lightning_greedysnake.offload.device_regions.
@@ -86,8 +85,6 @@ class WeightsResidency:
         """``wait_for(event)`` blocks until a unit's step completed (the lane's wait: it raises the lane's
         error instead of hanging when a step failed). ``copies``: the device tier, if any."""
         self._copies = copies
-        self._on_device: dict[int, Tensor] = {}
-        """Held units' compute weights in device memory (training thread only)."""
         self._device_prefetch: dict[int, tuple[Tensor, Copy]] = {}
         """Device copies started ahead of acquisition, each from the host handle in ``_prefetched`` (which
         tracks the copy) (training thread only)."""
@@ -148,7 +145,6 @@ class WeightsResidency:
             return
         flat, copy = on_device if on_device is not None else self._to_device(unit, held)
         self._copies.wait(copy)  # hand-over: the H2D stream -> the compute stream (the unit's first op)
-        self._on_device[unit] = flat
         self.bind(unit, flat)
 
     def _to_device(self, unit: int, held: Staged) -> tuple[Tensor, Copy]:
@@ -164,9 +160,9 @@ class WeightsResidency:
 
     def release(self, unit: int) -> None:
         held = self._held.pop(unit)
+        # device memory goes back to the compute stream's allocator (with the parameters' views of it):
+        # later work on it is stream-ordered
         self.unbind(unit)
-        # device memory goes back to the compute stream's allocator: later work on it is stream-ordered
-        self._on_device.pop(unit, None)
         if unit in self._donated:
             self._donated.discard(unit)  # the step job owns the handle now and gives it back
         elif held is not None:

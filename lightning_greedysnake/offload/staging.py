@@ -358,7 +358,7 @@ class StagingArena:
         what = f"unit {u} {kind.value}"
         if isinstance(regions, HostRegions):
             return Staged(regions.host_buffer(self.slots.index(kind, u)), None, what)
-        held = self.acquire(regions.region_bytes(u), what)
+        held = self.acquire(self.state.region_bytes(kind, u), what)
         if read:
             try:
                 self.read_into(kind, u, held, ranges, label)
@@ -381,7 +381,7 @@ class StagingArena:
         dst = regions.host_buffer(self.slots.index(kind, u, next_slot=True))
         assert src is not None and dst.tensor is not None
         if read:
-            for a, b in ranges if ranges is not None else [(0, regions.region_bytes(u))]:
+            for a, b in ranges if ranges is not None else [(0, self.state.region_bytes(kind, u))]:
                 dst.tensor[a:b].copy_(src[a:b])
         return Staged(dst, None, f"unit {u} {kind.value} (next slot)")
 

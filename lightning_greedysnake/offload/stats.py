@@ -108,26 +108,19 @@ class IOStats:
         with self._lock:
             return self._job_cpu_seconds
 
-    def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float, start: float | None = None,
-               directory: str | None = None) -> None:
+    def record(self, kind: str, tier: str, op: str, nbytes: int, seconds: float, start: float,
+               directory: str) -> None:
         """One completed transfer; ``directory``: the offload directory it went to (counted per SSD too)."""
-        if start is not None:
-            self.lanes.add("ssd_read" if op == "read" else "ssd_write", start, start + seconds, f"{op} {kind}")
+        self.lanes.add("ssd_read" if op == "read" else "ssd_write", start, start + seconds, f"{op} {kind}")
         with self._lock:
-            if directory is not None:
-                self._directories[(kind, tier)].add(directory)
-                d = self._by_directory[directory]
+            self._directories[(kind, tier)].add(directory)
+            for c in (self._counters[(kind, tier)], self._by_directory[directory]):
                 if op == "read":
-                    d.bytes_read += nbytes
+                    c.bytes_read += nbytes
+                    c.reads += 1
                 else:
-                    d.bytes_written += nbytes
-            c = self._counters[(kind, tier)]
-            if op == "read":
-                c.bytes_read += nbytes
-                c.reads += 1
-            else:
-                c.bytes_written += nbytes
-                c.writes += 1
+                    c.bytes_written += nbytes
+                    c.writes += 1
 
     def copy(self) -> IOStats:
         """A frozen copy (later I/O does not change it)."""

@@ -25,8 +25,6 @@ from lightning_greedysnake.offload.stats import IOStats
 
 
 class HostRegions:
-    tier = "host"
-
     def __init__(self, kind: str, region_bytes: list[int],
                  pinner: tuple[Callable[[int, int], None], Callable[[int], None]] | None = None) -> None:
         """``pinner``: ``(pin, unpin)`` of the device tier, which copies straight out of these regions."""
@@ -43,9 +41,6 @@ class HostRegions:
             except BaseException:
                 self.close()
                 raise
-
-    def region_bytes(self, unit: int) -> int:
-        return self.layout.sizes[unit]
 
     def host_buffer(self, unit: int) -> AlignedBuffer:
         buf = self._buffers[unit]
@@ -87,9 +82,6 @@ class SSDRegions:
         self._inflight: dict[int, list[_InFlight]] = {}
         """Per unit: operations not known to have completed (failed writes stay, so waits raise them)."""
         self._lock = threading.Lock()
-
-    def region_bytes(self, unit: int) -> int:
-        return self.layout.sizes[unit]
 
     def submit_read(
         self, unit: int, buf: AlignedBuffer, label: str | None = None, byte_range: tuple[int, int] | None = None
