@@ -90,11 +90,7 @@ weights, 4-byte master weights and state)."""
 
 def split_align_numel(state_codec: tuple[tuple[int, int], ...] = ()) -> int:
     """:attr:`StateLayout.split_align_numel` for state of ``state_codec``'s components."""
-    align = SPLIT_ALIGN_NUMEL
-    for per, isz in state_codec:
-        need = per * (4096 // math.gcd(4096, isz))
-        align = align * need // math.gcd(align, need)
-    return align
+    return math.lcm(SPLIT_ALIGN_NUMEL, *(per * (4096 // math.gcd(4096, isz)) for per, isz in state_codec))
 
 
 def parameter_starts(layout: UnitLayout, lo: int, hi: int) -> list[int]:
@@ -168,7 +164,7 @@ class StateLayout:
     parameter_cuts: bool = False
     """The step's split and the ranks' chunks fall on parameter starts (each on a ``split_align_numel``
     boundary): the optimizer is stepped on whole parameters
-    (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.parameter_cuts`)."""
+    (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.whole_parameters`)."""
     min_piece_numel: int = 0
     """A split through a parameter leaves at least this many of its elements on either side
     (:attr:`~lightning_greedysnake.optim.contract.OptimizerContract.min_piece_numel`)."""

@@ -81,7 +81,7 @@ def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torc
         state_format = state_format_for(optimizer, slots, config.optimizer_state_dtype, shard, contract.whole_parameters)
     codec = state_format.codec
     align = PARAM_ALIGN_NUMEL if codec is None else max(PARAM_ALIGN_NUMEL, codec.align_numel)
-    if contract.parameter_cuts:  # every parameter start a legal cut: 4 KiB-aligned bytes in every dtype
+    if contract.whole_parameters:  # every parameter start a legal cut: 4 KiB-aligned bytes in every dtype
         align = math.lcm(align, split_align_numel(codec.layout if codec else ()))
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
     layouts = [
@@ -94,8 +94,8 @@ def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torc
     ]
     return StateLayout(tuple(layouts), compute_dtype.itemsize, len(slots),
                        separate_master=compute_dtype != torch.float32, shard=shard,
-                       parameter_cuts=contract.parameter_cuts, min_piece_numel=contract.min_piece_numel,
-                       state_itemsize=state_format.itemsize, state_codec=codec.layout if codec else ())
+                       parameter_cuts=contract.whole_parameters, min_piece_numel=contract.min_piece_numel,
+                       state_itemsize=state_format.dtype.itemsize, state_codec=codec.layout if codec else ())
 
 
 @dataclass(frozen=True)
@@ -423,7 +423,7 @@ class TieredTensorStore:
     def gradient_ready(self, unit: int) -> None:
         """``unit``'s gradient for this window is complete: to the step mode (stepped now, or waiting on its
         tier for clipping until :meth:`finish_step`)."""
-        self.stepper.check()
+        self.stepper.lane.check()
         if not self.stepper.trains(unit) or not self.grads.has(unit):
             return  # (no gradient reached this unit in this window: torch skips such parameters too)
         self.steps.gradient_ready(unit)
@@ -448,8 +448,8 @@ class TieredTensorStore:
         forward parts, which overlap the next forward; deferred, every unit's whole step; speculative, the
         window's verdict). False: the window stepped nothing (under loss scaling, ``inv_scale``, a gradient
         was not finite) and its gradients went."""
-        self.stepper.check()
-        self.stepper.backward_done()
+        self.stepper.lane.check()
+        self.stepper.lane.run_held()
         return self.steps.finish(inv_scale)
 
     def end_window(self, completed: bool = True) -> None:

@@ -106,21 +106,25 @@ def _safetensors_image(tensors: dict[str, Tensor], metadata: dict[str, str] | No
     return image, total
 
 
+def _open_direct(path: Path, flags: int, mode: int = 0o600) -> tuple[int, bool]:
+    """``path`` opened with ``flags`` and O_DIRECT, or with ``flags`` alone where O_DIRECT is refused
+    (EINVAL); returns the descriptor and whether the first open (O_DIRECT where the platform has it) did."""
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0), mode), True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return os.open(path, flags, mode), False
+
+
 def _write_image(path: Path, image: AlignedBuffer, nbytes: int) -> tuple[str, int]:
     """Hash and write ``nbytes`` of ``image`` to ``path`` (O_DIRECT in page-sized pieces, the tail cut
     with ftruncate; buffered where O_DIRECT is refused), fsync; returns (sha256, nbytes)."""
     try:
         view = image.memoryview(0, image.nbytes)
         digest = hashlib.sha256(view[:nbytes]).hexdigest()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-            length = image.nbytes  # whole pages; the file is cut to nbytes after
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            fd = os.open(path, flags, 0o600)
-            length = nbytes
+        fd, direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0))
+        length = image.nbytes if direct else nbytes  # direct: whole pages; the file is cut to nbytes after
         try:
             done = 0
             while done < length:
@@ -141,12 +145,7 @@ def _read_image(path: Path, nbytes: int) -> AlignedBuffer:
     image = AlignedBuffer(max(nbytes, 1))
     view = image.memoryview(0, image.nbytes)
     try:
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd, _ = _open_direct(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             done = 0
             while done < nbytes:
@@ -177,18 +176,15 @@ class CheckpointWriter:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        if self.path.is_symlink() or self.path.is_file():
-            # Lightning's save_last="link" leaves a symlink, an older run a plain file: replacing them is
-            # what the caller asked for (a save to this name); the old object is gone only after the
-            # new payload is complete
-            self._replace_link = True
-        else:
-            self._replace_link = False
-            if self.path.exists() and not is_checkpoint_dir(self.path):
-                raise CheckpointError(
-                    f"cannot save a checkpoint to {self.path}: it is a directory that is not a greedysnake "
-                    "checkpoint. Fix: choose another file name or directory for the checkpoint."
-                )
+        # Lightning's save_last="link" leaves a symlink, an older run a plain file: replacing them is
+        # what the caller asked for (a save to this name); the old object is gone only after the
+        # new payload is complete
+        self._replace_link = self.path.is_symlink() or self.path.is_file()
+        if not self._replace_link and self.path.exists() and not is_checkpoint_dir(self.path):
+            raise CheckpointError(
+                f"cannot save a checkpoint to {self.path}: it is a directory that is not a greedysnake "
+                "checkpoint. Fix: choose another file name or directory for the checkpoint."
+            )
         self.root = self.path.parent / f".{self.path.name}.gs-tmp" if self._replace_link else self.path
         self._created_root = not self.root.exists()
         """This save created the checkpoint's directory: a failed save removes it again."""

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from torch import Tensor
 
 from lightning_greedysnake.checkpoint.format import TRAINER_STATE, CheckpointReader
-from lightning_greedysnake.checkpoint.streamed import EXTRA_FILE
+from lightning_greedysnake.checkpoint.streamed import (
+    EXTRA_FILE,
+    model_file,
+    optimizer_entries,
+    optimizer_file,
+)
 
 
 def plain_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, object]:
@@ -22,15 +26,9 @@ def plain_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, object]:
     units = sorted({info["unit"] for info in params.values()})
     per_param: dict[str, dict[str, object]] = {}
     for unit in units:
-        state_dict.update(reader.read_tensors(f"model/unit_{unit:05d}.safetensors"))
-        rel = f"optimizer/unit_{unit:05d}.safetensors"
-        if rel in reader.files:
-            tensors, meta = reader.read_tensors_and_metadata(rel)
-            for key, value in tensors.items():
-                name, _, slot = key.partition("::")
-                per_param.setdefault(name, {})[slot] = value
-            for name, scalars in json.loads(meta.get("scalars", "{}")).items():
-                per_param.setdefault(name, {}).update(scalars)
+        state_dict.update(reader.read_tensors(model_file(unit)))
+        if optimizer_file(unit) in reader.files:
+            per_param.update(optimizer_entries(*reader.read_tensors_and_metadata(optimizer_file(unit))))
     state["state_dict"] = state_dict
     if reader.manifest.get("optimizer"):
         order = reader.manifest["optimizer_params"]

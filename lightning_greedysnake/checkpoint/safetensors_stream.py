@@ -32,10 +32,7 @@ def header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict
     head: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offsets, offset = [], 0
     for name, dtype, shape in specs:
-        n = 1
-        for d in shape:
-            n *= d
-        size = n * torch.empty((), dtype=dtype).element_size()
+        size = torch.Size(shape).numel() * dtype.itemsize
         head[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offsets.append(offset)
         offset += size

@@ -113,16 +113,28 @@ class StreamedOptimizerState(dict):  # type: ignore[type-arg]
         self.reader = reader
 
 
-def _model_file(u: int) -> str:
+def model_file(u: int) -> str:
     return f"model/unit_{u:05d}.safetensors"
 
 
-def _optimizer_file(u: int) -> str:
+def optimizer_file(u: int) -> str:
     return f"optimizer/unit_{u:05d}.safetensors"
 
 
 EXTRA_FILE = "model/extra.safetensors"
 _SEP = "::"
+
+
+def optimizer_entries(tensors: Mapping[str, Tensor], meta: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """An optimizer file's state per parameter name (as :func:`_save_unit` writes it): its tensors (keys
+    ``name::slot``), then its scalars (JSON in the metadata)."""
+    entries: dict[str, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        name, _, slot = key.rpartition(_SEP)
+        entries.setdefault(name, {})[slot] = value
+    for name, scalars in json.loads(meta.get("scalars", "{}")).items():
+        entries.setdefault(name, {}).update(scalars)
+    return entries
 
 
 @dataclass(frozen=True)
@@ -166,7 +178,7 @@ def save_streamed(manager: StateSource, checkpoint: dict[str, Any], path: str | 
         with_optimizer = optimizer_states is not None and manager.optimizer is not None
         for u in range(manager.num_units):
             names = [slot.name for slot in manager.layouts[u].params]
-            wanted = [_model_file(u)] + ([_optimizer_file(u)] if with_optimizer else [])
+            wanted = [model_file(u)] + ([optimizer_file(u)] if with_optimizer else [])
             if reuse is not None and all(rel in reuse.files for rel in wanted) and all(
                     writer.link_from(reuse.payload, rel, reuse.files[rel]) for rel in wanted):
                 for name in names:
@@ -209,7 +221,7 @@ def _save_unit(manager: StateSource, writer: CheckpointWriter, u: int, names: li
                ) -> dict[str, dict[str, Any]]:
     """Write unit ``u``'s files; its tensors are dropped on return (one unit in memory at a time)."""
     values = manager.unit_master_weights(u)
-    writer.write_tensors(_model_file(u), dict(zip(names, values)))
+    writer.write_tensors(model_file(u), dict(zip(names, values)))
     index = {name: {"unit": u, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
              for name, v in zip(names, values)}
     del values
@@ -222,7 +234,7 @@ def _save_unit(manager: StateSource, writer: CheckpointWriter, u: int, names: li
                     tensors[f"{names[i]}{_SEP}{key}"] = value
                 else:
                     scalars.setdefault(names[i], {})[key] = value
-        writer.write_tensors(_optimizer_file(u), tensors, {"scalars": json.dumps(scalars)})
+        writer.write_tensors(optimizer_file(u), tensors, {"scalars": json.dumps(scalars)})
     return index
 
 
@@ -320,7 +332,7 @@ def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Map
         index = reader.manifest["params"]
         _names_check(reader.path, unit_names, set(index), strict)
         shapes_check(reader.path, unit_shapes, {n: info["shape"] for n, info in index.items() if "shape" in info})
-        order = [_model_file(index[s.name]["unit"]) for u in range(manager.num_units)
+        order = [model_file(index[s.name]["unit"]) for u in range(manager.num_units)
                  for s in manager.layouts[u].params if s.name in index]
         with _UnitFiles(reader, order) as files:
             for u in range(manager.num_units):
@@ -329,7 +341,7 @@ def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Map
                     continue  # non-strict: the unit keeps its current values
                 values = []
                 for slot in slots:
-                    rel = _model_file(index[slot.name]["unit"])
+                    rel = model_file(index[slot.name]["unit"])
                     tensors, _ = files.open(rel)
                     if slot.name not in tensors:
                         raise CheckpointError(
@@ -371,7 +383,7 @@ def load_optimizer_into(manager: StateSink, optimizer: torch.optim.Optimizer, op
         return
     reader = state.reader
     index = reader.manifest["params"]
-    order = [_optimizer_file(index[s.name]["unit"]) for u in range(manager.num_units)
+    order = [optimizer_file(index[s.name]["unit"]) for u in range(manager.num_units)
              for s in manager.layouts[u].params if s.name in index and s.group is not None]
     with _UnitFiles(reader, order) as files:
         for u in range(manager.num_units):
@@ -379,11 +391,7 @@ def load_optimizer_into(manager: StateSink, optimizer: torch.optim.Optimizer, op
             for i, slot in enumerate(manager.layouts[u].params):
                 if slot.name not in index or slot.group is None:
                     continue
-                tensors, meta = files.open(_optimizer_file(index[slot.name]["unit"]))
-                scalars = json.loads(meta.get("scalars", "{}")).get(slot.name, {})
-                prefix = slot.name + _SEP
-                entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                entry.update(scalars)
+                entry = optimizer_entries(*files.open(optimizer_file(index[slot.name]["unit"]))).get(slot.name)
                 if entry:
                     entries[i] = entry
             if entries:

@@ -57,16 +57,11 @@ class BufferWriters:
         self._found: dict[int, list[WrittenBuffer]] = {}
         """Per unit whose first forward ran: the buffers it changed (empty: none)."""
 
-    def checked(self, unit: int) -> bool:
-        """``unit``'s first forward ran (its buffers are known)."""
-        return unit in self._found
-
-    def written(self, unit: int) -> list[WrittenBuffer]:
-        return self._found.get(unit, [])
-
     @contextlib.contextmanager
-    def first_forward(self, unit: int) -> Iterator[None]:
-        """Run the body (a training forward of ``unit``); the first time, find the buffers it changes."""
+    def first_forward(self, unit: int, plan: Plan) -> Iterator[None]:
+        """Run the body (a training forward of ``unit``); the first time, find the buffers it changes, and
+        refuse ``plan`` if it runs such a unit out of micro-batch order (at the first window: nothing
+        stepped)."""
         if unit in self._found:
             yield
             return
@@ -75,13 +70,14 @@ class BufferWriters:
         yield
         self._found[unit] = [b for b, tensor, copy in before
                              if b.module._buffers[b.name] is not tensor or not _same(tensor, copy)]
+        self.check_order(plan)
 
     @contextlib.contextmanager
     def recomputing(self, unit: int) -> Iterator[None]:
         """Run the body (a recomputation of ``unit``'s forward) with copies of the buffers its forward updates,
         then put the originals back: untouched, neither in value nor in version (autograd saved them for the
         forward's own backward where the graph was kept, and BatchNorm's backward reads them)."""
-        written = self.written(unit)
+        written = self._found.get(unit, [])
         if not written:
             yield
             return
@@ -101,7 +97,7 @@ class BufferWriters:
                 continue
             order = [op.microbatch for op in plan.ops if op.kind is OpKind.FORWARD and op.unit == unit]
             if order != sorted(order):
-                raise ValueError(_out_of_order(unit, written, plan))
+                raise ValueError(_out_of_order(unit, written, order))
 
     def _buffers_of(self, unit: int) -> list[WrittenBuffer]:
         u = self._units[unit]
@@ -120,17 +116,13 @@ class BufferWriters:
         return found
 
 
-def _out_of_order(unit: int, written: list[WrittenBuffer], plan: Plan) -> str:
+def _out_of_order(unit: int, written: list[WrittenBuffer], order: list[int]) -> str:
     names = ", ".join(b.label for b in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+    in_order = ", ".join(map(str, order))
     return (
-        f"schedule='vertical' runs unit {unit}'s micro-batches in the order {_order(plan, unit)}, and that unit's "
+        f"schedule='vertical' runs unit {unit}'s micro-batches in the order {in_order}, and that unit's "
         f"forward updates buffers ({names}): its running statistics would be updated in another order than "
         "Lightning's, which runs micro-batches 0, 1, 2, ... (nothing was stepped yet). Fix: "
         "GreedySnakeStrategy(schedule='horizontal') (Lightning's order; a recomputation does not update the "
         "buffers again), or track_running_stats=False on the module (BatchNorm), or accumulate_grad_batches=1."
     )
-
-
-def _order(plan: Plan, unit: int) -> str:
-    order = [str(op.microbatch) for op in plan.ops if op.kind is OpKind.FORWARD and op.unit == unit]
-    return ", ".join(order)

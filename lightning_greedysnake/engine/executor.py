@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
@@ -415,7 +415,7 @@ class WindowEngine:
         # its saved views of the unit's weights held as references (the weights leave memory meanwhile).
         grad_mode = torch.no_grad() if recompute else torch.enable_grad()
         hooks = contextlib.nullcontext() if recompute else _weight_refs(unit)
-        with w.streams.forward_of(m), self._first_forward(u, w.plan):
+        with w.streams.forward_of(m), self.buffer_writers.first_forward(u, w.plan):
             if recompute:
                 w.rng[(u, m)] = GeneratorState.capture(self.device)
             with grad_mode, hooks, self.forward_context():
@@ -488,17 +488,6 @@ class WindowEngine:
         return hidden
 
     # -- helpers ------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _first_forward(self, u: int, plan: Plan) -> Iterator[None]:
-        """Run the body (a forward of unit ``u``); the first time, find the buffers it updates, and refuse
-        ``plan`` if it runs such a unit out of micro-batch order (at the first window: nothing stepped)."""
-        if self.buffer_writers.checked(u):
-            yield
-            return
-        with self.buffer_writers.first_forward(u):
-            yield
-        self.buffer_writers.check_order(plan)
-
     def _ensure_unit(self, u: int) -> None:
         """Consecutive ops on one unit share one acquisition of its weights."""
         if self._held_unit == u:
@@ -534,9 +523,7 @@ class WindowEngine:
         before it; the others once past the forward phase (whose weight prefetches the slack is for), in
         their order, as many as the slack permits: a step whose reads cannot start holds back the hints
         for the steps after it, so the staging goes to the step the lane runs first."""
-        w = self._window
-        if w is None:
-            return
+        w = self._require_window()
         if w.last_step is not None and w.cursor > w.last_step[0]:
             self.store.prefetch_step(w.last_step[1])
         elif w.next_op is not None and w.next_op.kind is not OpKind.FORWARD:
@@ -548,9 +535,7 @@ class WindowEngine:
         """The next ``offload.prefetch_units`` different units the plan will need, in order (the
         prefetch targets; fewer at the window's end)."""
         depth = self.config.offload.prefetch_units
-        w = self._window
-        if w is None:
-            return [(u + i) % self.num_units for i in range(1, min(depth, self.num_units - 1) + 1)]
+        w = self._require_window()
         found: list[int] = []
         for op in w.plan.ops[w.cursor :]:
             if len(found) >= depth:

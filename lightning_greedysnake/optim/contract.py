@@ -106,11 +106,6 @@ class OptimizerContract:
         """Each piece the optimizer steps is a whole parameter in its own shape."""
         return self.path is StepPath.WHOLE_PARAMETER
 
-    @property
-    def parameter_cuts(self) -> bool:
-        """The unit's split and the ranks' chunks fall on parameter starts."""
-        return self.whole_parameters
-
 
 NO_OPTIMIZER = OptimizerContract(StepPath.ELEMENT_WISE, reason="no optimizer")
 
@@ -197,25 +192,26 @@ def _shapes_by_group(optimizer: torch.optim.Optimizer) -> dict[int, list[tuple[i
 
 
 def _run(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], params: list[Tensor], grads: list[list[Tensor]],
-         together: bool) -> list[tuple[Tensor, dict[str, Any]]]:
-    """``params`` (probe leaves) stepped with ``grads`` (per step, per parameter), in one optimizer or one each."""
-    optimizers = [cls([{**hyper, "params": params}])] if together else [cls([{**hyper, "params": [p]}]) for p in params]
-    for step_grads in grads:
-        for p, g in zip(params, step_grads, strict=True):
-            p.grad = g.clone()
+         together: bool, shapes: list[tuple[int, ...]]) -> list[tuple[Tensor, dict[str, Any]]]:
+    """``params`` (probe leaves) stepped with ``grads`` (per step, per parameter), in one optimizer or one
+    each; a failure is reported with the optimizer's name and the run's parameter ``shapes`` it scaled."""
+    try:
+        optimizers = ([cls([{**hyper, "params": params}])] if together else
+                      [cls([{**hyper, "params": [p]}]) for p in params])
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            for opt in optimizers:
+                opt.step()
+        states: dict[int, dict[str, Any]] = {}
         for opt in optimizers:
-            opt.step()
-    states: dict[int, dict[str, Any]] = {}
-    for opt in optimizers:
-        states.update({id(p): st for p, st in opt.state.items()})
-    return [(p.detach(), states.get(id(p), {})) for p in params]
-
-
-def _probe_failed(cls: type, e: Exception, shapes: list[tuple[int, ...]]) -> UnsupportedOptimizerError:
-    return UnsupportedOptimizerError(
-        f"greedysnake could not step {cls.__name__} on this run's parameter shapes {shapes} ({type(e).__name__}: "
-        f"{e}). It re-creates the optimizer class per unit from its param groups. Fix: freeze or regroup the "
-        "parameters it cannot take, or use torch.optim.AdamW.")
+            states.update({id(p): st for p, st in opt.state.items()})
+        return [(p.detach(), states.get(id(p), {})) for p in params]
+    except Exception as e:  # noqa: BLE001 - reported with the optimizer's name
+        raise UnsupportedOptimizerError(
+            f"greedysnake could not step {cls.__name__} on this run's parameter shapes {shapes} "
+            f"({type(e).__name__}: {e}). It re-creates the optimizer class per unit from its param groups. "
+            "Fix: freeze or regroup the parameters it cannot take, or use torch.optim.AdamW.") from e
 
 
 def _check_separable(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tuple[int, ...]]) -> None:
@@ -227,11 +223,8 @@ def _check_separable(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tup
     gen = torch.Generator().manual_seed(0x5E9A)
     start = [torch.randn(s, generator=gen) for s in probe_shapes]
     grads = [[torch.randn(s, generator=gen) * (k + 1) for k, s in enumerate(probe_shapes)] for _ in range(PROBE_STEPS)]
-    try:
-        together = _run(cls, _hyper(optimizer, gi), [t.clone().requires_grad_() for t in start], grads, True)
-        alone = _run(cls, _hyper(optimizer, gi), [t.clone().requires_grad_() for t in start], grads, False)
-    except Exception as e:  # noqa: BLE001 - reported with the optimizer's name
-        raise _probe_failed(cls, e, shapes) from e
+    together = _run(cls, _hyper(optimizer, gi), [t.clone().requires_grad_() for t in start], grads, True, shapes)
+    alone = _run(cls, _hyper(optimizer, gi), [t.clone().requires_grad_() for t in start], grads, False, shapes)
     for k, ((pa, sa), (pb, sb)) in enumerate(zip(together, alone, strict=True)):
         differs = [name for name in sorted(set(sa) | set(sb)) if not _same(sa.get(name), sb.get(name))]
         if not _same(pa, pb):
@@ -262,10 +255,8 @@ def _whole_parameter_slots(optimizer: torch.optim.Optimizer, shapes: dict[int, l
     for gi, group_shapes in shapes.items():
         probe_shapes = [_scaled(s) for s in group_shapes]
         params = [torch.zeros(s, requires_grad=True) for s in probe_shapes]
-        try:
-            stepped = _run(cls, _hyper(optimizer, gi), params, [[torch.full(s, 0.5) for s in probe_shapes]] * 2, True)
-        except Exception as e:  # noqa: BLE001 - reported with the optimizer's name
-            raise _probe_failed(cls, e, group_shapes) from e
+        grads = [[torch.full(s, 0.5) for s in probe_shapes]] * 2
+        stepped = _run(cls, _hyper(optimizer, gi), params, grads, True, group_shapes)
         for p, state in stepped:
             for name, value in state.items():
                 if not isinstance(value, Tensor) or value.shape != p.shape or value.dim() == 0:

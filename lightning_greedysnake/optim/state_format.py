@@ -122,10 +122,6 @@ class StateFormat:
         Owned by that thread: a step's ``wide`` tensors are views into it until :meth:`narrow`."""
 
     @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
     def narrowed(self) -> bool:
         return self.dtype != torch.float32
 

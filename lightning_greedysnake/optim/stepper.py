@@ -4,7 +4,7 @@
   backward part at once (the lane may trail backward by ``lag`` units), its forward (alpha) part, when
   ``alpha`` defers one, after the window's backward, overlapping the next forward. A synchronous lane
   (``lag=0``) runs the backward part of a unit whose step stages nothing (all in host memory) once the
-  window's backward is done (:meth:`UnitStepper.backward_done`), as Lightning steps after backward.
+  window's backward is done (:meth:`StepLane.run_held`), as Lightning steps after backward.
 - With clipping by the global norm (or a custom ``configure_gradient_clipping``) every unit's whole step
   waits until the whole backward is done and the clip coefficient is known.
 - A unit's :class:`UpdateGate` entry is cleared when its step is submitted and published by the job
@@ -134,11 +134,6 @@ class UnitStepper:
         """Units whose complete gradient waits for clipping (deferred mode)."""
         self._clip_coef: Tensor | None = None
         self._value_clips: list[float] = []
-
-    @property
-    def lag(self) -> int:
-        """How many units the background optimizer may trail backward by (the lane's depth)."""
-        return self.lane.lag
 
     def _unit_optimizer(self, u: int) -> UnitOptimizer | None:
         if self.optimizer is None:
@@ -414,15 +409,6 @@ class UnitStepper:
         self._staging.put_back(TensorKind.WEIGHTS, unit, held)
 
     # -- lifetime (training thread) ---------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise a background step's error, if one failed."""
-        self.lane.check()
-
-    def backward_done(self) -> None:
-        """The window's backward is done (training thread): the synchronous steps held for it run now
-        (:meth:`submit_backward_part`)."""
-        self.lane.run_held()
-
     def drain(self) -> None:
         """Complete every pending step, deferred forward parts included."""
         if self._alpha_pending:

@@ -54,20 +54,8 @@ class Component:
     per: int
     dtype: torch.dtype
 
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
     def entries(self, numel: int) -> int:
         return -(-numel // self.per)
-
-
-@dataclass(frozen=True)
-class PieceFormat:
-    """How the optimizer keeps the state of a ``numel``-element piece: per slot, the subclass's context
-    (``None``: plain fp32, kept in host memory)."""
-
-    contexts: dict[str, Any]
 
 
 def _flatten(value: Tensor) -> tuple[dict[str, Tensor], Any]:
@@ -89,13 +77,11 @@ class SubclassCodec:
     PROBE_SIZES = (1 << 16, 1 << 17)
 
     def __init__(self, optimizer: torch.optim.Optimizer, slots: tuple[str, ...],
-                 small: dict[str, Tensor] | None = None) -> None:
-        """``small``: the state a probe step at ``PROBE_SIZES[0]`` created, if the caller has it."""
+                 small: dict[str, Tensor]) -> None:
+        """``small``: the state a probe step at ``PROBE_SIZES[0]`` created (the caller's)."""
         self.cls = type(optimizer)
         self.slots = slots
         self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        if small is None:
-            small = _probe(self.cls, self.hyper[0], self.PROBE_SIZES[0])
         large = _probe(self.cls, self.hyper[0], self.PROBE_SIZES[1])
         self.subclass: type[Tensor] | None = None
         comps: list[Component] | None = None
@@ -133,7 +119,8 @@ class SubclassCodec:
             comps = found
             self.constants[name] = consts
         self.components: tuple[Component, ...] = tuple(comps or ())
-        self._pieces: dict[tuple[int, int], PieceFormat] = {}
+        self._pieces: dict[tuple[int, int], dict[str, Any]] = {}
+        """Per (group, numel): :meth:`piece_format`'s answer."""
         self._lock = threading.Lock()
         self.probes = 0
         """Probe steps since setup, beyond the two of it (each a transient parameter of a piece's size)."""
@@ -141,7 +128,7 @@ class SubclassCodec:
     @property
     def layout(self) -> tuple[tuple[int, int], ...]:
         """``(per, itemsize)`` per component: what :class:`StateLayout` sizes the regions by."""
-        return tuple((c.per, c.itemsize) for c in self.components)
+        return tuple((c.per, c.dtype.itemsize) for c in self.components)
 
     @property
     def align_numel(self) -> int:
@@ -165,23 +152,24 @@ class SubclassCodec:
     def learn(self, group: int, numel: int, state: dict[str, Tensor]) -> None:
         """Remember how the optimizer keeps a ``numel``-element piece (its first step created ``state``)."""
         with self._lock:
-            contexts = self._pieces.setdefault((group, numel), PieceFormat({})).contexts
+            contexts = self._pieces.setdefault((group, numel), {})
             for name, value in state.items():
                 if name not in contexts:
                     contexts[name] = self._context(name, value, numel)
 
-    def piece_format(self, group: int, numel: int) -> PieceFormat:
-        """How the optimizer keeps a ``numel``-element piece's state: as its first step of that size
-        created it (:meth:`learn`), or, before one (loading a checkpoint), as a probe step creates it (a
-        transient zero parameter, gradient and state of that size, once per size and group)."""
+    def piece_format(self, group: int, numel: int) -> dict[str, Any]:
+        """How the optimizer keeps a ``numel``-element piece's state, per slot the subclass's context
+        (``None``: plain fp32, kept in host memory): as its first step of that size created it (:meth:`learn`),
+        or, before one (loading a checkpoint), as a probe step creates it (a transient zero parameter,
+        gradient and state of that size, once per size and group)."""
         key = (group, numel)
         with self._lock:
             found = self._pieces.get(key)
-            if found is None or any(name not in found.contexts for name in self.slots):
+            if found is None or any(name not in found for name in self.slots):
                 self.probes += 1
                 state = _probe(self.cls, self.hyper[group], numel)
-                found = self._pieces[key] = PieceFormat(
-                    {name: self._context(name, state[name], numel) for name in self.slots})
+                found = self._pieces[key] = {name: self._context(name, state[name], numel)
+                                             for name in self.slots}
             return found
 
 
@@ -215,7 +203,7 @@ class SubclassState:
     def piece(self, name: str, lo: int, hi: int, group: int = 0) -> Tensor | None:
         """Elements ``[lo, hi)`` (a piece of a parameter of param group ``group``) of slot ``name`` as the
         optimizer keeps them; None where it keeps them in plain fp32 (host memory, not here)."""
-        ctx = self.codec.piece_format(group, hi - lo).contexts[name]
+        ctx = self.codec.piece_format(group, hi - lo)[name]
         if ctx is None:
             return None
         n = hi - lo

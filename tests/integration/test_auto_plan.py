@@ -31,7 +31,7 @@ class Applied(L.Callback):
 
     def on_train_end(self, trainer, module):
         manager, run = trainer.strategy.tensor_manager, trainer.strategy._run
-        self.alpha, self.lag, self.budget = manager.stepper.alpha, manager.stepper.lag, manager.pool.budget_bytes
+        self.alpha, self.lag, self.budget = manager.stepper.alpha, manager.stepper.lane.lag, manager.pool.budget_bytes
         self.config, self.engine_config = run.config, run.engine.config
 
 

@@ -156,9 +156,9 @@ class MinimumAfterThePlan(L.Callback):
 
         manager = trainer.strategy.tensor_manager
         arena = manager.arena
-        self.lag = manager.stepper.lag
+        self.lag = manager.stepper.lane.lag
         self.minimum = arena.budget.minimum_bytes - arena.budget._activation_reserve
-        self.expected = staging_budget_of(manager.state, manager.config, manager.stepper.lag, device_tier=True).minimum_bytes
+        self.expected = staging_budget_of(manager.state, manager.config, manager.stepper.lane.lag, device_tier=True).minimum_bytes
 
 
 def test_the_first_step_plans_staging_minimum_counts_the_steps_copy_of_resident_weights(simulated):

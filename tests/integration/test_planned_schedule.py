@@ -26,7 +26,7 @@ class Order(L.Callback):
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
         self.schedule = trainer.strategy.engine.config.schedule
-        self.lag = trainer.strategy.tensor_manager.stepper.lag
+        self.lag = trainer.strategy.tensor_manager.stepper.lane.lag
         assert trainer.strategy.config.schedule is self.schedule
 
 
