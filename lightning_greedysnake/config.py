@@ -68,6 +68,14 @@ def _check_flags(config: Any, prefix: str, names: tuple[str, ...]) -> None:
             raise ValueError(f"{prefix}{name}={getattr(config, name)!r} must be true or false.")
 
 
+def _check_integer(config: Any, prefix: str, name: str, low: int, must: str, optional: bool = False) -> None:
+    """``config.<name>`` is an integer of at least ``low`` (or ``None`` where ``optional``), else the error
+    ``<prefix><name>=<value> must be <must>``."""
+    value = getattr(config, name)
+    if not (optional and value is None) and not _integer(value, low):
+        raise ValueError(f"{prefix}{name}={value!r} must be {must}")
+
+
 def _directory(value: Any, whole: Any) -> str:
     if isinstance(value, str) and value:
         return value
@@ -140,10 +148,7 @@ REGION_KINDS = tuple(TensorKind(name) for name in REGION_KIND_NAMES)
 """The kinds kept in per-unit regions (:data:`~lightning_greedysnake.kinds.REGION_KIND_NAMES`)."""
 
 
-FIXED_PLACEMENT = {
-    TensorKind.WEIGHTS: Tier.SSD, TensorKind.MASTER_WEIGHTS: Tier.SSD, TensorKind.OPTIMIZER_STATES: Tier.SSD,
-    TensorKind.GRADIENTS: Tier.SSD, TensorKind.ACTIVATIONS: Tier.HOST,
-}
+FIXED_PLACEMENT = {**dict.fromkeys(REGION_KINDS, Tier.SSD), TensorKind.ACTIVATIONS: Tier.HOST}
 """Where an unset kind goes with ``auto=False``: ZeRO-Infinity's placement."""
 
 
@@ -273,22 +278,14 @@ class OffloadConfig:
                     f"offload.{name}='device' is only supported with every kind on 'device'. Fix: use 'host' "
                     "or 'ssd'."
                 )
-        if self.buffer_budget_bytes is not None and not _integer(self.buffer_budget_bytes, 1):
-            raise ValueError(
-                f"offload.buffer_budget_bytes={self.buffer_budget_bytes!r} must be a positive number of bytes "
-                "or None (automatic). Fix: e.g. buffer_budget_bytes=2147483648 (2 GiB)."
-            )
-        if not _integer(self.prefetch_units, 0):
-            raise ValueError(
-                f"offload.prefetch_units={self.prefetch_units!r} must be a non-negative integer (units whose "
-                "weights are brought in ahead of use; 0: none). Fix: e.g. prefetch_units=1."
-            )
-        if not _integer(self.io_threads, 1):
-            raise ValueError(f"offload.io_threads={self.io_threads!r} must be >= 1. Fix: e.g. io_threads=4.")
-        if self.optimizer_threads is not None and not _integer(self.optimizer_threads, 1):
-            raise ValueError(
-                f"offload.optimizer_threads={self.optimizer_threads!r} must be a positive integer (intra-op threads "
-                "of the host optimizer step) or None (planned from the machine). Fix: e.g. optimizer_threads=4.")
+        _check_integer(self, "offload.", "buffer_budget_bytes", 1, "a positive number of bytes or None "
+                       "(automatic). Fix: e.g. buffer_budget_bytes=2147483648 (2 GiB).", optional=True)
+        _check_integer(self, "offload.", "prefetch_units", 0, "a non-negative integer (units whose weights are "
+                       "brought in ahead of use; 0: none). Fix: e.g. prefetch_units=1.")
+        _check_integer(self, "offload.", "io_threads", 1, ">= 1. Fix: e.g. io_threads=4.")
+        _check_integer(self, "offload.", "optimizer_threads", 1, "a positive integer (intra-op threads of the host "
+                       "optimizer step) or None (planned from the machine). Fix: e.g. optimizer_threads=4.",
+                       optional=True)
         if not _integer(self.io_chunk_bytes, 4096) or self.io_chunk_bytes % 4096:
             raise ValueError(
                 f"offload.io_chunk_bytes={self.io_chunk_bytes!r} must be a positive multiple of 4096. Fix: e.g. "
@@ -480,11 +477,8 @@ class GreedySnakeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", OffloadConfig.from_value(self.offload))
-        if not _integer(self.trace_steps, 0):
-            raise ValueError(
-                f"trace_steps={self.trace_steps!r} must be a non-negative integer (optimizer steps to trace). "
-                "Fix: e.g. trace_steps=3, or 0 for no trace."
-            )
+        _check_integer(self, "", "trace_steps", 0, "a non-negative integer (optimizer steps to trace). "
+                       "Fix: e.g. trace_steps=3, or 0 for no trace.")
         if self.schedule is not None:
             object.__setattr__(self, "schedule", _enum_value(ScheduleKind, "schedule", self.schedule))
         if self.layers_per_unit is not None and not _integer(self.layers_per_unit, 1):
@@ -498,11 +492,8 @@ class GreedySnakeConfig:
                 "into the next forward). Fix: e.g. alpha=0.25, or alpha=0 to step everything during backward."
             )
         object.__setattr__(self, "alpha", None if self.alpha is None else float(self.alpha))
-        if self.lag is not None and not _integer(self.lag, 0):
-            raise ValueError(
-                f"lag={self.lag!r} must be a non-negative integer (units the background optimizer may trail "
-                "backward by). Fix: e.g. lag=2, or lag=0 for synchronous steps."
-            )
+        _check_integer(self, "", "lag", 0, "a non-negative integer (units the background optimizer may trail "
+                       "backward by). Fix: e.g. lag=2, or lag=0 for synchronous steps.", optional=True)
         if self.optimizer_path not in OPTIMIZER_PATHS:
             raise ValueError(
                 f"optimizer_path={self.optimizer_path!r} is not valid. Fix: use one of "
@@ -513,16 +504,11 @@ class GreedySnakeConfig:
                 f"on_nonfinite={self.on_nonfinite!r} is not valid. Fix: use one of 'warn', 'raise', 'skip'."
             )
         _check_flags(self, "", ("auto", "shard_state"))
-        if self.auto_host_budget_bytes is not None and not _integer(self.auto_host_budget_bytes, 1):
-            raise ValueError(
-                f"auto_host_budget_bytes={self.auto_host_budget_bytes!r} must be a positive number of bytes or "
-                "None (half of the available memory). Fix: e.g. auto_host_budget_bytes=8589934592 (8 GiB)."
-            )
-        if self.auto_device_budget_bytes is not None and not _integer(self.auto_device_budget_bytes, 0):
-            raise ValueError(
-                f"auto_device_budget_bytes={self.auto_device_budget_bytes!r} must be a number of bytes (0: always "
-                "offload) or None (the GPU's free memory). Fix: e.g. auto_device_budget_bytes=68719476736 (64 GiB)."
-            )
+        _check_integer(self, "", "auto_host_budget_bytes", 1, "a positive number of bytes or None (half of the "
+                       "available memory). Fix: e.g. auto_host_budget_bytes=8589934592 (8 GiB).", optional=True)
+        _check_integer(self, "", "auto_device_budget_bytes", 0, "a number of bytes (0: always offload) or None "
+                       "(the GPU's free memory). Fix: e.g. auto_device_budget_bytes=68719476736 (64 GiB).",
+                       optional=True)
         if self.recompute is not None and not isinstance(self.recompute, bool):
             raise ValueError(f"recompute={self.recompute!r} must be true or false.")
         if self.layered_module is not None and not isinstance(self.layered_module, str):

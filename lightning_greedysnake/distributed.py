@@ -6,14 +6,13 @@ Every function here is collective: all ranks call it with the same arguments, in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_greedysnake.layout import ParamSlot, UnitLayout
+from lightning_greedysnake.layout import ParamSlot
 from lightning_greedysnake.unit_state import UnitValues
 
 
@@ -46,25 +45,11 @@ class ShardedStateView:
         self.rank, self.world = rank, world
         self.group = manager.host_group
         """The process group for host tensors (gloo beside NCCL; None: the default group)."""
-
-    @property
-    def num_units(self) -> int:
-        return self.manager.num_units
-
-    @property
-    def layouts(self) -> Sequence[UnitLayout]:
-        return self.manager.layouts
-
-    @property
-    def params(self) -> list[list[nn.Parameter]]:
-        return self.manager.params
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        return self.manager.optimizer
-
-    def drain(self) -> None:
-        self.manager.drain()
+        self.num_units = manager.num_units
+        self.layouts = manager.layouts
+        self.params = manager.params
+        self.optimizer = manager.optimizer
+        self.drain = manager.drain
 
     def _masked(self, u: int, slot: ParamSlot, value: Tensor) -> Tensor:
         lo, hi = self.manager.bounds(u)

@@ -36,8 +36,6 @@ Rename = Callable[[str], "str | None"]
 
 def _strip(prefix: str) -> Rename:
     def rename(name: str) -> str | None:
-        if not prefix:
-            return name
         return name[len(prefix):] if name.startswith(prefix) else None
 
     return rename

@@ -113,26 +113,16 @@ def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None
     None: a flat one."""
     if threads is None:
         return _optimizer_rate(numel, repeats, optimizer, shape)
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
-    result: list[float] = []
-    errors: list[BaseException] = []
+    def measure() -> float:
+        torch.set_num_threads(threads)  # (per thread, as the lane's: the caller keeps its own)
+        return _optimizer_rate(numel, repeats, optimizer, shape)
 
-    def measure() -> None:
-        try:
-            torch.set_num_threads(threads)  # (per thread, as the lane's: the caller keeps its own)
-            result.append(_optimizer_rate(numel, repeats, optimizer, shape))
-        except BaseException as e:  # noqa: BLE001 - raised on the calling thread
-            errors.append(e)
-
-    worker = threading.Thread(target=measure, name="greedysnake-optimizer-rate")
-    worker.start()
-    worker.join()
-    if errors:
-        raise errors[0]
-    return result[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="greedysnake-optimizer-rate") as worker:
+        return worker.submit(measure).result()  # (raises the thread's error here; leaving joins the thread)
 
 
 def _optimizer_rate(numel: int, repeats: int, optimizer: Any, shape: tuple[int, ...] | None = None) -> float:

@@ -139,6 +139,10 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
         if nbytes:
             t[name] = t.get(name, 0) + nbytes
 
+    def both(kind: str, nbytes: int) -> None:
+        add(f"read/{kind}", nbytes)
+        add(f"write/{kind}", nbytes)
+
     on = {kind: [kind in u.on_ssd for u in units] for kind in ON_SSD}
     w = [u.weight_bytes if s else 0 for u, s in zip(units, on["weights"])]
     g = [u.grad_bytes if u.params and s else 0 for u, s in zip(units, on["gradients"])]
@@ -150,11 +154,8 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
         add("read/weights", -w[0])
     add("write/weights", sum(x for x, u in zip(w, units) if u.params))
     separate_master = any(u.master_bytes for u in units)
-    add("read/optimizer_states", sum(u.state_bytes for u, s in zip(units, on["optimizer_states"]) if s))
-    add("write/optimizer_states", sum(u.state_bytes for u, s in zip(units, on["optimizer_states"]) if s))
-    if separate_master:
-        add("read/master_weights", sum(u.master_bytes for u, s in zip(units, on["master_weights"]) if s))
-        add("write/master_weights", sum(u.master_bytes for u, s in zip(units, on["master_weights"]) if s))
+    both("optimizer_states", sum(u.state_bytes for u, s in zip(units, on["optimizer_states"]) if s))
+    both("master_weights", sum(u.master_bytes for u, s in zip(units, on["master_weights"]) if s))  # (none: 32-true)
     # a step reads the unit's weights range (as master under 32-true, to refresh the 16-bit copy under
     # bf16-mixed) where it is on SSD, unless the unit is still in memory when its step comes: in either
     # order every unit is (its step follows its last backward), for its backward part; with norm clipping none
@@ -165,16 +166,12 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
     if clip_norm:
         assert schedule == "vertical", "the traffic model covers norm clipping in the vertical order"
         # every gradient waits on SSD for the global norm
-        add("read/gradients", sum(g))
-        add("write/gradients", sum(g))
+        both("gradients", sum(g))
     else:
         if schedule == "horizontal":
             # partial sums out and back between micro-batches: the last one's backward completes them
-            add("read/gradients", (k - 1) * sum(g))
-            add("write/gradients", (k - 1) * sum(g))
-        alpha_g = sum(u.alpha_grad_bytes for u, s in zip(units, on["gradients"]) if s)
-        add("read/gradients", alpha_g)
-        add("write/gradients", alpha_g)
+            both("gradients", (k - 1) * sum(g))
+        both("gradients", sum(u.alpha_grad_bytes for u, s in zip(units, on["gradients"]) if s))
     reads = sum(v for name, v in t.items() if name.startswith("read/"))
     writes = sum(v for name, v in t.items() if name.startswith("write/"))
     return Traffic(reads, writes, t)

@@ -54,7 +54,7 @@ def test_the_rate_is_measured_at_the_threads_given_on_a_thread_of_its_own():
 
     user = Recording([torch.nn.Parameter(torch.zeros(4))], lr=1e-3)
     assert measure.optimizer_rate(1 << 10, repeats=1, optimizer=user, threads=2) > 0
-    assert seen and all(s == (2, "greedysnake-optimizer-rate") for s in seen)
+    assert seen and all(s[0] == 2 and s[1].startswith("greedysnake-optimizer-rate") for s in seen)
 
 
 class LaneThreads(L.Callback):
