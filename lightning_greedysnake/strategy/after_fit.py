@@ -36,6 +36,13 @@ class StateNotReturned(RuntimeError):
     """The module's parameters are placeholders: its trained state stayed in greedysnake's tiers."""
 
 
+def _remove_all(handles: list[Any]) -> None:
+    """Remove the hooks in ``handles`` and empty the list (in place: the hooks' own ``lift`` holds it)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 class UnusableUntilLoaded:
     """Hooks on a module whose parameters are placeholders, and on an optimizer whose state did not come
     back: the module's forward and ``state_dict``, the optimizer's ``state_dict`` and ``step`` raise
@@ -56,9 +63,7 @@ class UnusableUntilLoaded:
 
         def lift(handles: list[Any]) -> Callable[..., None]:
             def lifted(*args: Any) -> None:
-                for handle in handles:
-                    handle.remove()
-                handles.clear()
+                _remove_all(handles)
             return lifted
 
         self._module: list[Any] = []
@@ -73,10 +78,8 @@ class UnusableUntilLoaded:
             self._optimizer.append(optimizer.register_load_state_dict_post_hook(lift(self._optimizer)))
 
     def remove(self) -> None:
-        for handles in (self._module, self._optimizer):
-            for handle in handles:
-                handle.remove()
-            handles.clear()
+        _remove_all(self._module)
+        _remove_all(self._optimizer)
 
 
 def steps_held(manager: TieredTensorStore, global_step: int) -> str:

@@ -97,10 +97,8 @@ def load_path(path: Any, read_directory: Callable[[Any], dict[str, Any]],
 
 def _source(module: Any) -> Any:
     """The checkpoint a load into ``module`` reads, as messages name it (Lightning's ``trainer.ckpt_path``)."""
-    try:
-        path = module.trainer.ckpt_path
-    except RuntimeError:  # not attached to a Trainer
-        path = None
+    trainer = _trainer_of(module)
+    path = trainer.ckpt_path if trainer is not None else None
     return path if path is not None else "state_dict"
 
 
@@ -121,14 +119,6 @@ def _trainer_of(module: Any) -> Any:
         return module.trainer if module is not None else None
     except RuntimeError:  # not attached to a Trainer (a direct strategy.load_checkpoint call)
         return None
-
-
-def _resolved_from_last(path: Path, trainer: Any) -> bool:
-    """``path`` is one of the checkpoints ``ckpt_path="last"`` chooses from; an explicitly named path among
-    them counts as the same."""
-    if trainer is None:
-        return False
-    return any(_same(candidate, path) for candidate in last_checkpoint_candidates(trainer))
 
 
 def newest_complete(directory: Path, exclude: Path, suffix: str = ".ckpt") -> Path | None:
@@ -178,7 +168,9 @@ def resume_path(path: Any, module: Any = None) -> Any:
     fallback = newest_complete(p.parent, p, suffix)
     unfinished = (f"a checkpoint whose first save never finished: it has a payload and no {CURRENT} file (the "
                   "process was killed while saving it, or a save is writing it now)")
-    if _resolved_from_last(p, trainer):
+    # ``p`` is one of the checkpoints ``ckpt_path="last"`` chooses from; an explicitly named path among them
+    # counts as the same
+    if trainer is not None and any(_same(candidate, p) for candidate in last_checkpoint_candidates(trainer)):
         if fallback is not None:
             rank_zero_warn(
                 f"ckpt_path resolved to {p}, {unfinished}. Resuming from {fallback} instead, the newest complete "

@@ -1,9 +1,9 @@
 """Data-parallel plumbing of the strategy, on Lightning's DDP strategy: its launcher, ranks, default
 process group, DistributedSampler arguments, ``barrier``/``broadcast``/``reduce`` and teardown are DDP's;
 what greedysnake adds is here. :class:`DataParallelStrategy` is the strategy's base class (DDP without its
-``DistributedDataParallel`` wrapper, as Lightning's DeepSpeed strategy is); :class:`DataParallel` holds the
-extra process groups and the collectives the tensor manager calls (DDP's conventions: rank 0's weights
-broadcast at setup, gradients averaged).
+``DistributedDataParallel`` wrapper, as Lightning's DeepSpeed strategy is); it also holds the extra process
+groups and the collectives the tensor manager calls (DDP's conventions: rank 0's weights broadcast at
+setup, gradients averaged).
 
 The optimizer lane's collectives (a unit's gradient all-reduce, a partitioned unit's weights gather)
 run on the lane's thread, in unit order on every rank: they get their own process group, so they never
@@ -39,59 +39,6 @@ def _destroy_process_groups() -> None:
         torch.distributed.destroy_process_group()  # every group, the default one too
 
 
-class DataParallel:
-    def __init__(self) -> None:
-        self.lane_group: Any = None
-        """The optimizer lane's own process group (created at :meth:`setup`; gloo: it moves host tensors)."""
-        self.host_group: Any = None
-        """Beside NCCL, a gloo group for the training thread's collectives of host tensors (the units'
-        parameters at setup, checkpoint gathers of partitioned state); None: the default group is gloo."""
-        self.collective_bytes = 0
-        """Payload bytes this rank has put into collectives so far: gradient all-reduces (a ring sends
-        and receives about twice that) and, with partitioned state, its chunks of the weights gathers.
-        Written by the optimizer lane, read between steps."""
-
-    def setup(self, backend: str) -> None:
-        """The groups beside the default one (which must exist: ``new_group`` is collective on it)."""
-        # gloo's worker threads abort the interpreter's exit ("terminate called without an active
-        # exception") when a process group outlives it, and Lightning destroys the default group at exit
-        # under NCCL only: destroy them all while Python is still alive (registered once)
-        atexit.unregister(_destroy_process_groups)
-        atexit.register(_destroy_process_groups)
-        self.lane_group = torch.distributed.new_group(backend="gloo")
-        self.host_group = torch.distributed.new_group(backend="gloo") if backend != "gloo" else None
-
-    def teardown(self) -> None:
-        for group in (self.lane_group, self.host_group):
-            if group is not None and _ready():
-                torch.distributed.destroy_process_group(group)
-        self.lane_group = self.host_group = None
-
-    # -- the training thread ---------------------------------------------------------------------------
-    def broadcast_parameters(self, params: Iterable[nn.Parameter]) -> None:
-        """Every rank starts from rank 0's weights (as DDP does at setup)."""
-        for p in params:
-            torch.distributed.broadcast(p.data, 0, group=self.host_group if p.data.device.type == "cpu" else None)
-
-    @staticmethod
-    def average_param_grads(params: Iterable[nn.Parameter], world_size: int) -> None:
-        """Everything on the device: Lightning steps ``param.grad``, averaged over the ranks as DDP does."""
-        for grad in [p.grad for p in params if p.grad is not None]:
-            torch.distributed.all_reduce(grad)
-            grad.div_(world_size)
-
-    # -- the optimizer lane ------------------------------------------------------------------------------
-    def average_gradient(self, grad: Tensor, world_size: int) -> None:
-        """A unit's fp32 gradient, averaged over the ranks in place (on the lane's group)."""
-        torch.distributed.all_reduce(grad, group=self.lane_group)
-        grad.div_(world_size)
-        self.collective_bytes += grad.numel() * grad.element_size()
-
-    def gather_weights(self, flat: Tensor, bounds: list[tuple[int, int]], rank: int) -> None:
-        """Partitioned state: every rank's newly stepped chunk of a unit's compute weights (on the lane)."""
-        self.collective_bytes += gather_chunks(flat, bounds, rank, self.lane_group)
-
-
 class DataParallelStrategy(DDPStrategy):
     """Processes and ranks for ``Trainer(devices=N, num_nodes=M)``: Lightning's DDP strategy (its subprocess
     launcher, torch.distributed with gloo on CPU and nccl on CUDA, DistributedSampler sharding,
@@ -103,7 +50,16 @@ class DataParallelStrategy(DDPStrategy):
         # Lightning's accelerator connector fills parallel_devices, the cluster environment and the
         # number of nodes from Trainer(accelerator=..., devices=..., num_nodes=...)
         super().__init__(checkpoint_io=checkpoint_io)
-        self._dp = DataParallel()
+        self._lane_group: Any = None
+        """The optimizer lane's own process group (created at :meth:`setup_distributed`; gloo: it moves host
+        tensors)."""
+        self._host_group: Any = None
+        """Beside NCCL, a gloo group for the training thread's collectives of host tensors (the units'
+        parameters at setup, checkpoint gathers of partitioned state); None: the default group is gloo."""
+        self._lane_bytes = 0
+        """Payload bytes this rank has put into the lane's collectives so far: gradient all-reduces (a ring
+        sends and receives about twice that) and, with partitioned state, its chunks of the weights gathers.
+        Written by the optimizer lane, read between steps."""
         self._device_reducer: DeviceGradientReducer | None = None
 
     @property
@@ -116,7 +72,7 @@ class DataParallelStrategy(DDPStrategy):
     def collective_bytes(self) -> int:
         """Payload bytes this rank has put into the optimizer lane's collectives so far."""
         device = self._device_reducer.collective_bytes if self._device_reducer is not None else 0
-        return self._dp.collective_bytes + device
+        return self._lane_bytes + device
 
     @classmethod
     @override
@@ -141,7 +97,14 @@ class DataParallelStrategy(DDPStrategy):
             return
         super().setup_distributed()  # DDP's default process group
         assert self.process_group_backend is not None
-        self._dp.setup(self.process_group_backend)
+        # the groups beside the default one (which must exist: ``new_group`` is collective on it).
+        # gloo's worker threads abort the interpreter's exit ("terminate called without an active
+        # exception") when a process group outlives it, and Lightning destroys the default group at exit
+        # under NCCL only: destroy them all while Python is still alive (registered once)
+        atexit.unregister(_destroy_process_groups)
+        atexit.register(_destroy_process_groups)
+        self._lane_group = torch.distributed.new_group(backend="gloo")
+        self._host_group = torch.distributed.new_group(backend="gloo") if self.process_group_backend != "gloo" else None
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -155,7 +118,10 @@ class DataParallelStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._dp.teardown()
+        for group in (self._lane_group, self._host_group):
+            if group is not None and _ready():
+                torch.distributed.destroy_process_group(group)
+        self._lane_group = self._host_group = None
         module = self.lightning_module
         if module is not None and any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
             # a model still on the meta device (setup refused it) cannot be moved to the CPU: do the rest
@@ -176,12 +142,29 @@ class DataParallelStrategy(DDPStrategy):
         if copies is not None:
             self._device_reducer = DeviceGradientReducer(copies, self.global_rank, self.world_size,
                                                          partitioned=partitioned)
-        steps = StepCollectives(
-            average_gradient=lambda grad: self._dp.average_gradient(grad, self.world_size),
-            gather_weights=lambda flat, b: self._dp.gather_weights(flat, b, self.global_rank))
-        return DataParallelHooks(steps, self._dp.host_group, self._device_reducer if copies is not None else None)
+        steps = StepCollectives(average_gradient=self._average_gradient, gather_weights=self._gather_weights)
+        return DataParallelHooks(steps, self._host_group, self._device_reducer if copies is not None else None)
 
+    # -- the training thread ---------------------------------------------------------------------------
     def broadcast_parameters(self, params: list[nn.Parameter]) -> None:
         """Data parallel: every rank starts from rank 0's weights (as DDP does at setup)."""
         if self.is_distributed:
-            self._dp.broadcast_parameters(params)
+            for p in params:
+                torch.distributed.broadcast(p.data, 0, group=self._host_group if p.data.device.type == "cpu" else None)
+
+    def average_param_grads(self, params: Iterable[nn.Parameter]) -> None:
+        """Everything on the device: Lightning steps ``param.grad``, averaged over the ranks as DDP does."""
+        for grad in [p.grad for p in params if p.grad is not None]:
+            torch.distributed.all_reduce(grad)
+            grad.div_(self.world_size)
+
+    # -- the optimizer lane ------------------------------------------------------------------------------
+    def _average_gradient(self, grad: Tensor) -> None:
+        """A unit's fp32 gradient, averaged over the ranks in place (on the lane's group)."""
+        torch.distributed.all_reduce(grad, group=self._lane_group)
+        grad.div_(self.world_size)
+        self._lane_bytes += grad.numel() * grad.element_size()
+
+    def _gather_weights(self, flat: Tensor, bounds: list[tuple[int, int]]) -> None:
+        """Partitioned state: every rank's newly stepped chunk of a unit's compute weights (on the lane)."""
+        self._lane_bytes += gather_chunks(flat, bounds, self.global_rank, self._lane_group)

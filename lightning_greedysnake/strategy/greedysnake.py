@@ -85,6 +85,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
     """
 
     strategy_name = "greedysnake"
+    _gs_precision: GreedySnakePrecision | None
+    """The precision plugin, translated (set by the ``precision_plugin`` setter, which Lightning's
+    ``Strategy.__init__`` calls); None: none chosen yet."""
 
     @override
     def __init__(self, config: GreedySnakeConfig | Mapping[str, Any] | None = None, *,
@@ -98,10 +101,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """What the user set (``None``: unset, the planner's with ``auto=True``)."""
         self._fixed = self.settings.resolved()
         """The settings with every unset one at its fixed default: what is known before a setup plans."""
-        super().__init__(checkpoint_io=checkpoint_io)
-        self._gs_precision: GreedySnakePrecision | None = None
-        if precision_plugin is not None:
-            self.precision_plugin = precision_plugin
+        super().__init__(checkpoint_io=checkpoint_io)  # sets precision_plugin = None (the setter below)
+        self.precision_plugin = precision_plugin
         self._run: Run | None = None
         """This setup's parts (kept after teardown, closed, for what the run planned and measured)."""
         self._batch_idx = 0
@@ -130,11 +131,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning installs a plain plugin built from Trainer(precision=...) after constructing a
         # strategy chosen by name; keep ours (translated) instead, or refuse what we cannot honour.
-        if plugin is None:
-            self._gs_precision = None
-            self._precision_plugin = None
-            return
-        self._gs_precision = GreedySnakePrecision.from_plugin(plugin)
+        self._gs_precision = None if plugin is None else GreedySnakePrecision.from_plugin(plugin)
         self._precision_plugin = self._gs_precision
 
     # -- what the strategy exposes ------------------------------------------------------------------
@@ -401,7 +398,7 @@ class GreedySnakeStrategy(DataParallelStrategy):
             if not dropped:
                 run.engine.finish_window()
             if self.is_distributed and run.tensor_manager is None:
-                self._dp.average_param_grads(self.lightning_module.parameters(), self.world_size)
+                self.average_param_grads(self.lightning_module.parameters())
             return output
 
         output = super().optimizer_step(optimizer, closure_then_finish_window, model, **kwargs)

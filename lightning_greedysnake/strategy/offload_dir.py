@@ -152,10 +152,6 @@ class OffloadDirectories:
         assert all(d.path is not None for d in self.dirs), "not prepared"
         return [d.path for d in self.dirs]  # type: ignore[misc]
 
-    @property
-    def leftovers(self) -> list[Leftover]:
-        return [left for d in self.dirs for left in d.leftovers]
-
     def prepare(self, default_root: Path, ssd_bytes: list[dict[str, int]], rank: int = 0, local_rank: int = 0,
                 distributed: bool = False, fixes: Sequence[str] = ()) -> list[PreflightReport]:
         """Prepare each directory for the bytes it will keep (``ssd_bytes``, one dict per directory;
@@ -179,7 +175,7 @@ class OffloadDirectories:
         """The start-of-run report of the prepared directories: the leftovers removed, then per directory
         what the run keeps there, or ``empty_note`` (why nothing, and how to put state there); ``notes``: the
         kinds placed on SSD that keep no bytes there, and why (:meth:`PreflightReport.text`)."""
-        return "\n".join([*(f"greedysnake: {left.text()}" for left in self.leftovers),
+        return "\n".join([*(f"greedysnake: {left.text()}" for d in self.dirs for left in d.leftovers),
                           *(r.text(notes) + ("" if r.breakdown else f"\n  {empty_note}") for r in reports)])
 
     def record(self, files: list[Path]) -> None:

@@ -65,10 +65,6 @@ class SetupContext:
         return self.world_size > 1
 
     @property
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
-    @property
     def device_tier(self) -> bool:
         """Units placed on the device live in device memory (a GPU, or the simulated device)."""
         return self.device.type == "cuda" or (self.device.type == "cpu" and self.simulated)

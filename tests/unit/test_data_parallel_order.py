@@ -24,7 +24,8 @@ def test_the_device_is_set_before_the_process_groups(monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(lightning_ddp, "_init_dist_connection",
                         lambda *a, **k: calls.append("default process group"))
-    monkeypatch.setattr(data_parallel.DataParallel, "setup", lambda self, backend: calls.append("greedysnake's groups"))
+    monkeypatch.setattr(data_parallel.torch.distributed, "new_group",
+                        lambda backend: calls.append(f"greedysnake's {backend} group"))
     strategy = GreedySnakeStrategy()
     strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     strategy.cluster_environment = LightningEnvironment()
@@ -34,4 +35,4 @@ def test_the_device_is_set_before_the_process_groups(monkeypatch):
     strategy.set_world_ranks()
     assert strategy.is_distributed
     strategy.setup_environment()
-    assert calls == ["set device cuda:0", "default process group", "greedysnake's groups"]
+    assert calls == ["set device cuda:0", "default process group", "greedysnake's gloo group", "greedysnake's gloo group"]

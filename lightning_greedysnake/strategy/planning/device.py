@@ -15,8 +15,8 @@ gathers it). Every rank applies rank 0's decision.
 
 A model that does not fit is offloaded, but not wholly: setup's placement
 (:mod:`lightning_greedysnake.strategy.planning.placement`) then keeps what fits of its compute weights resident
-on the device, a prefix of units, in :func:`weights_room_bytes` (:class:`DeviceSide` carries the budget
-there), beside the host optimizer.
+on the device, a prefix of units, in :func:`weights_room_bytes` (of the budget :func:`device_budget_bytes`
+measures), beside the host optimizer.
 
 Pure over its inputs but for the measurement of the device's free memory (``torch.cuda.mem_get_info``).
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,17 +39,6 @@ the allocator)."""
 
 COPIES_PER_TRAINABLE = 4
 """Weights, gradient and two optimizer moments, each the parameter's size (Adam, AdamW)."""
-
-
-@dataclass(frozen=True)
-class DeviceSide:
-    """What setup's placement knows of the device: whether units placed on ``device`` live in device
-    memory (``tier``: a GPU, or the simulated device; else ``device`` is host RAM), and the device
-    memory the plan may give the compute weights (``budget_bytes``: the device budget; None: none
-    planned). See :func:`weights_room_bytes`."""
-
-    tier: bool = False
-    budget_bytes: int | None = None
 
 
 def weights_room_bytes(state: StateLayout, offload: OffloadConfig, budget_bytes: int) -> int:

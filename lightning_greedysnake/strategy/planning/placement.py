@@ -30,7 +30,7 @@ from lightning_greedysnake.planner.placement import PlacementPlan
 from lightning_greedysnake.planner.roofline import UnitCost
 from lightning_greedysnake.planner.setup import ACTIVATION_SHARE, SetupChoice, Sized
 from lightning_greedysnake.schedule import ScheduleKind
-from lightning_greedysnake.strategy.planning.device import DeviceSide, weights_room_bytes
+from lightning_greedysnake.strategy.planning.device import weights_room_bytes
 from lightning_greedysnake.tensor_manager import state_format_for, state_layout
 
 
@@ -104,24 +104,21 @@ def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backwa
     ``activation_bytes`` as the engine measured them). Every unit but the fused last one recomputes its
     forward in backward."""
     last = len(manager.layouts) - 1
-    out = []
-    for u, lay in enumerate(manager.layouts):
-        out.append(UnitCost(
-            forward_s=forward_s[u] if forward_s else 0.0,
-            backward_s=backward_s[u] if backward_s else 0.0,
-            weight_bytes=manager.region_bytes(TensorKind.WEIGHTS, u),
-            grad_bytes=manager.region_bytes(TensorKind.GRADIENTS, u),
-            master_bytes=manager.region_bytes(TensorKind.MASTER_WEIGHTS, u),
-            state_bytes=manager.region_bytes(TensorKind.OPTIMIZER_STATES, u),
-            params=lay.trainable_numel,
-            alpha_weight_bytes=manager.deferred_bytes(TensorKind.WEIGHTS, u),
-            alpha_grad_bytes=manager.deferred_bytes(TensorKind.GRADIENTS, u),
-            recompute_s=(forward_s[u] if forward_s and u < last else 0.0),
-            activation_bytes=(activation_bytes or {}).get(u, 0),
-            on_ssd=frozenset(kind.value for kind in REGION_KINDS if manager.on_ssd(kind, u)),
-            on_device=frozenset(kind.value for kind in REGION_KINDS if manager.on_device(kind, u)),
-        ))
-    return out
+    return [UnitCost(
+        forward_s=forward_s[u] if forward_s else 0.0,
+        backward_s=backward_s[u] if backward_s else 0.0,
+        weight_bytes=manager.region_bytes(TensorKind.WEIGHTS, u),
+        grad_bytes=manager.region_bytes(TensorKind.GRADIENTS, u),
+        master_bytes=manager.region_bytes(TensorKind.MASTER_WEIGHTS, u),
+        state_bytes=manager.region_bytes(TensorKind.OPTIMIZER_STATES, u),
+        params=lay.trainable_numel,
+        alpha_weight_bytes=manager.deferred_bytes(TensorKind.WEIGHTS, u),
+        alpha_grad_bytes=manager.deferred_bytes(TensorKind.GRADIENTS, u),
+        recompute_s=(forward_s[u] if forward_s and u < last else 0.0),
+        activation_bytes=(activation_bytes or {}).get(u, 0),
+        on_ssd=frozenset(kind.value for kind in REGION_KINDS if manager.on_ssd(kind, u)),
+        on_device=frozenset(kind.value for kind in REGION_KINDS if manager.on_device(kind, u)),
+    ) for u, lay in enumerate(manager.layouts)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,16 +199,19 @@ def candidate_layouts(settings: GreedySnakeConfig, chain: LayerChain, optimizer:
 
 
 def sized(state: StateLayout, fixed: RunConfig, planned: frozenset[TensorKind], *, speculative: bool,
-          device: DeviceSide) -> Sized:
+          device_tier: bool, device_budget: int | None) -> Sized:
     """``state`` as the pure plan takes it (:class:`~lightning_greedysnake.planner.setup.Sized`): the
     ``planned`` kinds on SSD, the others as ``fixed`` (the settings in effect before the plan) places them;
-    ``speculative``: fp16's two slots of the kinds a step rewrites."""
+    ``speculative``: fp16's two slots of the kinds a step rewrites; ``device_tier``: units placed on the
+    device live in device memory (a GPU, or the simulated device; else the device is host RAM);
+    ``device_budget``: the device budget the compute weights may use some of (:func:`weights_room_bytes`;
+    None: none planned)."""
     every_ssd = dataclasses.replace(fixed.offload, **{kind.value: Tier.SSD for kind in planned})
     kept = {kind.value: [state.kept_unit_bytes(kind, u) * (2 if speculative and kind in SLOTTED else 1)
                          for u in range(state.num_units)] for kind in REGION_KINDS}
-    room = (weights_room_bytes(state, fixed.offload, device.budget_bytes)
-            if device.tier and device.budget_bytes and TensorKind.WEIGHTS in planned else 0)
-    return Sized(planned_costs(state, every_ssd, fixed.alpha or 0.0, device.tier), kept, state.num_slots, room)
+    room = (weights_room_bytes(state, fixed.offload, device_budget)
+            if device_tier and device_budget and TensorKind.WEIGHTS in planned else 0)
+    return Sized(planned_costs(state, every_ssd, fixed.alpha or 0.0, device_tier), kept, state.num_slots, room)
 
 
 def placed_config(settings: GreedySnakeConfig, fixed: RunConfig, state: StateLayout, choice: SetupChoice) -> RunConfig:

@@ -33,7 +33,7 @@ from lightning_greedysnake.planner.unit_size import (
     requests,
     table,
 )
-from lightning_greedysnake.strategy.planning.device import DeviceSide, device_budget_bytes, plan_device
+from lightning_greedysnake.strategy.planning.device import device_budget_bytes, plan_device
 from lightning_greedysnake.strategy.planning.measurements import Measurements, probe_directory
 from lightning_greedysnake.strategy.planning.placement import (
     budget_error,
@@ -136,15 +136,15 @@ class Planner:
         # what the placement may put on the device: with the weights unset, the device budget (rank 0's: the
         # GPUs' free memory differs), measured now that Lightning has moved the rest of the model there
         planned_weights = ctx.device_tier and TensorKind.WEIGHTS in planned
-        device = ctx.broadcast(DeviceSide(ctx.device_tier, device_budget_bytes(settings, ctx.device)
-                                          if planned_weights else None))
+        device_budget = ctx.broadcast(device_budget_bytes(settings, ctx.device) if planned_weights else None)
         # (every rank lays each size out: a layout it cannot make is refused on every rank, none waits below)
         layouts = candidate_layouts(settings, chain, optimizer, contract, dtype, shard, sizes)
         result: Any = None
-        if ctx.is_global_zero:  # (every rank runs rank 0's plan, or raises its error: none waits in the broadcast)
+        if ctx.global_rank == 0:  # (every rank runs rank 0's plan, or raises its error: none waits in the broadcast)
             try:
                 choice = plan_setup(SetupInputs(
-                    {lpu: sized(state, fixed, planned, speculative=speculative, device=device)
+                    {lpu: sized(state, fixed, planned, speculative=speculative, device_tier=ctx.device_tier,
+                                device_budget=device_budget)
                      for lpu, state in layouts.items()},
                     frozenset(kind.value for kind in planned), budget, ctx.accumulate, fixed.lag, settings.lag is None,
                     fixed.alpha or 0.0, fixed.schedule.value, settings.auto and settings.schedule is None
