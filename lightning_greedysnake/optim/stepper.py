@@ -181,7 +181,7 @@ class UnitStepper:
             assert new is not None
             for j in range(len(old.trainable)):
                 if old.param_initialized(j):
-                    new.set_param_scalar_state(j, old.param_scalar_state(j))
+                    new.set_param_scalar_state(j, old.param_scalar_state(j), old.param_streamed(j))
             self.unit_optimizers[u] = new  # in place: the part stepper shares the list
         self.lane.set_lag(lag)
 

@@ -457,3 +457,39 @@ def test_optimizer_path_with_everything_on_the_device_is_said_to_be_ignored():
         got = fit(GreedySnakeStrategy(auto=False, optimizer_path="element_wise",
                                       offload=OffloadConfig.everywhere("device")), "Adafactor")
     assert max_abs_diff(got["params"], reference("Adafactor")["params"]) <= 1e-5
+
+
+def test_a_whole_parameter_optimizer_keeps_its_state_across_a_replan():
+    """A re-split mid-run (the warm-step plan's, forced here after step 1) keeps each parameter's state as
+    it was kept: Adafactor's matrices keep their row and column variances only, its vectors their streamed
+    variance, so the state that comes back at the end of fit is the state Lightning's optimizer holds."""
+    import dataclasses
+
+    class Replan(L.Callback):
+        fired = False
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            manager = trainer.strategy.tensor_manager
+            if trainer.global_step == 1 and manager.stepper.alpha == 0.5:
+                manager.reconfigure(alpha=0.25, lag=1, offload=dataclasses.replace(
+                    manager.config, buffer_budget_bytes=manager.pool.budget_bytes))
+                Replan.fired = True
+
+    def run(strategy: Any, callbacks: list[L.Callback]) -> tuple[dict[str, torch.Tensor], dict[int, Any]]:
+        L.seed_everything(0, verbose=False)
+        module = MLP("Adafactor")
+        trainer = make_trainer(strategy, K, callbacks=callbacks)
+        trainer.fit(module, regression_loader(NUM_BATCHES))
+        return ({n: p.detach().clone() for n, p in module.named_parameters()},
+                trainer.optimizers[0].state_dict()["state"])
+
+    ref_params, ref_state = run("auto", [])
+    params, state = run(GreedySnakeStrategy(auto=False, alpha=0.5, offload=OffloadConfig.everywhere("ssd")), [Replan()])
+    assert Replan.fired
+    assert max_abs_diff(params, ref_params) <= 1e-5
+    assert state.keys() == ref_state.keys()
+    for i, entry in state.items():
+        assert entry.keys() == ref_state[i].keys(), i
+        for key, value in entry.items():
+            assert torch.allclose(torch.as_tensor(value).float(), torch.as_tensor(ref_state[i][key]).float(),
+                                  atol=1e-5), (i, key)
