@@ -25,7 +25,7 @@ from torch import Tensor
 from lightning_greedysnake.checkpoint.format import CheckpointError, CheckpointReader, is_checkpoint_dir
 from lightning_greedysnake.checkpoint.plain import plain_checkpoint
 from lightning_greedysnake.checkpoint.safetensors_stream import write_streamed
-from lightning_greedysnake.checkpoint.streamed import EXTRA_FILE
+from lightning_greedysnake.checkpoint.streamed import EXTRA_FILE, model_file
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -90,7 +90,7 @@ def model_tensors(checkpoint: str | os.PathLike[str], dtype: str = "float32", ke
             if rename(name) is not None:
                 by_unit.setdefault(params[name]["unit"], []).append(name)
         for unit in sorted(by_unit):
-            values = reader.read_tensors(f"model/unit_{unit:05d}.safetensors")
+            values = reader.read_tensors(model_file(unit))
             for name in by_unit[unit]:
                 yield rename(name), values[name]  # type: ignore[misc]
             del values
