@@ -360,6 +360,16 @@ SECTIONS: tuple[Section, ...] = (
                                                     "bf16-mixed, sequence 32, K=8, three rounds alternating: "
                                                     "`vs_baseline` is the speed-up (the change is setup's; the "
                                                     "steps run the same plan)."),
+         Result("compare_issue56_cuts_seq32", "Issue 56's speed check of its line cuts (e48cd66..734db7a: "
+                                              "the pool's non-blocking wait, the region sizes, the I/O "
+                                              "counters, the stepper's pass-throughs) against the commit "
+                                              "before them (5b08c33), bf16-mixed, sequence 32, K=8, three "
+                                              "rounds alternating; `gs_vertical` is rerun in "
+                                              "`compare_issue56_cuts_vertical_rerun_seq32`."),
+         Result("compare_issue56_cuts_vertical_rerun_seq32", "`gs_vertical` of `compare_issue56_cuts_seq32` "
+                                                             "again, five rounds alternating, the same "
+                                                             "trees and settings (its three rounds spread "
+                                                             "wider than the change could explain)."),
          Result("compare_whole_parameter_seq32", "AdamW on whole parameters (`gs_vertical_whole`, "
                                                  "`optimizer_path=\"whole_parameter\"`, the path of Adafactor and "
                                                  "Muon) against the element-wise path (`gs_vertical`), every kind "
