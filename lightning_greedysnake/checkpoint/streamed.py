@@ -385,13 +385,17 @@ def load_optimizer_into(manager: StateSink, optimizer: torch.optim.Optimizer, op
     index = reader.manifest["params"]
     order = [optimizer_file(index[s.name]["unit"]) for u in range(manager.num_units)
              for s in manager.layouts[u].params if s.name in index and s.group is not None]
+    parsed: dict[str, dict[str, dict[str, Any]]] = {}  # (the open file's entries, parsed once)
     with _UnitFiles(reader, order) as files:
         for u in range(manager.num_units):
             entries: dict[int, dict[str, Any]] = {}
             for i, slot in enumerate(manager.layouts[u].params):
                 if slot.name not in index or slot.group is None:
                     continue
-                entry = optimizer_entries(*files.open(optimizer_file(index[slot.name]["unit"]))).get(slot.name)
+                rel = optimizer_file(index[slot.name]["unit"])
+                if rel not in parsed:
+                    parsed = {rel: optimizer_entries(*files.open(rel))}
+                entry = parsed[rel].get(slot.name)
                 if entry:
                     entries[i] = entry
             if entries:
