@@ -76,12 +76,12 @@ def _module(model: str, p: float = 0.3) -> tuple[L.LightningModule, Any]:
     return DropoutSequential(p), regression_loader(NUM_BATCHES)
 
 
-def fit(strategy: Any, model: str, p: float = 0.3, policy: bool = False, k: int = K) -> dict[str, Any]:
+def fit(strategy: Any, model: str, p: float = 0.3, policy: bool = False, k: int = K, epochs: int = 1) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module, loader = _module(model, p)
     grads = GradRecorder()
     callbacks = [grads, MicrobatchRNG()] if policy else [grads]
-    trainer = make_trainer(strategy, k, max_epochs=1, callbacks=callbacks)
+    trainer = make_trainer(strategy, k, max_epochs=epochs, callbacks=callbacks)
     trainer.fit(module, loader)
     state = (trainer.strategy.full_state_dict() if hasattr(trainer.strategy, "full_state_dict")
              else trainer.strategy.lightning_module_state_dict())
@@ -91,8 +91,9 @@ def fit(strategy: Any, model: str, p: float = 0.3, policy: bool = False, k: int 
             "grads": grads.grads, "rng": torch.get_rng_state()}
 
 
-def _grads_close(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]], atol: float) -> None:
-    assert len(a) == len(b) == 3
+def _grads_close(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]], atol: float,
+                 steps: int = 3) -> None:
+    assert len(a) == len(b) == steps
     for step, (g, r) in enumerate(zip(a, b, strict=True)):
         assert max_abs_diff(g, r) <= atol, step
 
@@ -119,6 +120,75 @@ def test_the_policy_is_not_lightnings_single_stream():
     of the first window aside, each micro-batch starts elsewhere)."""
     plain = fit("auto", "sequential")
     assert max_abs_diff(plain["params"], fit("auto", "sequential", policy=True)["params"]) > 1e-3
+
+
+class MaskRecorder(nn.Module):
+    """Dropout (p=0.5) that keeps every mask it draws in a training forward, with the optimizer step its window
+    ends in (``step()``: ``trainer.global_step``). A recomputation draws its forward's mask again: a duplicate."""
+
+    def __init__(self, masks: list[tuple[int, tuple[bool, ...]]]) -> None:
+        super().__init__()
+        self.masks = masks
+        self.step: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = torch.rand_like(x) >= 0.5
+        self.masks.append((self.step(), tuple(keep.flatten().tolist())))
+        return x * keep / 0.5
+
+
+class RecordingDropout(OptimizerMixin, L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = LR
+        self.masks: dict[str, list[tuple[int, tuple[bool, ...]]]] = {"first": [], "second": []}
+        self.net = nn.Sequential(nn.Linear(6, 16), MaskRecorder(self.masks["first"]), nn.Tanh(), nn.Linear(16, 16),
+                                 MaskRecorder(self.masks["second"]), nn.Linear(16, 3))
+        for recorder in (self.net[1], self.net[4]):
+            recorder.step = lambda: self.trainer.global_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+
+@pytest.mark.parametrize("run", ["lightning", "lightning_with_policy", "vertical_ssd", "inline"])
+def test_every_micro_batch_of_every_window_draws_its_own_masks(run):
+    """What the policy promises, checked without its seed function (which the reference callback shares, so the
+    equivalence tests cannot see a mistake in it): the K micro-batches of a window draw K different masks, as
+    under Lightning's single stream, where each continues from the one before; and no window repeats another
+    window's masks, over two epochs (each window of epoch 2 its own, not those of the window at its place in
+    epoch 1). Two epochs of two windows of K=4 micro-batches, all of one shape: 16 different masks per
+    dropout module."""
+    L.seed_everything(0, verbose=False)
+    module = RecordingDropout()
+    strategy = "auto" if run.startswith("lightning") else GreedySnakeStrategy(**ORDERS[run])
+    callbacks = [MicrobatchRNG()] if run == "lightning_with_policy" else []
+    trainer = make_trainer(strategy, K, max_epochs=2, callbacks=callbacks)
+    trainer.fit(module, regression_loader(2 * K))
+    assert trainer.global_step == 4
+    for name, masks in module.masks.items():
+        by_step: dict[int, set[tuple[bool, ...]]] = {}
+        for step, mask in masks:
+            by_step.setdefault(step, set()).add(mask)
+        assert sorted(by_step) == [0, 1, 2, 3], name
+        per_window = [len(by_step[s]) for s in range(4)]
+        assert per_window == [K] * 4, f"{name}: {per_window} different masks per window, not {K}: micro-batches share"
+        total = len(set().union(*by_step.values()))
+        assert total == 4 * K, f"{name}: {total} different masks in 4 windows, not {4 * K}: a window repeats another's"
+
+
+def test_two_epochs_draw_the_masks_of_lightning_with_the_policy():
+    """Each window's streams are keyed on the optimizer step (``trainer.global_step``), not on the window's place in
+    its epoch: over two epochs (windows of 4, 4, 2 in each) greedysnake equals the reference, gradients included,
+    every step."""
+    reference = fit("auto", "sequential", policy=True, epochs=2)
+    for name in ("vertical_ssd", "planned"):
+        got = fit(GreedySnakeStrategy(**ORDERS[name]), "sequential", epochs=2)
+        assert max_abs_diff(got["params"], reference["params"]) <= 1e-5, name
+        _grads_close(got["grads"], reference["grads"], 1e-5, steps=6)
 
 
 def test_a_run_that_draws_says_so_once(caplog):
