@@ -54,11 +54,16 @@ def is_incomplete_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
 
 
 def _current_payload(path: Path) -> str | None:
+    """The payload ``CURRENT`` of ``path`` names; None where it cannot be read, or is damaged: empty, not
+    a payload's name (zero-filled, truncated), or the name of no payload there. Which payload a damaged one
+    meant cannot be told, so :func:`_names` judges none stale."""
     try:
         lines = (path / CURRENT).read_text().split()
+        if not lines or _PAYLOAD_NAME.fullmatch(lines[0]) is None or not (path / lines[0]).is_dir():
+            return None
     except (OSError, UnicodeDecodeError):
         return None
-    return lines[0] if lines else None
+    return lines[0]
 
 
 def try_lock(payload: Path) -> tuple[int | None, bool]:
@@ -81,7 +86,8 @@ def try_lock(payload: Path) -> tuple[int | None, bool]:
 
 
 def _names(path: Path, payload: Path) -> bool:
-    """``CURRENT`` of ``path`` names ``payload``, or exists and cannot be read (kept then: not ours to judge)."""
+    """``CURRENT`` of ``path`` names ``payload``, or exists and cannot be read or is damaged (kept then: not
+    ours to judge)."""
     current = _current_payload(path)
     return current == payload.name or (current is None and (path / CURRENT).exists())
 
@@ -123,9 +129,9 @@ def remove_partial(directory: str | os.PathLike[str], keep: str | os.PathLike[st
     """Remove what killed saves left in ``directory``: checkpoint directories of this format without
     ``CURRENT`` (:func:`is_incomplete_checkpoint_dir`), and the payloads ``CURRENT`` does not name in
     complete ones. Never a directory that holds anything else, never a payload ``CURRENT`` names (nor any
-    where ``CURRENT`` cannot be read), never a payload a save is writing (its lock is held; where the
-    filesystem cannot lock, nothing is removed), never ``keep``. Returns what it removed; errors leave
-    things as they are."""
+    where ``CURRENT`` cannot be read or names no payload there), never a payload a save is writing (its
+    lock is held; where the filesystem cannot lock, nothing is removed), never ``keep``. Returns what it
+    removed; errors leave things as they are."""
     removed: list[Path] = []
     keep_path = Path(keep).absolute() if keep is not None else None
     try:

@@ -195,3 +195,44 @@ def test_an_explicitly_named_incomplete_checkpoint_is_refused_naming_the_newest_
                                               rf"Fix: pass ckpt_path='{re.escape(str(tmp_path))}/epoch=0-step=2\.ckpt'"
                                               r".*ckpt_path=None"):
         _resume(tmp_path / "run", str(partial), save_top_k=0)
+
+
+UNREADABLE_CURRENT = {
+    "not_utf8": b"\xff\xfe\x00garbage\x80",  # fails to decode
+    "empty": b"",
+    "zero_filled": b"\0" * 64,  # what a crash can leave of a file whose data never reached the disk
+    "truncated": b"v-0",  # the start of a payload's name
+    "names_no_payload": b"v-ffffffffffff\n",  # well formed, but no such payload is there
+    "no_read_permission": None,  # mode 000 (root reads it all the same: then the test sees a readable CURRENT)
+}
+
+
+@pytest.mark.parametrize("damage", list(UNREADABLE_CURRENT))
+def test_a_save_keeps_every_payload_of_a_checkpoint_whose_current_cannot_be_read(tmp_path, damage):
+    """Beside a published save, a checkpoint whose ``CURRENT`` cannot be read (or names nothing there) may be
+    pointing at any of its payloads: the cleanup of partial saves keeps them all, and ``CURRENT`` as it is; with
+    ``CURRENT`` repaired, the checkpoint verifies whole."""
+    damaged = _complete(tmp_path / "damaged.ckpt")
+    published = damaged.payload.name
+    current = damaged.path / "CURRENT"
+    good = current.read_bytes()
+    other = _partial(tmp_path / "damaged.ckpt", "v-aaaaaaaaaaaa") / "v-aaaaaaaaaaaa"  # a killed later save's, maybe
+    garbage = UNREADABLE_CURRENT[damage]
+    if garbage is None:
+        current.chmod(0)
+        if os.access(current, os.R_OK):
+            current.chmod(0o644)
+            pytest.skip("this process reads a file of mode 000 (root)")
+    else:
+        current.write_bytes(garbage)
+    try:
+        _complete(tmp_path / "next.ckpt")  # the next save: it cleans up beside it
+        assert sorted(p.name for p in damaged.path.iterdir()) == sorted(["CURRENT", "CURRENT.tmp", published,
+                                                                         other.name]), damage
+        if garbage is not None:
+            assert current.read_bytes() == garbage
+    finally:
+        current.chmod(0o644)
+    current.write_bytes(good)
+    CheckpointReader(damaged.path).verify()
+    CheckpointReader(tmp_path / "next.ckpt").verify()
