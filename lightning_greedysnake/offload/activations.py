@@ -37,6 +37,7 @@ from torch import Tensor
 from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import IOEngine, OffloadFile, align_up
 from lightning_greedysnake.offload.device import FRESH, Copy, DeviceCopies, then
+from lightning_greedysnake.offload.preflight import check_room, human_bytes
 from lightning_greedysnake.offload.regions import FILE_NAMES
 from lightning_greedysnake.offload.staging import Staged, StagingArena
 from lightning_greedysnake.offload.stats import IOStats
@@ -193,6 +194,7 @@ class ActivationStore:
             return
         self._arena.budget.reserve_activations(nbytes)
         if not self._reserved:
+            self._check_room(nbytes)
             for scratch, count in zip(self._scratches, self._window_counts, strict=True):
                 scratch.reserve(count * align_up(nbytes))
             self._reserved = True
@@ -215,6 +217,22 @@ class ActivationStore:
         # device tier: the device tensor stays for the next unit's forward, as on the host tier
         self._ssd[key] = _OnSSD(offset, nbytes, hidden.shape, hidden.dtype, write, scratch,
                                 on_device=hidden if self._copies is not None else None)
+
+    def _check_room(self, nbytes: int) -> None:
+        """Before the window's first saved activation is written: room in each offload directory for all of the
+        window's there (``nbytes`` each). The start-of-run preflight cannot count them (their size is known
+        at the first save), so this is their preflight: a disk too small is refused here, before anything
+        of the window is written or stepped, naming the directory, the bytes and the fix."""
+        for scratch, count in zip(self._scratches, self._window_counts, strict=True):
+            total = align_up(count * align_up(nbytes))
+            more = total - scratch.file.size_bytes
+            if more > 0:
+                check_room(scratch.path.parent, more,
+                           f"this run's saved activations ({count} of {human_bytes(nbytes)} a window in this "
+                           f"directory, {human_bytes(total)}: the input of every unit but the first, for each micro-batch of the window; "
+                           "sized at the first window, checked before any of it is written)",
+                           fixes=("keep saved activations in host memory (offload.activations=host)",
+                                  "use a smaller micro-batch or fewer micro-batches a step (accumulate_grad_batches)"))
 
     def load(self, unit: int, microbatch: int) -> Tensor:
         """The saved activation, in memory until :meth:`release` or :meth:`drop`; on a device tier the compute

@@ -259,12 +259,31 @@ def preflight(
     free = int(free_space_probe(path))
     report = PreflightReport(path, o_direct, free, required, dict(breakdown))
     if free < required:
-        ways = ["free space", "point offload_dir at a larger disk", "keep more state in host memory", *fixes]
         raise ValueError(
             f"offload_dir={raw!r} has {human_bytes(free)} free but this model and placement need "
-            f"{human_bytes(required)} there:\n{report.text()}\nFix: {', '.join(ways[:-1])}, or {ways[-1]}."
+            f"{human_bytes(required)} there:\n{report.text()}\nFix: {_ways(fixes)}."
         )
     return report
+
+
+def _ways(fixes: Sequence[str]) -> str:
+    ways = ["free space", "point offload_dir at a larger disk", "keep more state in host memory", *fixes]
+    return f"{', '.join(ways[:-1])}, or {ways[-1]}"
+
+
+def check_room(offload_dir: Path, more_bytes: int, what: str, fixes: Sequence[str] = (),
+               free_space_probe: FreeSpaceProbe = disk_free_bytes) -> None:
+    """:func:`preflight`'s space check for bytes whose size is known only once the run is under way (saved
+    activations on SSD, sized at their first save): ``offload_dir`` must have ``more_bytes`` free for
+    ``what`` (said in the refusal, with ``fixes`` beside the general ones). Called before any of them is
+    written, so a disk too small is a ``ValueError`` naming the directory, the bytes and the fix, not an
+    ``ENOSPC`` in the middle of a window."""
+    free = int(free_space_probe(offload_dir))
+    if free < more_bytes:
+        raise ValueError(
+            f"offload_dir={str(offload_dir)!r} has {human_bytes(free)} free but {what} need "
+            f"{human_bytes(more_bytes)} more there. Fix: {_ways(fixes)}."
+        )
 
 
 KEEP_MARK = "keep_files\n"

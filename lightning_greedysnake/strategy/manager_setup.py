@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_greedysnake.config import REGION_KINDS, RunConfig, TensorKind
+from lightning_greedysnake.config import REGION_KINDS, RunConfig, TensorKind, Tier
 from lightning_greedysnake.layout import StateLayout, empty_shares
 from lightning_greedysnake.models import Unit, reset_modules, unit_initializer_of
 from lightning_greedysnake.offload.device import device_copies_for
@@ -164,6 +164,11 @@ def move_all_but_units(module: nn.Module, units: list[Unit], device: torch.devic
     record_module_device(module, device)
 
 
+ACTIVATIONS_SIZED_LATER = ("sized at the first window (a unit's input a micro-batch), not in the total: "
+                           "their room is checked then, before any is written")
+"""What the offload directory's breakdown says of saved activations placed on SSD."""
+
+
 def open_tensor_manager(ctx: SetupContext, manager: TieredTensorStore, directory: OffloadDirectories,
                         units: list[Unit], meta_model: nn.Module | None, empty_note: str) -> None:
     """Prepare and lock ``directory`` (where something goes to SSD, or the user named it), open
@@ -175,7 +180,10 @@ def open_tensor_manager(ctx: SetupContext, manager: TieredTensorStore, directory
             needs = [manager.placement.ssd_bytes(d) for d in range(len(directory.dirs))]  # (striped as configured)
             reports = directory.prepare(ctx.default_root, needs, ctx.global_rank, ctx.local_rank, ctx.is_distributed,
                                         fixes=disk_fixes(manager, needs))
-            ctx.report(directory.text(reports, empty_note, kinds_without_bytes(manager.placement, on_ssd=True)))
+            notes = kinds_without_bytes(manager.placement, on_ssd=True)
+            if manager.activations.tier is Tier.SSD:  # (not in the total: their size is known at the first save)
+                notes[TensorKind.ACTIVATIONS.value] = ACTIVATIONS_SIZED_LATER
+            ctx.report(directory.text(reports, empty_note, notes))
             manager.open(directory.paths)
             directory.record(manager.files)  # (greedysnake's mark on its own files, in the lock records)
         else:
