@@ -121,10 +121,14 @@ def _trainer_of(module: Any) -> Any:
         return None
 
 
-def newest_complete(directory: Path, exclude: Path, suffix: str = ".ckpt") -> Path | None:
+def newest_complete(directory: Path, exclude: Path, suffix: str = ".ckpt",
+                    skipped: list[str] | None = None) -> Path | None:
     """The newest complete checkpoint in ``directory`` named ``*suffix`` other than ``exclude``: a greedysnake
-    checkpoint directory whose ``CURRENT`` names a payload with every file there at its size (its time:
-    ``CURRENT``'s), or a checkpoint file (its time); None where there is none."""
+    checkpoint directory whose ``CURRENT`` names a payload with every file there at its size and checksum (its
+    time: ``CURRENT``'s), or a checkpoint file (its time); None where there is none. Newest first: one that
+    does not verify is passed over for the next newest (never named nor loaded: its load would fail, or load
+    damaged values), and said in ``skipped`` (its path and why). Verifying reads every file of the one named,
+    once: this runs only where a resume falls back from a checkpoint whose save never finished."""
     found: list[tuple[float, str, Path]] = []
     try:
         entries = list(directory.iterdir())
@@ -140,12 +144,14 @@ def newest_complete(directory: Path, exclude: Path, suffix: str = ".ckpt") -> Pa
                 found.append((entry.stat().st_mtime, entry.name, entry))
         except OSError:
             continue
-    for _, _, entry in sorted(found, reverse=True):
+    for _, _, entry in sorted(found, reverse=True):  # newest first
         if entry.is_file():
             return entry
         try:
-            CheckpointReader(entry)  # the manifest, and every file there at its size
-        except (OSError, CheckpointError):
+            CheckpointReader(entry).verify()  # the manifest, and every file there at its size and checksum
+        except (OSError, CheckpointError) as e:
+            if skipped is not None:
+                skipped.append(f"{entry} ({str(e).partition(' Fix:')[0]})")
             continue
         return entry
     return None
@@ -165,7 +171,9 @@ def resume_path(path: Any, module: Any = None) -> Any:
     trainer = _trainer_of(module)
     suffix = next((cb.FILE_EXTENSION for cb in getattr(trainer, "checkpoint_callbacks", [])
                    if isinstance(cb, ModelCheckpoint)), ModelCheckpoint.FILE_EXTENSION)
-    fallback = newest_complete(p.parent, p, suffix)
+    skipped: list[str] = []
+    fallback = newest_complete(p.parent, p, suffix, skipped)
+    passed_over = (f" (passed over, newer but damaged: {'; '.join(skipped)})" if skipped else "")
     unfinished = (f"a checkpoint whose first save never finished: it has a payload and no {CURRENT} file (the "
                   "process was killed while saving it, or a save is writing it now)")
     # ``p`` is one of the checkpoints ``ckpt_path="last"`` chooses from; an explicitly named path among them
@@ -174,15 +182,16 @@ def resume_path(path: Any, module: Any = None) -> Any:
         if fallback is not None:
             rank_zero_warn(
                 f"ckpt_path resolved to {p}, {unfinished}. Resuming from {fallback} instead, the newest complete "
-                f"checkpoint in {p.parent}; the next save there removes the incomplete folder.")
+                f"checkpoint in {p.parent} that verifies{passed_over}; the next save there removes the incomplete "
+                "folder.")
             redirect_checkpoint_load(trainer, path, str(fallback))  # trainer.ckpt_path names what is loaded
             return str(fallback)
         raise CheckpointError(
             f"ckpt_path=\"last\" resolved to {p}, {unfinished}, and {p.parent} holds no complete checkpoint to "
-            "resume from instead. Fix: start fresh with ckpt_path=None (the next save there removes the incomplete "
-            f"folder), or delete the incomplete folder {p} (then ckpt_path=\"last\" finds nothing and starts fresh).")
-    instead = (f"pass ckpt_path={str(fallback)!r}, the newest complete checkpoint beside it, or ckpt_path=None to "
-               "start fresh" if fallback is not None else
+            f"resume from instead{passed_over}. Fix: start fresh with ckpt_path=None (the next save there removes "
+            f"the incomplete folder), or delete the incomplete folder {p} (then ckpt_path=\"last\" finds nothing and starts fresh).")
+    instead = (f"pass ckpt_path={str(fallback)!r}, the newest complete checkpoint beside it that verifies"
+               f"{passed_over}, or ckpt_path=None to start fresh" if fallback is not None else
                f"pass another checkpoint, or ckpt_path=None to start fresh, or delete the incomplete folder {p}")
     raise CheckpointError(f"ckpt_path={str(p)!r} is {unfinished}. Fix: {instead} (a save into {p.parent} "
                           "removes the incomplete folder).")
