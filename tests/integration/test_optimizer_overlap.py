@@ -4,6 +4,7 @@ forward (``alpha``): results equal Lightning's default strategy, and no forward 
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import lightning as L
@@ -15,10 +16,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_greedysnake import GreedySnakeStrategy, OffloadConfig
 from lightning_greedysnake.config import TensorKind
+from lightning_greedysnake.io import ThreadedIOEngine
+from lightning_greedysnake.offload.regions import FILE_NAMES
+from lightning_greedysnake.offload.tiers import SSDRegions
 from tests.helpers import RecordingLogger, TinyGPTModule, make_trainer, max_abs_diff, token_loader
 
 LR = 3e-3
 ON_DEVICE = OffloadConfig.everywhere("device")
+GRADIENTS_FILE = FILE_NAMES[TensorKind.GRADIENTS]
 
 
 def _fit(strategy: Any, clip: bool, module_factory: Any = None, loader: Any = None, k: int = 3,
@@ -288,3 +293,33 @@ def test_a_synchronous_step_in_host_memory_runs_once_the_backward_is_done(placem
     make_trainer("auto", 3, max_epochs=1).fit(reference, token_loader(12))
     got = {n: p.detach() for n, p in module.named_parameters()}
     assert max_abs_diff(got, {n: p.detach() for n, p in reference.named_parameters()}) <= 1e-5
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+def test_a_deferred_part_waits_for_its_gradients_read(monkeypatch, lag):
+    """A deferred (alpha) part reads its gradient range from the gradients file, issued with its own reads: it
+    must wait for that read. Here each read of the gradients file fills its bytes of the buffer with NaN when it
+    is submitted (until a read lands, what the buffer holds is undefined: a stale gradient as a rule) and lands
+    late, its request held on the real I/O thread; so a part that steps without waiting computes with NaN, every
+    time, and one that waits equals Lightning."""
+    submit_read = SSDRegions.submit_read
+    read_piece = ThreadedIOEngine._read_piece
+    delayed: list[int] = []
+
+    def poisoned(self, unit, buf, label=None, byte_range=None):  # type: ignore[no-untyped-def]
+        if self.path.name == GRADIENTS_FILE:
+            lo, hi = byte_range if byte_range is not None else (0, self.layout.sizes[unit])
+            buf.tensor[lo:hi].fill_(0xFF)  # NaN in fp32
+        return submit_read(self, unit, buf, label, byte_range)
+
+    def late(self, file, offset, buffer, buffer_offset, nbytes):  # type: ignore[no-untyped-def]
+        if file.path.name == GRADIENTS_FILE:
+            time.sleep(0.1)
+            delayed.append(nbytes)
+        return read_piece(self, file, offset, buffer, buffer_offset, nbytes)
+
+    monkeypatch.setattr(SSDRegions, "submit_read", poisoned)
+    monkeypatch.setattr(ThreadedIOEngine, "_read_piece", late)
+    got, _ = _fit(GreedySnakeStrategy(auto=False, alpha=0.5, lag=lag), False)
+    assert delayed, "no read of the gradients file: the test delays nothing"
+    assert max_abs_diff(got, lightning_reference(False)) <= 1e-5
