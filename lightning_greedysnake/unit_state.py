@@ -118,6 +118,28 @@ class UnitValues:
         return opt_state.unit_optimizer_state(self._arena, self._stepper.unit_optimizers[u], self.slots, u,
                                               self._codec)
 
+    def publish_calls(self) -> None:
+        """The optimizer's per-call state as the units' steps left it (pytorch-optimizer's ``group['step']``:
+        :class:`~lightning_greedysnake.optim.unit_optimizer.CallState`) written into the user's optimizer,
+        where its own steps would have left it: its param groups (what a checkpoint saves) and attributes.
+        Drains pending steps first."""
+        assert self.optimizer is not None
+        self.drain()
+        groups, attributes = self._stepper.call_state()
+        for gi, entries in groups.items():
+            self.optimizer.param_groups[gi].update(entries)
+        for name, value in attributes.items():
+            if name.startswith("state:"):  # (an entry of its state under a key that is no parameter)
+                self.optimizer.state[name.removeprefix("state:")] = value
+            else:
+                setattr(self.optimizer, name, value)
+
+    def load_calls(self) -> None:
+        """Inverse of :meth:`publish_calls`: every unit's per-call state from the user's optimizer (after a
+        checkpoint's param groups were loaded into it)."""
+        self.drain()
+        self._stepper.load_calls()
+
     def load_unit_optimizer_state(self, u: int, entries: dict[int, dict[str, Any]]) -> None:
         """Inverse of :meth:`unit_optimizer_state` (entries keyed by layout index)."""
         assert self.optimizer is not None
@@ -176,5 +198,6 @@ class UnitValues:
             for entry in state.values():
                 for key in [k for k in entry if k.partition(".")[0] in self.slots and "." in k]:
                     del entry[key]
+            self.publish_calls()
             groups = self.optimizer.state_dict()["param_groups"]
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -71,10 +71,15 @@ class StateSink(Protocol):
 
     def load_optimizer_state(self, state: dict[int, dict[str, Any]]) -> None: ...
 
+    def load_calls(self) -> None: ...
+
     def flush(self) -> None: ...
 
 STATE_DICT = "state_dict"
 OPTIMIZER_STATES = "optimizer_states"
+OPTIMIZER_LEVEL_STATE = "greedysnake_optimizer_level_state"
+"""An optimizer state dict's entries of ``state`` under keys that are no parameter (MADGRAD's ``k``), kept
+beside the streamed per-parameter state."""
 
 
 @dataclass(frozen=True)
@@ -376,7 +381,9 @@ def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Map
 def load_optimizer_into(manager: StateSink, optimizer: torch.optim.Optimizer, opt_state: Mapping[str, Any]) -> None:
     """Hyperparameters to the user's optimizer, per-parameter state into the units."""
     # hyperparameters (and LR-scheduler bookkeeping such as initial_lr) go to the user's optimizer
-    optimizer.load_state_dict({"state": {}, "param_groups": opt_state["param_groups"]})
+    optimizer.load_state_dict({"state": dict(opt_state.get(OPTIMIZER_LEVEL_STATE, {})),
+                               "param_groups": opt_state["param_groups"]})
+    manager.load_calls()  # (per-call entries of the groups, pytorch-optimizer's group['step'], into every unit)
     state = opt_state["state"]
     if not isinstance(state, StreamedOptimizerState):
         manager.load_optimizer_state({int(k): v for k, v in state.items()})

@@ -24,6 +24,7 @@ alone: a 1-D probe only finds the slots of an optimizer already known to be elem
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections.abc import Callable
@@ -33,7 +34,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_greedysnake.optim.unit_optimizer import UnsupportedOptimizerError, discover_slots
+from lightning_greedysnake.optim.unit_optimizer import (
+    CallState,
+    UnsupportedOptimizerError,
+    construct_like,
+    discover_slots,
+    plain,
+)
 
 
 class StepPath(str, enum.Enum):
@@ -101,6 +108,11 @@ class OptimizerContract:
     low-bit AdamW quantizes a parameter's state only from 4096 elements on (:data:`QUANTIZED_MIN_NUMEL`),
     so a smaller slice of a quantized parameter would keep fp32 state and step differently."""
 
+    calls: CallState = CallState()
+    """State the optimizer keeps outside ``state[p]`` and changes alike at every ``step()`` (pytorch-
+    optimizer's ``group['step']``), as the separability probe found it: kept per part, checkpointed in the
+    param groups."""
+
     @property
     def whole_parameters(self) -> bool:
         """Each piece the optimizer steps is a whole parameter in its own shape."""
@@ -129,15 +141,37 @@ def optimizer_contract(optimizer: torch.optim.Optimizer | None, path: str = "aut
                        warn: Callable[[str, str], None] | None = None) -> OptimizerContract:
     """The run's contract for ``optimizer`` under ``optimizer_path=path``; raises
     :class:`UnsupportedOptimizerError` (a ``ValueError``) naming the class and the fix where no path
-    steps it exactly. ``warn(key, message)``: told once when ``element_wise`` is forced on a class
-    outside the list."""
+    steps it exactly, whatever goes wrong inside the probes (an optimizer's own exception is carried in
+    the message, never raised raw). ``warn(key, message)``: told once when ``element_wise`` is forced on
+    a class outside the list."""
     if optimizer is None:
         return NO_OPTIMIZER
+    try:
+        return _contract(optimizer, path, warn)
+    except UnsupportedOptimizerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the user's class, reported with its name
+        shapes = sorted({tuple(p.shape) for g in optimizer.param_groups for p in g["params"]}, key=math.prod)[-3:]
+        raise UnsupportedOptimizerError(
+            f"greedysnake could not probe {type(optimizer).__name__} on this run's parameter shapes (largest: "
+            f"{shapes}): {type(e).__name__}: {e}. It re-creates the optimizer class per unit from its param groups "
+            "and steps those on probe parameters before training. Fix: use torch.optim.AdamW, or strategy='auto' "
+            "for this optimizer.") from e
+
+
+def _contract(optimizer: torch.optim.Optimizer, path: str, warn: Callable[[str, str], None] | None
+              ) -> OptimizerContract:
     cls = type(optimizer)
     why = refusal(cls)
     if why is not None:
         raise UnsupportedOptimizerError(f"strategy='greedysnake' cannot step {why}")
     listed = element_wise_listed(cls)
+    shapes = _shapes_by_group(optimizer)
+    probed = not listed and cls not in WHOLE_PARAMETER
+    calls = CallState()
+    if probed:
+        for gi, group_shapes in shapes.items():
+            calls = _union(calls, _check_separable(optimizer, gi, group_shapes))
     if path == StepPath.ELEMENT_WISE.value or (path == "auto" and listed):
         if not listed and warn is not None:
             warn("optimizer_path", f"optimizer_path='element_wise' with {cls.__name__}, which is not on greedysnake's "
@@ -146,17 +180,18 @@ def optimizer_contract(optimizer: torch.optim.Optimizer | None, path: str = "aut
                  "(whole parameters, where the separability probe passes).")
         return OptimizerContract(StepPath.ELEMENT_WISE, discover_slots(optimizer), _eager(optimizer),
                                  reason="forced by optimizer_path" if not listed else "element-wise (listed)",
-                                 min_piece_numel=QUANTIZED_MIN_NUMEL if cls.__module__.startswith("torchao.optim") else 0)
-    shapes = _shapes_by_group(optimizer)
-    probed = not listed and cls not in WHOLE_PARAMETER
-    if probed:
-        for gi, group_shapes in shapes.items():
-            _check_separable(optimizer, gi, group_shapes)
+                                 min_piece_numel=QUANTIZED_MIN_NUMEL if cls.__module__.startswith("torchao.optim") else 0,
+                                 calls=calls)
     slots = _whole_parameter_slots(optimizer, shapes)
     largest = max((s for group in shapes.values() for s in group), key=math.prod, default=None)
     reason = ("forced by optimizer_path" if path == StepPath.WHOLE_PARAMETER.value else
               "separability probe passed on this run's shapes" if probed else "whole parameters (listed)")
-    return OptimizerContract(StepPath.WHOLE_PARAMETER, slots, _eager(optimizer), largest, reason)
+    return OptimizerContract(StepPath.WHOLE_PARAMETER, slots, _eager(optimizer), largest, reason, calls=calls)
+
+
+def _union(a: CallState, b: CallState) -> CallState:
+    return CallState(*(tuple(dict.fromkeys(x + y)) for x, y in zip(
+        (a.group_keys, a.state_keys, a.attributes), (b.group_keys, b.state_keys, b.attributes), strict=True)))
 
 
 # -- probes ---------------------------------------------------------------------------------------------
@@ -168,7 +203,7 @@ def _eager(optimizer: torch.optim.Optimizer) -> bool:
     """Whether constructing the optimizer makes state (over a probe of its first parameter's shape)."""
     first = next((p for g in optimizer.param_groups for p in g["params"]), None)
     probe = torch.zeros(_scaled(tuple(first.shape)) if first is not None else (4,), requires_grad=True)
-    return bool(type(optimizer)([{**_hyper(optimizer, 0), "params": [probe]}]).state)
+    return bool(construct_like(optimizer, [{**_hyper(optimizer, 0), "params": [probe]}]).state)
 
 
 def _scaled(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -191,22 +226,61 @@ def _shapes_by_group(optimizer: torch.optim.Optimizer) -> dict[int, list[tuple[i
     return out
 
 
-def _run(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], params: list[Tensor], grads: list[list[Tensor]],
-         together: bool, shapes: list[tuple[int, ...]]) -> list[tuple[Tensor, dict[str, Any]]]:
-    """``params`` (probe leaves) stepped with ``grads`` (per step, per parameter), in one optimizer or one
-    each; a failure is reported with the optimizer's name and the run's parameter ``shapes`` it scaled."""
+@dataclass
+class _Seen:
+    """One probe optimizer after one step: its parameters with their state, its param group's entries and
+    its attributes."""
+
+    params: list[tuple[Tensor, dict[str, Any]]]
+    group: dict[str, Any]
+    attributes: dict[str, Any]
+    """Its plain attributes, and its ``state`` entries under keys that are no parameter (``state:<key>``)."""
+    closure_calls: int = 0
+
+
+def _attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    out = {k: copy.deepcopy(v) for k, v in vars(opt).items()
+           if k not in ("defaults", "state", "param_groups") and not k.startswith("_") and not callable(v)}
+    out.update({f"state:{k}": copy.deepcopy(v) for k, v in opt.state.items() if isinstance(k, str)})
+    return out
+
+
+def _run(optimizer: torch.optim.Optimizer, gi: int, params: list[Tensor], grads: list[list[Tensor]],
+         together: bool, shapes: list[tuple[int, ...]], loss: float | None = None
+         ) -> tuple[list[_Seen], list[list[_Seen]]]:
+    """``params`` (probe leaves) stepped with ``grads`` (per step, per parameter) by optimizers built as the
+    user's group ``gi`` is, one over all of them or one each (persistent over the steps), each step given a
+    closure returning ``loss`` (None: no closure, as greedysnake steps). Returns what each optimizer held
+    before its first step, and after every step. A failure is reported with the optimizer's name and the
+    run's parameter ``shapes`` it scaled."""
+    cls = type(optimizer)
+    hyper = _hyper(optimizer, gi)
     try:
-        optimizers = ([cls([{**hyper, "params": params}])] if together else
-                      [cls([{**hyper, "params": [p]}]) for p in params])
+        optimizers = ([construct_like(optimizer, [{**hyper, "params": params}])] if together else
+                      [construct_like(optimizer, [{**hyper, "params": [p]}]) for p in params])
+
+        def seen(opt: torch.optim.Optimizer) -> _Seen:
+            return _Seen([(p.detach().clone(), copy.deepcopy(dict(opt.state.get(p, {})))) for p in opt.param_groups[0]["params"]],
+                         copy.deepcopy({k: v for k, v in opt.param_groups[0].items() if k != "params"}), _attributes(opt))
+
+        before = [seen(opt) for opt in optimizers]
+        after: list[list[_Seen]] = []
         for step_grads in grads:
             for p, g in zip(params, step_grads, strict=True):
                 p.grad = g.clone()
+            row = []
             for opt in optimizers:
-                opt.step()
-        states: dict[int, dict[str, Any]] = {}
-        for opt in optimizers:
-            states.update({id(p): st for p, st in opt.state.items()})
-        return [(p.detach(), states.get(id(p), {})) for p in params]
+                calls = [0]
+
+                def closure(calls: list[int] = calls) -> Tensor:
+                    calls[0] += 1
+                    return torch.tensor(loss)
+
+                opt.step() if loss is None else opt.step(closure)
+                row.append(seen(opt))
+                row[-1].closure_calls = calls[0]
+            after.append(row)
+        return before, after
     except Exception as e:  # noqa: BLE001 - reported with the optimizer's name
         raise UnsupportedOptimizerError(
             f"greedysnake could not step {cls.__name__} on this run's parameter shapes {shapes} "
@@ -214,8 +288,12 @@ def _run(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], params: list[T
             "Fix: freeze or regroup the parameters it cannot take, or use torch.optim.AdamW.") from e
 
 
-def _check_separable(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tuple[int, ...]]) -> None:
-    """Raise unless stepping group ``gi``'s shapes together equals stepping each alone (state included)."""
+def _check_separable(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tuple[int, ...]]) -> CallState:
+    """Raise unless stepping group ``gi``'s shapes together equals stepping each alone after every probe
+    step: each parameter, its state, and every param-group entry and attribute the optimizer's ``step()``
+    changes. An entry or attribute a step changes alike either way is per-call state (a step counter):
+    returned, to be kept per part; one that differs is state over all parameters together (a global
+    estimate): coupled, refused naming it."""
     cls = type(optimizer)
     probe_shapes = [_scaled(s) for s in shapes]
     if len(probe_shapes) == 1:
@@ -223,29 +301,109 @@ def _check_separable(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tup
     gen = torch.Generator().manual_seed(0x5E9A)
     start = [torch.randn(s, generator=gen) for s in probe_shapes]
     grads = [[torch.randn(s, generator=gen) * (k + 1) for k, s in enumerate(probe_shapes)] for _ in range(PROBE_STEPS)]
-    together = _run(cls, _hyper(optimizer, gi), [t.clone().requires_grad_() for t in start], grads, True, shapes)
-    alone = _run(cls, _hyper(optimizer, gi), [t.clone().requires_grad_() for t in start], grads, False, shapes)
-    for k, ((pa, sa), (pb, sb)) in enumerate(zip(together, alone, strict=True)):
-        differs = [name for name in sorted(set(sa) | set(sb)) if not _same(sa.get(name), sb.get(name))]
-        if not _same(pa, pb):
-            differs.insert(0, "the parameter")
+    t_before, together = _run(optimizer, gi, [t.clone().requires_grad_() for t in start], grads, True, shapes)
+    a_before, alone = _run(optimizer, gi, [t.clone().requires_grad_() for t in start], grads, False, shapes)
+
+    def changed(before: list[_Seen], steps: list[list[_Seen]], field: str) -> set[str]:
+        """The names in ``field`` (group entries or attributes) some step changed, in any optimizer."""
+        names: set[str] = set()
+        for row in (before, *steps):
+            for prev, now in zip(before, row, strict=True):
+                old, new = getattr(prev, field), getattr(now, field)
+                names |= {k for k in set(old) | set(new) if not _same(old.get(k, _MISSING), new.get(k, _MISSING))}
+        return names
+
+    _check_closure(optimizer, gi, shapes, start, grads, together)
+    group_keys = changed(t_before, together, "group") | changed(a_before, alone, "group")
+    attributes = changed(t_before, together, "attributes") | changed(a_before, alone, "attributes")
+    for step, (t_row, a_row) in enumerate(zip(together, alone, strict=True), start=1):
+        (t,) = t_row
+        differs: list[str] = []
+        for k, ((pa, sa), a) in enumerate(zip(t.params, a_row, strict=True)):
+            pb, sb = a.params[0]
+            differs += [f"its state {name!r}" for name in sorted(set(sa) | set(sb))
+                        if not _same(sa.get(name, _MISSING), sb.get(name, _MISSING))]
+            if not _same(pa - start[k], pb - start[k]):  # (the update: a coupling of lr's size shows)
+                differs.insert(0, f"the parameter of shape {probe_shapes[k]}")
+            differs += [f"param_groups[{gi}][{key!r}]" for key in sorted(group_keys)
+                        if not _same(t.group.get(key, _MISSING), a.group.get(key, _MISSING))]
+            differs += [f"its attribute {name!r}" for name in sorted(attributes)
+                        if not _same(t.attributes.get(name, _MISSING), a.attributes.get(name, _MISSING))]
         if differs:
             raise UnsupportedOptimizerError(
-                f"{cls.__name__} couples parameters: stepping a parameter of shape {probe_shapes[k]} beside others "
-                f"changes {', '.join(differs)} (greedysnake's separability probe on this run's shapes, param group "
-                f"{gi}), so stepping it unit by unit would not be exact. Fix: use an optimizer that updates each "
-                "parameter from its own gradient and state (AdamW, Adafactor, Muon), or move the cross-parameter "
-                "part (a global norm, say) into gradient clipping: Trainer(gradient_clip_val=...).")
+                f"{cls.__name__} couples parameters: stepping them together rather than each alone changes "
+                f"{', '.join(dict.fromkeys(differs))} after probe step {step} (greedysnake's separability probe on "
+                f"this run's shapes, param group {gi}), so stepping it unit by unit would not be exact. Fix: use an "
+                "optimizer that updates each parameter from its own gradient and state (AdamW, Adafactor, Muon), or "
+                "move the cross-parameter part (a global norm, say) into gradient clipping: "
+                "Trainer(gradient_clip_val=...); strategy='auto' steps it as it is.")
+    kept = [name for name in sorted(attributes) if not _keepable(together[-1][0].attributes.get(name))]
+    if kept:
+        raise UnsupportedOptimizerError(
+            f"{cls.__name__} changes its attribute(s) {kept} at every step, of a kind greedysnake cannot keep per "
+            "unit (a plain number, string or tensor it can). Fix: use torch.optim.AdamW, or strategy='auto' for this "
+            "optimizer.")
+    return CallState(tuple(sorted(group_keys)), tuple(sorted(a.removeprefix("state:") for a in attributes
+                                                             if a.startswith("state:"))),
+                     tuple(sorted(a for a in attributes if not a.startswith("state:"))))
+
+
+def _check_closure(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tuple[int, ...]], start: list[Tensor],
+                   grads: list[list[Tensor]], without: list[list[_Seen]]) -> None:
+    """Raise where the optimizer needs the closure Lightning gives its ``step()``: one that calls it more
+    than once a step (re-evaluates the loss, as LBFGS or SAM do), or whose step depends on the loss it
+    returns (greedysnake's per-unit steps get no closure: stepped with two different losses, and without
+    one, it must do the same)."""
+    cls = type(optimizer)
+    for loss in (1.0, 3.0):
+        _, steps = _run(optimizer, gi, [t.clone().requires_grad_() for t in start], grads, True, shapes, loss)
+        for step, ((got,), (ref,)) in enumerate(zip(steps, without, strict=True), start=1):
+            if got.closure_calls > 1:
+                raise UnsupportedOptimizerError(
+                    f"{cls.__name__} calls the closure {got.closure_calls} times a step (it re-evaluates the loss), "
+                    "which greedysnake's one forward and backward per micro-batch cannot do. Fix: use an optimizer "
+                    "that steps from the gradients alone (AdamW, say), or strategy='auto' for this one.")
+            same = (all(_same(a, b) and _same(sa, sb) for (a, sa), (b, sb) in zip(got.params, ref.params, strict=True))
+                    and _same(got.group, ref.group) and _same(got.attributes, ref.attributes))
+            if not same:
+                raise UnsupportedOptimizerError(
+                    f"{cls.__name__} reads the loss the closure returns (its step {step} differs with the loss "
+                    "value), which greedysnake's per-unit steps cannot give it: they run after the window's "
+                    "backward, without a closure. Fix: use an optimizer that steps from the gradients alone "
+                    "(AdamW, say), or strategy='auto' for this one.")
+
+
+def _keepable(value: Any) -> bool:
+    return plain(value) or type(value) is Tensor
+
+
+_MISSING = object()
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Equal up to rounding: tensors, numbers and containers of them, compared member by member."""
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.shape != b.shape:
             return False
-        return bool(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7, equal_nan=True))
+        if a.is_floating_point() or b.is_floating_point() or a.is_complex() or b.is_complex():
+            x = a.to(torch.complex64 if a.is_complex() else torch.float32)
+            y = b.to(torch.complex64 if b.is_complex() else torch.float32)
+            # rounding is relative to the values' size: D-Adaptation's estimates start near 1e-9
+            scale = float(torch.maximum(x.abs().max(), y.abs().max()).nan_to_num(0.0)) if x.numel() else 0.0
+            return bool(torch.allclose(x, y, rtol=1e-5, atol=1e-7 * scale, equal_nan=True))
+        return bool(torch.equal(a, b))
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return False
-    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-6))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or math.isclose(a, b, rel_tol=1e-6) or (math.isnan(a) and math.isnan(b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object that cannot say: taken as different
+        return False
 
 
 def _whole_parameter_slots(optimizer: torch.optim.Optimizer, shapes: dict[int, list[tuple[int, ...]]]) -> tuple[str, ...]:
@@ -256,8 +414,8 @@ def _whole_parameter_slots(optimizer: torch.optim.Optimizer, shapes: dict[int, l
         probe_shapes = [_scaled(s) for s in group_shapes]
         params = [torch.zeros(s, requires_grad=True) for s in probe_shapes]
         grads = [[torch.full(s, 0.5) for s in probe_shapes]] * 2
-        stepped = _run(cls, _hyper(optimizer, gi), params, grads, True, group_shapes)
-        for p, state in stepped:
+        _, after = _run(optimizer, gi, params, grads, True, group_shapes)
+        for p, state in after[-1][0].params:
             for name, value in state.items():
                 if not isinstance(value, Tensor) or value.shape != p.shape or value.dim() == 0:
                     continue  # kept in host memory with the step counters (Adafactor's row/column variances)

@@ -141,7 +141,7 @@ class UnitStepper:
         lay = self.state.units[u]
         return UnitOptimizer(self.optimizer, lay, self.slots, self.state.split(u, self.alpha_of(u)),
                              self.state.bounds(u), whole_parameters=self.contract.whole_parameters,
-                             eager_state=self.contract.eager_state)
+                             eager_state=self.contract.eager_state, calls=self.contract.calls)
 
     # -- the split --------------------------------------------------------------------------------------
     def alpha_of(self, unit: int) -> float:
@@ -182,8 +182,31 @@ class UnitStepper:
             for j in range(len(old.trainable)):
                 if old.param_initialized(j):
                     new.set_param_scalar_state(j, old.param_scalar_state(j), old.param_streamed(j))
+            new.set_calls(*old.call_state())
             self.unit_optimizers[u] = new  # in place: the part stepper shares the list
         self.lane.set_lag(lag)
+
+    def call_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """The optimizer's per-call state (:class:`~lightning_greedysnake.optim.unit_optimizer.CallState`) as
+        the units' steps left it, per user param group and attribute (with the lane drained: every unit's
+        parts agree then)."""
+        groups: dict[int, dict[str, Any]] = {}
+        attributes: dict[str, Any] = {}
+        for opt in self.unit_optimizers:
+            if opt is None:
+                continue
+            unit_groups, unit_attributes = opt.call_state()
+            for gi, entries in unit_groups.items():
+                groups.setdefault(gi, entries)
+            for name, value in unit_attributes.items():
+                attributes.setdefault(name, value)
+        return groups, attributes
+
+    def load_calls(self) -> None:
+        """Every unit's per-call state from the user's optimizer (as a checkpoint just loaded it)."""
+        for opt in self.unit_optimizers:
+            if opt is not None:
+                opt.load_calls(opt.user_optimizer)
 
     # -- submitting (training thread) ------------------------------------------------------------------------
     def _hyper(self) -> list[dict[str, Any]]:

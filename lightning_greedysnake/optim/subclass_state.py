@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.optim.unit_optimizer import construct_like
 
 
 class UnstreamableStateError(ValueError):
@@ -63,9 +64,9 @@ def _flatten(value: Tensor) -> tuple[dict[str, Tensor], Any]:
     return {n: getattr(value, n) for n in names}, ctx
 
 
-def _probe(cls: type[torch.optim.Optimizer], hyper: dict[str, Any], numel: int) -> dict[str, Tensor]:
+def _probe(optimizer: torch.optim.Optimizer, hyper: dict[str, Any], numel: int) -> dict[str, Tensor]:
     p = torch.zeros(numel, dtype=torch.float32, requires_grad=True)
-    shadow = cls([{**hyper, "params": [p]}])
+    shadow = construct_like(optimizer, [{**hyper, "params": [p]}])
     p.grad = torch.zeros_like(p)
     shadow.step()
     return dict(shadow.state[p])
@@ -80,9 +81,10 @@ class SubclassCodec:
                  small: dict[str, Tensor]) -> None:
         """``small``: the state a probe step at ``PROBE_SIZES[0]`` created (the caller's)."""
         self.cls = type(optimizer)
+        self._optimizer = optimizer
         self.slots = slots
         self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        large = _probe(self.cls, self.hyper[0], self.PROBE_SIZES[1])
+        large = _probe(optimizer, self.hyper[0], self.PROBE_SIZES[1])
         self.subclass: type[Tensor] | None = None
         comps: list[Component] | None = None
         self.constants: dict[str, dict[str, Tensor]] = {}
@@ -167,7 +169,7 @@ class SubclassCodec:
             found = self._pieces.get(key)
             if found is None or any(name not in found for name in self.slots):
                 self.probes += 1
-                state = _probe(self.cls, self.hyper[group], numel)
+                state = _probe(self._optimizer, self.hyper[group], numel)
                 found = self._pieces[key] = {name: self._context(name, state[name], numel)
                                              for name in self.slots}
             return found
@@ -263,7 +265,7 @@ def subclass_codec(optimizer: torch.optim.Optimizer, slots: tuple[str, ...]) -> 
     if not slots:
         return None
     hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    state = _probe(type(optimizer), hyper, SubclassCodec.PROBE_SIZES[0])
+    state = _probe(optimizer, hyper, SubclassCodec.PROBE_SIZES[0])
     if all(type(state[name]) is Tensor for name in slots):
         return None
     return SubclassCodec(optimizer, slots, small=state)

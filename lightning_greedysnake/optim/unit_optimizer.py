@@ -15,6 +15,7 @@ their own shapes (``whole_parameters``), the unit's split and the ranks' chunks 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -22,7 +23,8 @@ from torch import Tensor
 
 from lightning_greedysnake.layout import ParamSlot, UnitLayout, split_numel
 
-__all__ = ["FlatState", "PieceState", "UnitOptimizer", "UnsupportedOptimizerError", "discover_slots", "split_numel"]
+__all__ = ["CallState", "FlatState", "PieceState", "UnitOptimizer", "UnsupportedOptimizerError", "construct_like",
+           "discover_slots", "split_numel"]
 
 
 class UnsupportedOptimizerError(ValueError):
@@ -32,15 +34,72 @@ class UnsupportedOptimizerError(ValueError):
 PROBE_NUMEL = 1 << 16
 
 
-def _construct(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    return cls(groups)
+_OPTIMIZER_INTERNALS = frozenset({"defaults", "state", "param_groups"})
 
 
-def _construct_as_given(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> torch.optim.Optimizer:
-    """``cls`` over one group, its hyperparameters also passed as the constructor's keywords: state made
-    at construction reads those (Adagrad's ``initial_accumulator_value``), not the group's."""
+def plain(value: Any) -> bool:
+    """A configuration value copied between optimizer instances as it is (no tensor, no container that
+    could hold one)."""
+    return isinstance(value, (bool, int, float, str, type(None))) or (
+        isinstance(value, tuple) and all(plain(v) for v in value))
+
+
+def configuration(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's plain instance attributes (pytorch-optimizer's ``maximize``, ``n_sma_threshold``):
+    configuration its constructor took and keeps outside the param groups."""
+    return {k: v for k, v in vars(optimizer).items()
+            if k not in _OPTIMIZER_INTERNALS and not k.startswith("_") and plain(v)}
+
+
+def construct_like(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """A new instance of ``optimizer``'s class over ``groups``, configured as ``optimizer`` is.
+
+    The constructor is also given, by name, the first group's hyperparameters and the optimizer's plain
+    attributes it accepts: a constructor that requires its ``lr`` (came-pytorch's CAME asserts ``lr > 0``)
+    or validates a keyword, and state made at construction (Adagrad's ``initial_accumulator_value``), see
+    the user's values, not the defaults. Any plain attribute that still differs (configuration the
+    constructor took under another name) is then copied over."""
+    cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
-    return cls([group], **{k: v for k, v in group.items() if k != "params" and k in accepted})
+    attributes = configuration(optimizer)
+    kwargs: dict[str, Any] = {}
+    for name, parameter in list(accepted.items())[1:]:  # (self)
+        if name == "params" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if name in groups[0]:
+            kwargs[name] = groups[0][name]
+        elif name in attributes:
+            kwargs[name] = attributes[name]
+    made = cls(groups, **kwargs)
+    for name, value in attributes.items():
+        if getattr(made, name, None) != value:
+            setattr(made, name, value)
+    return made
+
+
+@dataclass(frozen=True)
+class CallState:
+    """What an optimizer keeps outside ``state[p]`` and changes at every ``step()`` the same way whatever
+    parameters it steps (a per-call counter, as the contract's probe shows): entries of its param groups
+    (pytorch-optimizer's ``group['step']``), entries of its ``state`` under keys that are not parameters
+    (MADGRAD's ``state['k']``) and plain attributes. Each part keeps its own copy, given to its shadow optimizer
+    before every step and taken back after it, so every part counts what the user's optimizer would;
+    checkpoints save the group entries in the param groups and the state entries beside the state, as
+    ``torch.optim`` does."""
+
+    group_keys: tuple[str, ...] = ()
+    state_keys: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.group_keys or self.state_keys or self.attributes)
+
+
+_STATE = "state:"
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else value
 
 
 def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -60,7 +119,7 @@ def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
         # large enough that optimizers quantizing only large parameters (torchao's low-bit AdamW) show it
         probe = torch.zeros(PROBE_NUMEL, dtype=torch.float32, requires_grad=True)
         try:
-            shadow = _construct(cls, [{**hyper, "params": [probe]}])
+            shadow = construct_like(optimizer, [{**hyper, "params": [probe]}])
             probe.grad = torch.full_like(probe, 0.5)
             shadow.step()
         except Exception as e:  # noqa: BLE001 - reported with the optimizer's name
@@ -113,7 +172,7 @@ class _Part:
     stepped in its own shape."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, pieces: list[tuple[int, ParamSlot, int, int]],
-                 whole_parameters: bool = False) -> None:
+                 whole_parameters: bool = False, calls: CallState = CallState()) -> None:
         self.pieces = pieces  # (trainable index, slot, flat start, flat end)
         self.shadow_params = [_stand_in(slot.shape if whole_parameters else (1,)) for _, slot, _, _ in pieces]
         self.group_index: list[int] = []
@@ -123,7 +182,7 @@ class _Part:
             if members:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
                 self.group_index.append(gi)
-        self.shadow = _construct(type(optimizer), groups) if groups else None
+        self.shadow = construct_like(optimizer, groups) if groups else None
         if self.shadow is not None:
             self.shadow.state.clear()  # (state made at construction, Adagrad's, is the stand-ins': a piece's is made at its first step)
         self.scalar_state: list[dict[str, Any]] = [{} for _ in pieces]
@@ -133,6 +192,51 @@ class _Part:
         self.initialized: list[bool] = [False] * len(pieces)
         self.steps = 0
         """Steps of this part in this process (the step number where the optimizer keeps none)."""
+        self.calls = calls
+        self.group_calls: dict[int, dict[str, Any]] = {}
+        """Per user param group in this part, its per-call entries (:class:`CallState`) as this part's last
+        step left them (a key absent: not made yet; the optimizer makes it at its first step)."""
+        self.attribute_calls: dict[str, Any] = {}
+        """The per-call attributes, and state entries under the keys that are not parameters, as this part's
+        last step left them (state entries keyed ``state:<key>``)."""
+        self.load_calls(optimizer)
+
+    def load_calls(self, source: torch.optim.Optimizer) -> None:
+        """Take the per-call entries and attributes from ``source`` (the user's optimizer: as constructed,
+        or as a checkpoint loaded it)."""
+        groups = source.param_groups
+        self.group_calls = {gi: {k: _copied(groups[gi][k]) for k in self.calls.group_keys if k in groups[gi]}
+                            for gi in self.group_index}
+        self.attribute_calls = {a: _copied(getattr(source, a)) for a in self.calls.attributes if hasattr(source, a)}
+        self.attribute_calls.update({_STATE + k: _copied(source.state[k]) for k in self.calls.state_keys
+                                     if k in source.state})
+
+    def enter_calls(self) -> None:
+        """The shadow optimizer's per-call entries set to this part's, before one ``step()``."""
+        assert self.shadow is not None
+        for group, gi in zip(self.shadow.param_groups, self.group_index):
+            for key in self.calls.group_keys:
+                if key in self.group_calls[gi]:
+                    group[key] = _copied(self.group_calls[gi][key])
+                else:
+                    group.pop(key, None)
+        for key in self.calls.state_keys:
+            self.shadow.state.pop(key, None)
+        for name, value in self.attribute_calls.items():
+            if name.startswith(_STATE):
+                self.shadow.state[name.removeprefix(_STATE)] = _copied(value)
+            else:
+                setattr(self.shadow, name, _copied(value))
+
+    def leave_calls(self) -> None:
+        """This part's per-call entries taken from the shadow optimizer after its step."""
+        assert self.shadow is not None
+        for group, gi in zip(self.shadow.param_groups, self.group_index):
+            self.group_calls[gi] = {k: _copied(group[k]) for k in self.calls.group_keys if k in group}
+        self.attribute_calls = {a: _copied(getattr(self.shadow, a)) for a in self.calls.attributes
+                                if hasattr(self.shadow, a)}
+        self.attribute_calls.update({_STATE + k: _copied(self.shadow.state[k]) for k in self.calls.state_keys
+                                     if k in self.shadow.state})
 
 
 class UnitOptimizer:
@@ -142,14 +246,17 @@ class UnitOptimizer:
     def __init__(
         self, optimizer: torch.optim.Optimizer, layout: UnitLayout, slots: tuple[str, ...], split: int | None = None,
         bounds: tuple[int, int] | None = None, *, whole_parameters: bool = False, eager_state: bool = False,
+        calls: CallState = CallState(),
     ) -> None:
         """``whole_parameters``: every piece is a whole parameter (``split`` and ``bounds`` on parameter
         starts), given to the optimizer in its own shape; ``eager_state``: the optimizer makes a
         parameter's state when constructed (Adagrad's ``initial_accumulator_value``), so a piece's first
-        step starts from the state a construction over it makes."""
+        step starts from the state a construction over it makes; ``calls``: the per-call state it keeps
+        outside ``state[p]`` (:class:`CallState`), kept per part."""
         self.user_optimizer = optimizer
         self.whole_parameters = whole_parameters
         self.eager_state = eager_state
+        self.calls = calls
         self.layout = layout
         self.slots = slots
         self.trainable: list[ParamSlot] = [p for p in layout.params if p.group is not None]
@@ -166,7 +273,7 @@ class UnitOptimizer:
                     assert not whole_parameters or (start, end) == (slot.offset_numel, slot.offset_numel + slot.numel), (
                         f"{slot.name} cut at [{start}, {end}) for an optimizer stepped on whole parameters")
                     pieces.append((j, slot, start, end))
-            self.parts.append(_Part(optimizer, pieces, whole_parameters))
+            self.parts.append(_Part(optimizer, pieces, whole_parameters, calls))
 
     @property
     def has_trainable(self) -> bool:
@@ -220,14 +327,44 @@ class UnitOptimizer:
                     part.streamed[k] = streamed
                     part.initialized[k] = True
 
-    def snapshot(self) -> list[tuple[list[dict[str, Any]], list[bool], list[tuple[str, ...] | None], int]]:
-        """The scalar state of every part (step counters), for :meth:`restore` (speculative steps)."""
-        return [([{k: (v.clone() if isinstance(v, Tensor) else v) for k, v in sc.items()} for sc in p.scalar_state],
-                 list(p.initialized), list(p.streamed), p.steps) for p in self.parts]
+    def snapshot(self) -> list[tuple[Any, ...]]:
+        """The scalar state of every part (step counters, per-call state), for :meth:`restore` (speculative
+        steps)."""
+        return [([{k: _copied(v) for k, v in sc.items()} for sc in p.scalar_state], list(p.initialized),
+                 list(p.streamed), p.steps, {gi: {k: _copied(v) for k, v in e.items()} for gi, e in p.group_calls.items()},
+                 {k: _copied(v) for k, v in p.attribute_calls.items()}) for p in self.parts]
 
-    def restore(self, snapshot: list[tuple[list[dict[str, Any]], list[bool], list[tuple[str, ...] | None], int]]) -> None:
-        for part, (scalars, initialized, streamed, steps) in zip(self.parts, snapshot, strict=True):
+    def restore(self, snapshot: list[tuple[Any, ...]]) -> None:
+        for part, (scalars, initialized, streamed, steps, group_calls, attribute_calls) in zip(
+                self.parts, snapshot, strict=True):
             part.scalar_state, part.initialized, part.streamed, part.steps = scalars, initialized, streamed, steps
+            part.group_calls, part.attribute_calls = group_calls, attribute_calls
+
+    # -- per-call state (:class:`CallState`) ----------------------------------------------------------------
+    def call_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        """The per-call entries, per user param group, and attributes, as this unit's parts left them (every
+        part of a unit steps once a window, so they agree: the first part holding a group's is taken)."""
+        groups: dict[int, dict[str, Any]] = {}
+        attributes: dict[str, Any] = {}
+        for part in self.parts:
+            if part.shadow is None:
+                continue
+            for gi, entries in part.group_calls.items():
+                groups.setdefault(gi, dict(entries))
+            for name, value in part.attribute_calls.items():
+                attributes.setdefault(name, value)
+        return groups, attributes
+
+    def load_calls(self, source: torch.optim.Optimizer) -> None:
+        """Every part's per-call state from ``source`` (:meth:`_Part.load_calls`)."""
+        for part in self.parts:
+            part.load_calls(source)
+
+    def set_calls(self, groups: dict[int, dict[str, Any]], attributes: dict[str, Any]) -> None:
+        """Every part's per-call state as :meth:`call_state` gave it (a re-split keeps it)."""
+        for part in self.parts:
+            part.group_calls = {gi: {k: _copied(v) for k, v in groups.get(gi, {}).items()} for gi in part.group_index}
+            part.attribute_calls = {k: _copied(v) for k, v in attributes.items()}
 
     # -- stepping -----------------------------------------------------------------------------------
     def step(
@@ -255,8 +392,10 @@ class UnitOptimizer:
         groups = hyper if hyper is not None else [
             {k: v for k, v in g.items() if k != "params"} for g in self.user_optimizer.param_groups
         ]
+        keys = self.calls.group_keys
         for shadow_group, gi in zip(shadow.param_groups, p.group_index):
-            shadow_group.update(groups[gi])  # the LR in force at this step, as the LR scheduler left it
+            # the LR in force at this step, as the LR scheduler left it; the per-call entries are the part's own
+            shadow_group.update({k: v for k, v in groups[gi].items() if k not in keys})
         shaped = self._shaped
         for k, (sp, (j, slot, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
             sp.data = shaped(master[lo:hi], slot)
@@ -270,21 +409,25 @@ class UnitOptimizer:
         # (an optimizer on the contract's list computes each piece alike either way)
         stepped = [k for k, (j, *_) in enumerate(p.pieces) if has_grad[j]]
         fresh = [k for k in stepped if not p.initialized[k]]
-        batches = [[k for k in stepped if p.initialized[k]], *([k] for k in fresh)]
+        batches = [batch for batch in [[k for k in stepped if p.initialized[k]], *([k] for k in fresh)] if batch]
+        if not batches and self.calls:
+            batches = [[]]  # the user's optimizer is stepped every window, and counts the call without gradients
         try:
             for batch in batches:
-                if not batch:
-                    continue
+                if self.calls:
+                    p.enter_calls()  # each batch is one call of the user's step: the count from before it
                 members = set(batch)
                 for k, (sp, (_, slot, lo, hi)) in enumerate(zip(p.shadow_params, p.pieces)):
                     sp.grad = shaped(grad[lo:hi], slot) if k in members else None
                     if k in members and not p.initialized[k] and self.eager_state:
                         # the state its construction makes (Adagrad's sum at initial_accumulator_value)
-                        made = _construct_as_given(type(shadow), {**groups[slot.group or 0], "params": [sp]})
+                        made = construct_like(self.user_optimizer, [{**groups[slot.group or 0], "params": [sp]}])
                         shadow.state[sp] = dict(made.state.get(sp, {}))
                 shadow.step()
                 for k in batch:
                     self._keep(p, k, state)
+            if self.calls:
+                p.leave_calls()
         finally:
             # drop every reference into the caller's buffers: they go back to the pool after this
             shadow.state.clear()

@@ -110,7 +110,8 @@ def optimizer_rate(numel: int = 1 << 23, repeats: int = 3, optimizer: Any = None
     of magnitude between optimizers (``benchmarks/optimizer_rate.py``): the plan must see the user's own.
     ``shape``: step one parameter of this shape, scaled to about ``numel`` elements with its proportions
     kept (an optimizer stepped on whole parameters, Muon, costs more than linearly in a matrix's size);
-    None: a flat one."""
+    None: a flat one. ``optimizer`` may also be a factory of it over a list of parameters (the strategy's:
+    the class configured as the user's instance is, which a bare construction may not be)."""
     if threads is None:
         return _optimizer_rate(numel, repeats, optimizer, shape)
     from concurrent.futures import ThreadPoolExecutor
@@ -137,8 +138,8 @@ def _optimizer_rate(numel: int, repeats: int, optimizer: Any, shape: tuple[int, 
     if optimizer is None:
         opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
     else:
-        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        opt = type(optimizer)([{**hyper, "params": [p]}])
+        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} if not callable(optimizer) else {}
+        opt = optimizer([p]) if callable(optimizer) else type(optimizer)([{**hyper, "params": [p]}])
     opt.step()  # creates the state (and compiles, for an optimizer that does)
     best = float("inf")
     for _ in range(repeats):

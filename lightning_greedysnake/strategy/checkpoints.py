@@ -28,6 +28,7 @@ from lightning_greedysnake.checkpoint import CheckpointError, CheckpointReader, 
 from lightning_greedysnake.checkpoint.directory import CURRENT, is_incomplete_checkpoint_dir
 from lightning_greedysnake.checkpoint.plain import plain_checkpoint
 from lightning_greedysnake.checkpoint.streamed import (
+    OPTIMIZER_LEVEL_STATE,
     STREAMED_STATE,
     SavedState,
     StreamedTensor,
@@ -239,8 +240,12 @@ class StreamedCheckpoints(CheckpointSeam):
     def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         if self.values.optimizer is None:
             return lightning(optimizer)
+        self.values.publish_calls()  # (the per-call state outside state[p], as the units' steps left it)
         state = optimizer.state_dict()
-        state["state"] = STREAMED_STATE  # streamed unit by unit by save
+        # state under keys that are no parameter (MADGRAD's step count) is kept as it is; the rest is streamed
+        # unit by unit by save
+        state[OPTIMIZER_LEVEL_STATE] = {k: v for k, v in state["state"].items() if not isinstance(k, int)}
+        state["state"] = STREAMED_STATE
         return state
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any,

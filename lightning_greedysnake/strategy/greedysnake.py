@@ -380,7 +380,10 @@ class GreedySnakeStrategy(DataParallelStrategy):
            units are stepped as their gradients complete), unless the non-finite guard dropped the window;
         2. Lightning's own part, through the precision plugin: ``on_before_optimizer_step``, clipping (which
            the plugin routes to the tensor manager) and the user's ``optimizer.step()``: without a tensor
-           manager that is the step; with one the parameters hold no gradient and it changes nothing;
+           manager that is the step; with one the parameters hold no gradient and it updates none (an
+           optimizer's own per-call counters, pytorch-optimizer's ``group['step']``, are the units' to keep:
+           :class:`~lightning_greedysnake.optim.unit_optimizer.CallState`, published at a checkpoint and at the
+           end of fit);
         3. with the tensor manager: the window's remaining steps, as its step mode (chosen at setup) runs
            them; the loss scale's update; the step's telemetry and the gradients the lane found not
            finite; after the warm step, the warm-step plan.

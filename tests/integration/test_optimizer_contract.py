@@ -91,6 +91,67 @@ class GlobalNormSGD(_GroupStepper):
                 p.add_(p.grad / (total + 1e-6), alpha=-group["lr"])
 
 
+class CountingSGD(_GroupStepper):
+    """Keeps its step count in its param group, as pytorch-optimizer's optimizers do (``group['step']``),
+    and decays its step size with it: per-call state outside ``state[p]``, kept per part and checkpointed."""
+
+    def __init__(self, params: Any, lr: float = 3e-2) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    def update(self, group: dict[str, Any]) -> None:
+        group["step"] = group.get("step", 0) + 1
+        for p in group["params"]:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-group["lr"] / group["step"] ** 0.5)
+
+
+class GroupEstimateSGD(_GroupStepper):
+    """Keeps an estimate over all of a group's gradients in the param group (D-Adaptation's and Prodigy's
+    kind of state), which its updates read only after ``late`` steps: a probe that compared weights alone
+    would pass it."""
+
+    def __init__(self, params: Any, lr: float = 1e-2, late: int = 5) -> None:
+        super().__init__(params, dict(lr=lr, late=late))
+
+    def update(self, group: dict[str, Any]) -> None:
+        total = sum(float((p.grad * p.grad).sum()) for p in group["params"] if p.grad is not None)
+        group["estimate"] = 0.9 * group.get("estimate", 0.0) + 0.1 * total
+        group["calls"] = group.get("calls", 0) + 1
+        scale = 1.0 if group["calls"] <= group["late"] else 1.0 / (1.0 + group["estimate"])
+        for p in group["params"]:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+class StateCouplingSGD(_GroupStepper):
+    """Couples parameters through its state: each parameter's state sums the norm of all of the group's
+    gradients, which its update reads only after ``late`` steps (weights alone agree over a short probe)."""
+
+    def __init__(self, params: Any, lr: float = 1e-2, late: int = 5) -> None:
+        super().__init__(params, dict(lr=lr, late=late))
+
+    def update(self, group: dict[str, Any]) -> None:
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        total = torch.sqrt(sum((g * g).sum() for g in grads))
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            state["step"] = state.get("step", 0) + 1
+            state["total"] = state.get("total", torch.zeros(())) + total
+            scale = 1.0 if state["step"] <= group["late"] else float(1.0 / (1.0 + state["total"]))
+            p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+def _pytorch_optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
+    def make(params: Any, **kw: Any) -> torch.optim.Optimizer:
+        import pytorch_optimizer
+
+        return getattr(pytorch_optimizer, name)(params, **kw)
+
+    return make
+
+
 def _torchao(name: str) -> Callable[..., torch.optim.Optimizer]:
     def make(params: Any, **kw: Any) -> torch.optim.Optimizer:
         optim = pytest.importorskip("torchao.optim")
@@ -124,6 +185,9 @@ OPTIMIZERS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], StepPath, in
     "Adafactor": (lambda g: torch.optim.Adafactor(g, lr=1e-2), StepPath.WHOLE_PARAMETER, WIDTH),
     "Muon": (lambda g: torch.optim.Muon(g, lr=2e-2), StepPath.WHOLE_PARAMETER, WIDTH),
     "LAMB": (lambda g: LAMB(g, lr=1e-2, weight_decay=0.01), StepPath.WHOLE_PARAMETER, WIDTH),
+    # per-call state in the param groups (group['step']): one written here, one of pytorch-optimizer's
+    "CountingSGD": (lambda g: CountingSGD(g), StepPath.WHOLE_PARAMETER, WIDTH),
+    "po-Lamb": (lambda g: _pytorch_optimizer("Lamb")(g, lr=1e-2, weight_decay=0.01), StepPath.WHOLE_PARAMETER, WIDTH),
 }
 
 
@@ -413,11 +477,12 @@ def test_partitioned_state_over_two_processes_is_exact_for_every_optimizer(tmp_p
         assert any(0 < hi < numel for lo, hi, numel in chunks), f"{name}: some unit must be split between the ranks"
 
 
-@pytest.mark.parametrize("optimizer", ["Adafactor", "Muon"])
+@pytest.mark.parametrize("optimizer", ["Adafactor", "Muon", "CountingSGD", "po-Lamb"])
 def test_a_whole_parameter_optimizer_resumes_bit_for_bit(tmp_path, optimizer):
     """Its state in its own shapes round-trips a checkpoint: Adafactor's row and column variances (host
-    state) and a vector's variance (streamed), Muon's momentum: the resumed run lands where the
-    uninterrupted one does, and that is Lightning's."""
+    state) and a vector's variance (streamed), Muon's momentum, a step count kept in the param groups
+    (pytorch-optimizer's ``group['step']``): the resumed run lands where the uninterrupted one does, and that
+    is Lightning's."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def run(root: Any, epochs: int, ckpt: str | None = None) -> dict[str, torch.Tensor]:
@@ -493,3 +558,118 @@ def test_a_whole_parameter_optimizer_keeps_its_state_across_a_replan():
         for key, value in entry.items():
             assert torch.allclose(torch.as_tensor(value).float(), torch.as_tensor(ref_state[i][key]).float(),
                                   atol=1e-5), (i, key)
+
+
+def test_per_call_state_in_the_param_groups_is_kept_per_part_and_a_global_estimate_refused():
+    """The probe compares every param-group entry ``step()`` changes, after every probe step: a counter that
+    each step changes alike whatever parameters it steps is per-call state (kept per part); an estimate over
+    all the group's parameters couples them, and is refused naming the entry, even where the weights agree
+    over the probe's steps."""
+    shapes = [(16, 6), (16,), (32, 16)]
+    counting = optimizer_contract(CountingSGD(_params(*shapes)))
+    assert counting.path is StepPath.WHOLE_PARAMETER
+    assert counting.calls.group_keys == ("step",) and counting.calls.attributes == ()
+    with pytest.raises(UnsupportedOptimizerError, match=r"couples parameters.*param_groups\[0\]\['estimate'\]") as info:
+        optimizer_contract(GroupEstimateSGD(_params(*shapes)))
+    assert "the parameter" not in str(info.value)  # (the weights agree over the probe: the entry alone tells)
+    assert optimizer_contract(torch.optim.AdamW(_params(*shapes))).calls.group_keys == ()
+
+
+def test_a_coupling_seen_only_in_the_state_is_refused():
+    """An optimizer coupling parameters through its state, whose weights agree with each-alone stepping over
+    the probe's steps, is refused naming the state (a probe comparing weights only would let it train wrong)."""
+    with pytest.raises(UnsupportedOptimizerError, match=r"couples parameters.*its state 'total'") as info:
+        optimizer_contract(StateCouplingSGD(_params((16, 6), (16,), (32, 16))))
+    assert "the parameter of shape" not in str(info.value)
+
+
+def test_torchao_low_bit_state_is_never_cut_below_its_minimum_piece():
+    """The contract of torchao's low-bit AdamW carries its minimum piece (4096 elements, below which it keeps
+    fp32 state), and a unit holding a quantized parameter just above it is split by that contract where
+    neither side of that parameter falls under it, at every alpha."""
+    optim = pytest.importorskip("torchao.optim")
+    from lightning_greedysnake.layout import SPLIT_ALIGN_NUMEL, build_unit_layout, split_numel
+    from lightning_greedysnake.optim.contract import QUANTIZED_MIN_NUMEL
+
+    net = nn.Sequential(nn.Linear(96, 64), nn.Linear(64, 3))  # a 6144-element weight
+    contract = optimizer_contract(optim.AdamW8bit(net.parameters()))
+    assert contract.min_piece_numel == QUANTIZED_MIN_NUMEL
+    lay = build_unit_layout(0, [(n, tuple(p.shape), 0) for n, p in net.named_parameters()], 256)
+    (big,) = [s for s in lay.params if s.numel >= QUANTIZED_MIN_NUMEL]
+    cuts = set()
+    for alpha in (0.05, 0.1, 0.25, 0.5, 0.75, 0.9):
+        cut = split_numel(lay, alpha, None, SPLIT_ALIGN_NUMEL, min_piece_numel=contract.min_piece_numel)
+        inside = cut - big.offset_numel
+        cuts.add(cut)
+        assert not 0 < inside < big.numel or min(inside, big.numel - inside) >= QUANTIZED_MIN_NUMEL, (alpha, cut)
+    assert split_numel(lay, 0.5, None, SPLIT_ALIGN_NUMEL) - big.offset_numel == 2048  # (what a plain cut would do)
+
+
+class _Raising(torch.optim.Optimizer):
+    """Trains under Lightning (one group of every parameter), but cannot be built over a parameter alone."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr))
+        if len(self.param_groups[0]["params"]) < 2:
+            raise TypeError("needs at least two parameters")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for p in self.param_groups[0]["params"]:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: _Raising(p), r"_Raising.*TypeError: needs at least two parameters.*Fix:"),
+    (lambda p: _pytorch_optimizer("AliG")(p), r"AliG.*closure.*Fix:"),
+])
+def test_an_error_inside_the_probe_is_refused_clearly_before_any_step(tmp_path, make, words):
+    """Whatever the optimizer raises while the contract probes it becomes an UnsupportedOptimizerError naming
+    the class, the shapes, the original exception and the fix, before the first step, the weights untouched."""
+    module = _Refused(make)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer = make_trainer(GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("ssd")), K,
+                           default_root_dir=tmp_path)
+    with pytest.raises(UnsupportedOptimizerError, match=words) as info:
+        trainer.fit(module, regression_loader(NUM_BATCHES))
+    assert "shape" in str(info.value)
+    assert trainer.global_step == 0
+    assert max_abs_diff({n: p.detach() for n, p in module.named_parameters()}, before) == 0
+
+
+@pytest.mark.parametrize("name, make", [
+    ("AdaBelief", lambda g: _pytorch_optimizer("AdaBelief")(g, lr=3e-3, weight_decouple=False)),
+    ("CAME", lambda g: __import__("came_pytorch").CAME(g, lr=3e-3)),
+    ("SOAP", lambda g: _pytorch_optimizer("SOAP")(g, lr=3e-3)),
+])
+def test_optimizers_users_brought_are_exact(name, make):
+    """Found silently wrong or failing by a user's trial: pytorch-optimizer's AdaBelief (its step count in the
+    param groups), came-pytorch's CAME (a constructor that requires its ``lr``) and pytorch-optimizer's SOAP
+    (state held in lists of tensors), each exact on the whole-parameter path with every kind on SSD and
+    alpha 0.5."""
+    pytest.importorskip("came_pytorch" if name == "CAME" else "pytorch_optimizer")
+    OPTIMIZERS[name] = (make, StepPath.WHOLE_PARAMETER, WIDTH)
+    try:
+        ref = fit("auto", name)
+        got = fit(PATHS["alpha-half"](), name)
+        assert got["contract"].path is StepPath.WHOLE_PARAMETER
+        assert_exact(got, ref)
+    finally:
+        del OPTIMIZERS[name]
+
+
+def test_shadow_optimizers_are_configured_as_the_users_instance():
+    """Configuration an optimizer keeps as attributes rather than in its param groups (pytorch-optimizer's
+    ``maximize``, ``n_sma_threshold``) reaches the per-unit shadow optimizers, as does a constructor keyword
+    the class requires (came-pytorch's ``lr``)."""
+    po = pytest.importorskip("pytorch_optimizer")
+    from lightning_greedysnake.optim.unit_optimizer import construct_like
+
+    user = po.AdaBelief(_params((4, 3)), lr=3e-3, maximize=True, n_sma_threshold=7, degenerated_to_sgd=False)
+    shadow = construct_like(user, [{**{k: v for k, v in user.param_groups[0].items() if k != "params"},
+                                    "params": _params((2,))}])
+    assert (shadow.maximize, shadow.n_sma_threshold, shadow.degenerated_to_sgd) == (True, 7, False)
+    came = pytest.importorskip("came_pytorch").CAME(_params((4, 3)), lr=3e-3)
+    assert construct_like(came, [{"params": _params((2,)), **{k: v for k, v in came.param_groups[0].items()
+                                                              if k != "params"}}]).param_groups[0]["lr"] == 3e-3

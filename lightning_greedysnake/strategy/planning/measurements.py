@@ -49,7 +49,8 @@ class Measurements:
     read it run on rank 0, whose decisions every rank takes."""
 
     optimizer: Any
-    """The user's optimizer: its class and first param group's settings are measured."""
+    """The user's optimizer: its class and first param group's settings are measured (an instance, or a
+    factory of it over a list of parameters: :func:`~lightning_greedysnake.optim.unit_optimizer.construct_like`)."""
     numel: int
     """Elements of the rate probe (:func:`~lightning_greedysnake.planner.measure.probe_numel`)."""
     shape: tuple[int, ...] | None

@@ -7,6 +7,7 @@ windows. The arithmetic is :mod:`lightning_greedysnake.planner`'s; this module m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from lightning_greedysnake.config import REGION_KINDS, RunConfig, TensorKind, Ti
 from lightning_greedysnake.models import LayerChain, make_units
 from lightning_greedysnake.offload.activations import ActivationTierPlan
 from lightning_greedysnake.optim.contract import OptimizerContract
+from lightning_greedysnake.optim.unit_optimizer import construct_like
 from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, plan, predict
 from lightning_greedysnake.planner.measure import probe_numel, unit_times
 from lightning_greedysnake.planner.plan import ALPHAS, merge
@@ -85,10 +87,17 @@ def measurements_for(ctx: SetupContext, chain: LayerChain, optimizer: Any, contr
     settings = ctx.settings
     params = sum(p.numel() for m in (*chain.pre_modules, *chain.blocks, *chain.post_modules)
                  for p in m.parameters() if p.requires_grad) // (shard[1] if shard else 1)
-    return Measurements(optimizer, probe_numel(params), contract.probe_shape, ctx.optimizer_threads,
+    make = None if optimizer is None else functools.partial(_like, optimizer)
+    return Measurements(make, probe_numel(params), contract.probe_shape, ctx.optimizer_threads,
                         not ctx.device_tier,
                         [probe_directory(p, ctx.default_root) for p in (settings.offload.paths or [None])],
                         settings.offload)
+
+
+def _like(optimizer: Any, params: list[Any]) -> Any:
+    """The user's optimizer class over ``params`` with its first group's settings, configured as it is."""
+    return construct_like(optimizer, [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
+                                       "params": params}])
 
 
 class Planner:
