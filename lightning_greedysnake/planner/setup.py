@@ -126,9 +126,18 @@ class SetupChoice:
     """The chosen size's staging at ``lag``, where it exceeds the budget: setup refuses the run."""
 
 
+def lag_in_effect(lag: int, units: int) -> int:
+    """The lag a run of ``units`` units runs with: at most ``units``. The optimizer lane holds at most one
+    step per unit (a unit's next step waits for its last), so a deeper lag waits no less than this one and
+    would only size staging for steps that never wait; the one place this clamp is computed."""
+    return min(lag, max(units, 0))
+
+
 def place(inputs: SetupInputs, sized: Sized) -> Placed:
-    """One candidate placed (see :class:`Placed`)."""
-    lag, costs = inputs.lag, sized.costs
+    """One candidate placed (see :class:`Placed`); its lag the one in effect for its units
+    (:func:`lag_in_effect`)."""
+    costs = sized.costs
+    lag = lag_in_effect(inputs.lag, len(costs))
     if not inputs.planned:
         return Placed(lag, None, costs)
 
@@ -139,7 +148,8 @@ def place(inputs: SetupInputs, sized: Sized) -> Placed:
 
     budget = inputs.budget
     if inputs.lag_planned:
-        lag = next((lag for lag in (2, 1, 0) if staging(lag) + budget // ACTIVATION_SHARE <= budget), 0)
+        lag = next((lag for lag in sorted({lag_in_effect(lag, len(costs)) for lag in (2, 1, 0)}, reverse=True)
+                    if staging(lag) + budget // ACTIVATION_SHARE <= budget), 0)
     if staging(lag) > budget:
         return Placed(lag, None, costs, staging(lag))
     vertical = inputs.schedule == "vertical"

@@ -15,6 +15,7 @@ Threads: all of it runs on the training thread, at setup, between windows and at
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from lightning_greedysnake.models import (
     LayerChain,
     Unit,
     check_parameter_ownership,
+    check_tied_weights,
     find_layered_model,
     make_units,
     model_name,
@@ -81,13 +83,28 @@ def cut_model(ctx: SetupContext, config: RunConfig, module: nn.Module) -> ModelC
     if ctx.fitting:
         checks.check_module_for_training(module, ctx.warn)
     path, layered, chain = find_layered_model(module, config.layered_module)
+    config = units_in_effect(ctx, config, len(chain.blocks))
     units = make_units(chain, config.layers_per_unit)
     if ctx.fitting:
         check_parameter_ownership(module, path, units)
+    else:  # a parameter outside the chain is the evaluation's own business; one in two units is not
+        check_tied_weights(module, path, units)
     on_meta = stand_in_for_meta_parameters(module, units, config.offload.uses_tensor_manager)
     if config.offload.uses_tensor_manager:
         check_device(config, ctx.device, ctx.is_distributed)
     return ModelCut(config, layered, path, model_name(module, path), chain, units, on_meta)
+
+
+def units_in_effect(ctx: SetupContext, config: RunConfig, blocks: int) -> RunConfig:
+    """``config`` with ``layers_per_unit`` at most ``blocks`` (the model's): more cuts the same one unit of
+    every block, so the number in effect is the one every later part of the run (the plans, their
+    reports, the checkpoints) is given; said once here where the user's number is clamped."""
+    if blocks < 1 or config.layers_per_unit <= blocks:
+        return config
+    ctx.report(f"greedysnake: layers_per_unit={config.layers_per_unit} on {blocks} block"
+               f"{'s' if blocks != 1 else ''}: {blocks} in effect (one unit of all {blocks} block"
+               f"{'s' if blocks != 1 else ''}; a unit cannot hold more blocks than the model has)")
+    return dataclasses.replace(config, layers_per_unit=blocks)
 
 
 class Run:
@@ -190,6 +207,8 @@ def open_run(ctx: SetupContext, before: BeforeSetup, module: nn.Module, cut: Mod
     speculative = step_mode(clip, loss_scaled=scaler is not None).speculative  # (fp16's second slots, planned)
     # how the optimizer is stepped, decided once, before any work (an optimizer no path steps exactly is refused)
     contract = optimizer_contract(optimizer, ctx.settings.optimizer_path, ctx.warn)
+    # (the plans start from the settings in effect after the cut: its unit size, clamped to the blocks)
+    before = dataclasses.replace(before, config=cut.config)
     planner = Planner(ctx, before, measurements_for(ctx, cut.chain, optimizer, contract, shard))
     planned = planner.plan_setup(cut.chain, optimizer, contract, dtype, shard, speculative=speculative,
                                  clip_norm=clip.defer)

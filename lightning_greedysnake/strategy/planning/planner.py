@@ -25,7 +25,7 @@ from lightning_greedysnake.planner import Choice, Machine, PlanError, UnitCost, 
 from lightning_greedysnake.planner.measure import probe_numel, unit_times
 from lightning_greedysnake.planner.plan import ALPHAS, merge
 from lightning_greedysnake.planner.roofline import traffic
-from lightning_greedysnake.planner.setup import ACTIVATION_SHARE, SetupInputs, plan_setup
+from lightning_greedysnake.planner.setup import ACTIVATION_SHARE, SetupInputs, lag_in_effect, plan_setup
 from lightning_greedysnake.planner.staging import staging_budget
 from lightning_greedysnake.planner.unit_size import (
     CANDIDATES,
@@ -179,11 +179,16 @@ class Planner:
                        + table(scores.plans, scores.machines, scores.ssd_bytes, choice.layers_per_unit, scores.probed))
         activations = (ActivationTierPlan(budget // ACTIVATION_SHARE, ctx.report)
                        if settings.auto and settings.offload.activations is None else None)
+        units = make_units(chain, config.layers_per_unit)
+        if settings.lag is not None and config.lag < settings.lag:  # (the clamp: planner.setup.lag_in_effect)
+            ctx.report(f"greedysnake: lag={settings.lag} on {len(units)} unit{'s' if len(units) != 1 else ''}: "
+                       f"{config.lag} in effect (the optimizer lane holds at most one step per unit, so a deeper "
+                       f"lag waits no less; staging is sized for lag {config.lag})")
         note = (None if config.schedule is fixed.schedule else
                 "greedysnake schedule: horizontal (auto=True: every kind is in host memory, so nothing moves per "
                 "micro-batch and one micro-batch's activations are held at a time, as in Lightning; set "
                 "schedule=vertical to fix it)")
-        return SetupPlan(config, choice.placement, make_units(chain, config.layers_per_unit), activations, note)
+        return SetupPlan(config, choice.placement, units, activations, note)
 
     def report_setup(self, planned: SetupPlan, notes: dict[str, str]) -> None:
         """Say the setup plan once the tensor manager is laid out: the placement table (``notes``: the kinds
@@ -227,7 +232,8 @@ class Planner:
         self.machine = machine
         budget = self.host_budget_bytes - manager.placement.host_bytes()
         explicit_budget = None if "offload.buffer_budget_bytes" in unset else config.offload.buffer_budget_bytes
-        lags = (0, 1, 2) if "lag" in unset else (config.lag,)
+        lags = (tuple(sorted({lag_in_effect(lag, manager.num_units) for lag in (0, 1, 2)})) if "lag" in unset
+                else (config.lag,))
         if explicit_budget is not None:  # only the lags whose must-run staging fits the budget given
             lags = tuple(lag for lag in lags if staging_budget(
                 [u.staging() for u in costs], lag, manager.config.prefetch_units).minimum_bytes <= explicit_budget)
