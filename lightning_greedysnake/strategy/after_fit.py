@@ -82,9 +82,21 @@ class UnusableUntilLoaded:
         _remove_all(self._optimizer)
 
 
-def steps_held(manager: TieredTensorStore, global_step: int) -> str:
-    """Which optimizer step the units' weights hold, in words (after a drain)."""
+def steps_held(manager: TieredTensorStore, global_step: int, nonfinite: tuple[list[int], int] | None = None) -> str:
+    """Which optimizer step the units' weights hold, in words (after a drain). ``nonfinite``: fit raised on
+    a non-finite gradient (:attr:`~lightning_greedysnake.strategy.nonfinite.NonFiniteGuard.stepped_nonfinite`:
+    the units, the ``global_step`` during that step), at the end of the step: its update landed in the
+    units that reached it, Lightning never counted it."""
     done = manager.stepper.steps_completed
+    if nonfinite is not None:
+        units, step = nonfinite
+        top = max(done, default=0)
+        behind = [u for u, n in enumerate(done) if n < top]
+        held = (f"optimizer step {step + 1}'s update in every unit" if not behind else
+                f"optimizer step {step + 1}'s update in units {[u for u, n in enumerate(done) if n == top]} and "
+                f"{step_done(step)} in units {behind}")
+        return (f"{held} (trainer.global_step={step}: fit raised at the end of that step, before Lightning counted "
+                f"it); unit{'s' if len(units) > 1 else ''} {units} were stepped with a non-finite gradient")
     if not done or min(done) == max(done):
         return f"the last complete optimizer step, {step_done(global_step)}" if global_step else step_done(0)
     low = min(done)
@@ -106,14 +118,15 @@ def where_state_is(manager: TieredTensorStore) -> str:
 
 
 def hand_back(manager: TieredTensorStore, view: UnitReader, layered: nn.Module, plan: HandBack, *, name: str, failed: bool,
-              distributed: bool, global_step: int, warn: Callable[[str], None]) -> UnusableUntilLoaded | None:
+              distributed: bool, global_step: int, warn: Callable[[str], None],
+              nonfinite: tuple[list[int], int] | None = None) -> UnusableUntilLoaded | None:
     """Give the module (and the user's optimizer, ``manager.optimizer``) the state in ``manager``'s tiers
     that ``plan`` returns, before they close, unit by unit: each unit's RAM regions are freed once it is
     back, and the staging is held to ``plan.staging_bytes``, so the hand-back stays within what setup
     planned. ``view`` reads the whole units (``manager.values`` itself, or gathered over the ranks with
     partitioned state). ``name``: the user's model, as
     messages name it. Returns the hooks that make the module (or the optimizer) fail on first use where its
-    state did not come back."""
+    state did not come back. ``nonfinite``: see :func:`steps_held`."""
     optimizer = manager.optimizer
     where = where_state_is(manager)
     on_ssd = "offload files" in where
@@ -145,8 +158,11 @@ def hand_back(manager: TieredTensorStore, view: UnitReader, layered: nn.Module, 
                         f"({type(e).__name__}: {e}); they were {kept}. {load}.")
     if failed:
         with_state = ", with the optimizer's state" if states else ""
-        warn(f"greedysnake: fit failed; {name} holds {steps_held(manager, global_step)}, read back from "
-             f"{where}{with_state}.")
+        bad = [u for u, ps in enumerate(manager.params) if not all(bool(torch.isfinite(p).all()) for p in ps)]
+        finite = (f": the parameters of unit{'s' if len(bad) > 1 else ''} {bad} are not finite" if bad else
+                  ": its parameters are finite" if nonfinite is not None else "")
+        warn(f"greedysnake: fit failed; {name} holds {steps_held(manager, global_step, nonfinite)}{finite}, read "
+             f"back from {where}{with_state}.")
     if optimizer is not None and not plan.state:
         return UnusableUntilLoaded(None, f"greedysnake: {plan.why}.", [], optimizer)
     return None

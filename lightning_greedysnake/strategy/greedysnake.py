@@ -293,7 +293,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         assert run.hand_back is not None  # (planned with the tensor manager)
         self._unusable = after_fit.hand_back(
             manager, view, run.layered, run.hand_back, name=run.name, failed=failed, distributed=self.is_distributed,
-            global_step=self.lightning_module.trainer.global_step, warn=rank_zero_warn)
+            global_step=self.lightning_module.trainer.global_step, warn=rank_zero_warn,
+            nonfinite=run.guard.stepped_nonfinite)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -39,6 +39,10 @@ class NonFiniteGuard:
         """The window in progress was dropped (its remaining ops will not run)."""
         self._losses: list[tuple[int, Tensor]] = []
         """(micro-batch, loss) of the window so far, checked at its last micro-batch."""
+        self.stepped_nonfinite: tuple[list[int], int] | None = None
+        """Where ``'raise'`` stopped on a gradient: the units stepped with a non-finite one and the
+        ``global_step`` during that step. The check runs once the step is over, so its update landed before
+        the raise (Lightning never counted it); the after-fit note says so."""
 
     def _check_losses(self, step: int) -> None:
         """The window's losses so far, checked with one host sync (every loss is kept until then as a
@@ -99,7 +103,8 @@ class NonFiniteGuard:
         what = (f"the gradient of unit{'s' if len(units) > 1 else ''} {sorted(set(units))} is not finite "
                 f"(found by {step_running(step)}; the lane steps units in the background)")
         if self.mode == "raise":
-            raise NonFiniteError(f"greedysnake: {what}. on_nonfinite='raise' stops here. Fix: lower the learning "
-                                 "rate or clip gradients.")
+            self.stepped_nonfinite = (sorted(set(units)), step)
+            raise NonFiniteError(f"greedysnake: {what}; those units were stepped with it. on_nonfinite='raise' "
+                                 "stops here. Fix: lower the learning rate or clip gradients.")
         self._warn("nonfinite_grad", f"greedysnake: {what} (those units were stepped with it). Fix: "
                    "on_nonfinite='raise' to stop there, or lower the learning rate / clip gradients. (Reported once.)")

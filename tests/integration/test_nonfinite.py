@@ -3,6 +3,7 @@ what happens: warn and train on (as Lightning does), raise, or drop the window's
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,33 @@ def test_a_nonfinite_gradient_under_a_finite_loss_is_named_by_unit():
 def test_a_bad_setting_is_refused():
     with pytest.raises(ValueError, match=r"on_nonfinite='ignore' is not valid.*Fix"):
         GreedySnakeStrategy(auto=False, on_nonfinite="ignore")
+
+
+@pytest.mark.parametrize("lag", [0, None])
+def test_after_a_raise_on_a_nonfinite_gradient_the_note_says_what_the_module_holds(lag):
+    """The gradient check runs once the step's units are stepped: the update of optimizer step 2, made with
+    the NaN gradient, landed before the raise (Lightning never counted it; trainer.global_step stays 1). The
+    after-fit note says that step's update and that the parameters are not finite, and they are not (was:
+    'holds the last complete optimizer step, optimizer step 1')."""
+    L.seed_everything(0, verbose=False)
+    module = NaNGradientAt(lr=3e-3)
+    strategy = GreedySnakeStrategy(auto=False, on_nonfinite="raise", **({} if lag is None else {"lag": lag}))
+    trainer = make_trainer(strategy, K, max_epochs=1)
+    with pytest.raises(NonFiniteError, match=r"gradient of units? \[.*\] is not finite"), \
+            pytest.warns(UserWarning, match="fit failed") as seen:
+        trainer.fit(module, token_loader(9))
+    note = next(str(w.message) for w in seen if "fit failed" in str(w.message))
+    assert "last complete optimizer step" not in note, note
+    stepped = r"optimizer step (\d+)'s update in every unit \(trainer.global_step=(\d+): fit raised"
+    found = re.search(stepped, note)
+    assert found and int(found.group(1)) == int(found.group(2)) + 1, note
+    assert "were stepped with a non-finite gradient" in note, note
+    finite = all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    if finite:
+        assert "its parameters are finite" in note, note
+    else:
+        claimed = re.search(r"the parameters of units? \[([\d, ]+)\] are not finite", note)
+        assert claimed, note
+        units = [int(u) for u in claimed.group(1).split(",")]
+        for unit, block in enumerate(module.model.blocks):  # (one block a unit)
+            assert (unit in units) == (not all(bool(torch.isfinite(p).all()) for p in block.parameters())), (unit, note)
