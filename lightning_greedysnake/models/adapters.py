@@ -67,8 +67,11 @@ def _call_block(block: nn.Module, hidden: Tensor, ctx: Any) -> Tensor:
 
 
 def sequential_chain(model: nn.Sequential) -> LayerChain:
-    """``nn.Sequential``: every child is one block; no pre or post (identity). (An empty one has no
-    blocks, which :func:`~lightning_greedysnake.models.find_layered_model` refuses with the fix.)"""
+    """``nn.Sequential``: every position is one block, as its ``forward`` runs them; no pre or post
+    (identity). (An empty one has no blocks, which :func:`~lightning_greedysnake.models.find_layered_model`
+    refuses with the fix.) One module object at several positions (``*[block] * 4``) is a block at each:
+    :func:`~lightning_greedysnake.models.check_parameter_ownership` trains it where its positions share a
+    unit and refuses it, naming them, where they do not."""
 
     def pre(*args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         if kwargs or len(args) != 1:
@@ -80,7 +83,7 @@ def sequential_chain(model: nn.Sequential) -> LayerChain:
 
     return LayerChain(
         pre_modules=(),
-        blocks=tuple(model.children()),
+        blocks=tuple(model),  # every position: children() would skip a module's repeats (a shorter network)
         post_modules=(),
         pre=pre,
         block_forward=_call_block,

@@ -82,12 +82,24 @@ def find_layered_model(root: nn.Module, path: str | None = None) -> tuple[str, n
 
 
 @dataclass(frozen=True)
+class Place:
+    """Where a module of a unit stands in the chain."""
+
+    label: str
+    """As messages name it: ``block 3``, ``pre module 0``, ``post module 1``."""
+    block: int
+    """The block it is cut with: its own for a block, the first for a pre module, the last for a post one."""
+
+
+@dataclass(frozen=True)
 class Unit:
     """A group of consecutive blocks; unit 0 also owns ``pre``, the last unit also owns ``post``."""
 
     index: int
     block_indices: tuple[int, ...]
     modules: tuple[nn.Module, ...]
+    places: tuple[Place, ...] = ()
+    """Where each of :attr:`modules` stands (:func:`make_units` fills it; messages only)."""
 
     def parameters(self) -> list[nn.Parameter]:
         seen: set[int] = set()
@@ -108,35 +120,82 @@ def make_units(chain: LayerChain, layers_per_unit: int) -> list[Unit]:
     units = []
     for index, start in enumerate(starts):
         block_indices = tuple(range(start, min(start + layers_per_unit, num_blocks)))
-        modules: list[nn.Module] = []
+        placed: list[tuple[nn.Module, Place]] = []
         if index == 0:
-            modules += chain.pre_modules
-        modules += [chain.blocks[i] for i in block_indices]
+            placed += [(m, Place(f"pre module {i}", 0)) for i, m in enumerate(chain.pre_modules)]
+        placed += [(chain.blocks[i], Place(f"block {i}", i)) for i in block_indices]
         if index == len(starts) - 1:
-            modules += chain.post_modules
-        units.append(Unit(index, block_indices, tuple(modules)))
+            last = num_blocks - 1
+            placed += [(m, Place(f"post module {i}", last)) for i, m in enumerate(chain.post_modules)]
+        units.append(Unit(index, block_indices, tuple(m for m, _ in placed), tuple(p for _, p in placed)))
     return units
 
 
-def check_parameter_ownership(root: nn.Module, layered_path: str, units: list[Unit]) -> None:
-    """Every trainable parameter of ``root`` belongs to exactly one unit.
+def _joined(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
-    A parameter in two units (a tied embedding and head, say) would be updated by two optimizer steps of one
-    window; one outside the layered model would never get a gradient through the unit-by-unit backward.
+
+Use = tuple[Unit, Place | None, nn.Module]
+"""One use of a parameter: the unit, where the top-level module holding it stands (None: a unit built
+without places) and that module."""
+
+
+def _tied_error(root: nn.Module, layered_path: str, units: list[Unit],
+                tied: list[tuple[nn.Parameter, list[Use]]]) -> ValueError:
+    """The refusal of parameters used by several units, naming the first one's uses, with one
+    ``layers_per_unit`` that puts every one's uses in one unit (the smallest)."""
+    param, uses = tied[0]
+    name = next((n for n, p in root.named_parameters(remove_duplicate=False) if p is param), "?")
+    where = ""
+    if all(place is not None for _, place, _ in uses):
+        labels = _joined([place.label for _, place, _ in uses if place is not None])
+        where = f": at {labels} of {model_name(root, layered_path)}"
+        if len({id(m) for _, _, m in uses}) == 1:  # one module at several positions: Sequential(*[b] * 4)
+            module = uses[0][2]
+            module_name = next(n for n, m in root.named_modules(remove_duplicate=False) if m is module)
+            where += f", which are one {type(module).__name__} object ({module_name!r})"
+    size = "layers_per_unit"
+    spans = [[place.block for _, place, _ in u if place is not None] for _, u in tied]
+    if all(len(span) == len(u) for span, (_, u) in zip(spans, tied, strict=True)):
+        fits = (c for c in range(1, units[-1].block_indices[-1] + 2)
+                if all(min(s) // c == max(s) // c for s in spans))
+        size += f"={next(fits)}"
+    in_units = _joined([str(i) for i in sorted({unit.index for unit, _, _ in uses})])
+    return ValueError(
+        f"parameter {name!r} is used by units {in_units} (tied weights across units){where}. greedysnake "
+        "steps each unit on its own, so a parameter must belong to one unit. Fix: give each position its own "
+        "module (a copy.deepcopy: its weights are then no longer shared), untie it (e.g. "
+        f"tie_word_embeddings=False), set {size} so that all its uses fall in one unit (exact: its "
+        "gradient sums over every use; that unit holds them all in memory at once), or train this model "
+        "with strategy='auto'."
+    )
+
+
+def check_tied_weights(root: nn.Module, layered_path: str, units: list[Unit]) -> None:
+    """Every parameter of the layered model is used by one unit (its uses within one unit are exact: autograd
+    sums the gradient over them).
+
+    A parameter in two units (a tied embedding and head, or one module at several positions of an
+    ``nn.Sequential``, say) would be updated by two optimizer steps of one window; an evaluation through the
+    tensor manager computes NaN losses with it (a GPT with its head tied to the embedding, validated).
     """
-    owner: dict[int, int] = {}
-    names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+    uses: dict[int, tuple[nn.Parameter, list[Use]]] = {}
     for unit in units:
-        for p in unit.parameters():
-            if id(p) in owner and owner[id(p)] != unit.index:
-                raise ValueError(
-                    f"parameter {names.get(id(p), '?')!r} is used by unit {owner[id(p)]} and unit {unit.index} "
-                    "(tied weights across units). greedysnake steps each unit on its own, so a parameter must "
-                    "belong to one unit. Fix: untie it (e.g. tie_word_embeddings=False), or set "
-                    "layers_per_unit so that both users fall in the same unit."
-                )
-            owner[id(p)] = unit.index
-    outside = [n for n, p in root.named_parameters() if p.requires_grad and id(p) not in owner]
+        for module, place in zip(unit.modules, unit.places or (None,) * len(unit.modules), strict=True):
+            for p in module.parameters():
+                uses.setdefault(id(p), (p, []))[1].append((unit, place, module))
+    tied = [(p, u) for p, u in uses.values() if len({unit.index for unit, _, _ in u}) > 1]
+    if tied:
+        raise _tied_error(root, layered_path, units, tied)
+
+
+def check_parameter_ownership(root: nn.Module, layered_path: str, units: list[Unit]) -> None:
+    """Every trainable parameter of ``root`` belongs to exactly one unit: none in two
+    (:func:`check_tied_weights`), and none outside the layered model, which would never get a gradient
+    through the unit-by-unit backward."""
+    check_tied_weights(root, layered_path, units)
+    owned = {id(p) for unit in units for p in unit.parameters()}
+    outside = [n for n, p in root.named_parameters() if p.requires_grad and id(p) not in owned]
     if outside:
         where = layered_path or "the LightningModule itself"
         raise ValueError(
