@@ -719,9 +719,13 @@ def readme_generated(text: str) -> str:
     return text
 
 
+ON_OTHER_PAGES = {"optimizer_audit": "docs/reference/status.md"}
+"""Result files rendered on another page of the docs (by ``docs/hooks/reference.py``), not this one."""
+
+
 def unlisted() -> list[str]:
-    """Result files that are neither on the page nor archived."""
-    listed = set(current_files()) | {p.stem for p in gpu_files()}
+    """Result files that are neither on a page nor archived."""
+    listed = set(current_files()) | {p.stem for p in gpu_files()} | set(ON_OTHER_PAGES)
     return sorted(p.stem for p in RESULTS.glob("*.json") if p.stem not in listed)
 
 

@@ -141,8 +141,38 @@ def expand(markdown: str) -> str:
             return f"```text\n{cli_help(arg)}\n```"
         if kind == "benchmarks":
             return benchmarks_module().render()
+        if kind == "optimizers":
+            return optimizers_markdown()
         raise ValueError(f"unknown docs marker {m.group(0)}")
     return MARKER.sub(one, markdown)
+
+
+def _cell(text: str) -> str:
+    """``text`` as one Markdown table cell: no column bar, no bracket read as a link."""
+    return text.replace("|", "/").replace("[", "&#91;").replace("]", "&#93;").replace("`", "'")
+
+
+def optimizers_markdown() -> str:
+    """The optimizer audit's table (``benchmarks/optimizer_audit.py``, its one writer): the counts, then
+    every optimizer of pytorch-optimizer's registry with what greedysnake does with it."""
+    import json
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "optimizer_audit.json").read_text())
+    lines = [f"pytorch-optimizer {result['version']}, torch {result['torch']}: `{result['command']}` "
+             f"({result['seconds']} s on this project's 2-core CPU machine).", "",
+             "| outcome | optimizers |", "|---|---|"]
+    lines += [f"| {outcome} | {count} |" for outcome, count in result["counts"].items()]
+    lines += ["", "| optimizer | every kind on SSD | planned defaults | path, or why not |", "|---|---|---|---|"]
+    for row in result["rows"]:
+        if row["auto"]:
+            lines.append(f"| `{row['name']}` ({row['cls']}) | - | - | does not train under `strategy=\"auto\"` "
+                         f"either: {_cell(row['auto'])} |")
+            continue
+        outcomes = row["outcomes"]
+        detail = next((d for d in row["details"].values() if d), "").split(" Fix:")[0]
+        lines.append(f"| `{row['name']}` ({row['cls']}) | {outcomes.get('ssd', '')} | {outcomes.get('planned', '')} "
+                     f"| {_cell(detail[:220])} |")
+    return "\n".join(lines)
 
 
 def benchmarks_module() -> Any:

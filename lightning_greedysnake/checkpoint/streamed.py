@@ -10,6 +10,7 @@ exists) goes the other way, matching parameters by name, so a checkpoint loads i
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -139,7 +140,34 @@ def optimizer_entries(tensors: Mapping[str, Tensor], meta: Mapping[str, str]) ->
         entries.setdefault(name, {})[slot] = value
     for name, scalars in json.loads(meta.get("scalars", "{}")).items():
         entries.setdefault(name, {}).update(scalars)
+    for name, keys in json.loads(meta.get("objects", "{}")).items():
+        for key in keys:
+            raw = entries[name][key].numpy().tobytes()
+            entries[name][key] = torch.load(io.BytesIO(raw), weights_only=True)
     return entries
+
+
+def _json_ready(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _as_bytes(value: Any) -> Tensor:
+    """State kept in containers of tensors (SOAP's and Shampoo's lists of matrices), in torch's own
+    serialization, as a byte tensor (read back with ``weights_only``: tensors and containers only)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - said before a checkpoint holds what no load could read
+        raise CheckpointError(
+            f"the optimizer keeps state of type {type(value).__name__} that a checkpoint cannot hold for a safe load "
+            f"(torch.load(weights_only=True): {e}). Fix: ModelCheckpoint(save_weights_only=True), or an optimizer "
+            "whose state is tensors and numbers.") from e
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -233,13 +261,17 @@ def _save_unit(manager: StateSource, writer: CheckpointWriter, u: int, names: li
     if with_optimizer:
         tensors: dict[str, Tensor] = {}
         scalars: dict[str, dict[str, Any]] = {}
+        objects: dict[str, list[str]] = {}
         for i, entry in manager.unit_optimizer_state(u).items():
             for key, value in entry.items():
                 if isinstance(value, Tensor):
                     tensors[f"{names[i]}{_SEP}{key}"] = value
-                else:
+                elif _json_ready(value):
                     scalars.setdefault(names[i], {})[key] = value
-        writer.write_tensors(optimizer_file(u), tensors, {"scalars": json.dumps(scalars)})
+                else:
+                    tensors[f"{names[i]}{_SEP}{key}"] = _as_bytes(value)
+                    objects.setdefault(names[i], []).append(key)
+        writer.write_tensors(optimizer_file(u), tensors, {"scalars": json.dumps(scalars), "objects": json.dumps(objects)})
     return index
 
 

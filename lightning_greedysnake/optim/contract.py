@@ -24,6 +24,7 @@ alone: a 1-D probe only finds the slots of an optimizer already known to be elem
 
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import math
@@ -147,7 +148,8 @@ def optimizer_contract(optimizer: torch.optim.Optimizer | None, path: str = "aut
     if optimizer is None:
         return NO_OPTIMIZER
     try:
-        return _contract(optimizer, path, warn)
+        with torch.random.fork_rng(devices=[]):  # (an optimizer drawing random numbers leaves the run's stream as is)
+            return _contract(optimizer, path, warn)
     except UnsupportedOptimizerError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the user's class, reported with its name
@@ -238,10 +240,19 @@ class _Seen:
     closure_calls: int = 0
 
 
+def _snapshot(value: Any) -> Any:
+    """``value`` as it is now (a copy), or itself where it cannot be copied (a tensor subclass without
+    ``new_empty``: the contract refuses such state by its kind, after the probe)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001
+        return value
+
+
 def _attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    out = {k: copy.deepcopy(v) for k, v in vars(opt).items()
+    out = {k: _snapshot(v) for k, v in vars(opt).items()
            if k not in ("defaults", "state", "param_groups") and not k.startswith("_") and not callable(v)}
-    out.update({f"state:{k}": copy.deepcopy(v) for k, v in opt.state.items() if isinstance(k, str)})
+    out.update({f"state:{k}": _snapshot(v) for k, v in opt.state.items() if isinstance(k, str)})
     return out
 
 
@@ -260,8 +271,9 @@ def _run(optimizer: torch.optim.Optimizer, gi: int, params: list[Tensor], grads:
                       [construct_like(optimizer, [{**hyper, "params": [p]}]) for p in params])
 
         def seen(opt: torch.optim.Optimizer) -> _Seen:
-            return _Seen([(p.detach().clone(), copy.deepcopy(dict(opt.state.get(p, {})))) for p in opt.param_groups[0]["params"]],
-                         copy.deepcopy({k: v for k, v in opt.param_groups[0].items() if k != "params"}), _attributes(opt))
+            return _Seen([(p.detach().clone(), {k: _snapshot(v) for k, v in opt.state.get(p, {}).items()})
+                          for p in opt.param_groups[0]["params"]],
+                         _snapshot({k: v for k, v in opt.param_groups[0].items() if k != "params"}), _attributes(opt))
 
         before = [seen(opt) for opt in optimizers]
         after: list[list[_Seen]] = []
@@ -302,6 +314,14 @@ def _check_separable(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tup
     start = [torch.randn(s, generator=gen) for s in probe_shapes]
     grads = [[torch.randn(s, generator=gen) * (k + 1) for k, s in enumerate(probe_shapes)] for _ in range(PROBE_STEPS)]
     t_before, together = _run(optimizer, gi, [t.clone().requires_grad_() for t in start], grads, True, shapes)
+    _, again = _run(optimizer, gi, [t.clone().requires_grad_() for t in start], grads, True, shapes)
+    for step, ((got,), (ref,)) in enumerate(zip(again, together, strict=True), start=1):
+        if not _same_seen(got, ref):
+            raise UnsupportedOptimizerError(
+                f"{cls.__name__} draws random numbers in its step (two runs of the same probe differ at step {step}): "
+                "stepped unit by unit, each unit would draw them in another order than your optimizer does, so the "
+                "result would not be exact. Fix: use a deterministic optimizer (AdamW, say), or strategy='auto' for "
+                "this one.")
     a_before, alone = _run(optimizer, gi, [t.clone().requires_grad_() for t in start], grads, False, shapes)
 
     def changed(before: list[_Seen], steps: list[list[_Seen]], field: str) -> set[str]:
@@ -363,14 +383,19 @@ def _check_closure(optimizer: torch.optim.Optimizer, gi: int, shapes: list[tuple
                     f"{cls.__name__} calls the closure {got.closure_calls} times a step (it re-evaluates the loss), "
                     "which greedysnake's one forward and backward per micro-batch cannot do. Fix: use an optimizer "
                     "that steps from the gradients alone (AdamW, say), or strategy='auto' for this one.")
-            same = (all(_same(a, b) and _same(sa, sb) for (a, sa), (b, sb) in zip(got.params, ref.params, strict=True))
-                    and _same(got.group, ref.group) and _same(got.attributes, ref.attributes))
-            if not same:
+            if not _same_seen(got, ref):
                 raise UnsupportedOptimizerError(
                     f"{cls.__name__} reads the loss the closure returns (its step {step} differs with the loss "
                     "value), which greedysnake's per-unit steps cannot give it: they run after the window's "
                     "backward, without a closure. Fix: use an optimizer that steps from the gradients alone "
                     "(AdamW, say), or strategy='auto' for this one.")
+
+
+def _same_seen(a: _Seen, b: _Seen) -> bool:
+    """Two probe optimizers over the same parameters hold the same after a step: weights, state, group and
+    attributes."""
+    return (all(_same(x, y) and _same(sx, sy) for (x, sx), (y, sy) in zip(a.params, b.params, strict=True))
+            and _same(a.group, b.group) and _same(a.attributes, b.attributes))
 
 
 def _keepable(value: Any) -> bool:
@@ -382,6 +407,12 @@ _MISSING = object()
 
 def _same(a: Any, b: Any) -> bool:
     """Equal up to rounding: tensors, numbers and containers of them, compared member by member."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and (type(a) is not Tensor or type(b) is not Tensor):
+        try:
+            return _same(a.dequantize() if hasattr(a, "dequantize") else torch.as_tensor(a).as_subclass(Tensor),
+                         b.dequantize() if hasattr(b, "dequantize") else torch.as_tensor(b).as_subclass(Tensor))
+        except Exception:  # noqa: BLE001 - a subclass that cannot be read as values: its kind decides (refused)
+            return True
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.shape != b.shape:
             return False
@@ -394,10 +425,12 @@ def _same(a: Any, b: Any) -> bool:
         return bool(torch.equal(a, b))
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return False
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    if isinstance(a, (list, tuple, collections.deque)) and isinstance(b, (list, tuple, collections.deque)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type) and not callable(a):
+        return _same(vars(a), vars(b))  # (state kept in objects: Shampoo's preconditioners, by their fields)
     if isinstance(a, float) and isinstance(b, float):
         return a == b or math.isclose(a, b, rel_tol=1e-6) or (math.isnan(a) and math.isnan(b))
     try:

@@ -343,16 +343,18 @@ class UnitOptimizer:
     # -- per-call state (:class:`CallState`) ----------------------------------------------------------------
     def call_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
         """The per-call entries, per user param group, and attributes, as this unit's parts left them (every
-        part of a unit steps once a window, so they agree: the first part holding a group's is taken)."""
+        part of a unit steps once a window, so they agree: the first part holding a group's is taken), as
+        copies: the user's optimizer they are published into changes its own in place (MADGRAD's
+        ``state['k'] += 1`` in the step Lightning calls)."""
         groups: dict[int, dict[str, Any]] = {}
         attributes: dict[str, Any] = {}
         for part in self.parts:
             if part.shadow is None:
                 continue
             for gi, entries in part.group_calls.items():
-                groups.setdefault(gi, dict(entries))
+                groups.setdefault(gi, {k: _copied(v) for k, v in entries.items()})
             for name, value in part.attribute_calls.items():
-                attributes.setdefault(name, value)
+                attributes.setdefault(name, _copied(value))
         return groups, attributes
 
     def load_calls(self, source: torch.optim.Optimizer) -> None:

@@ -188,6 +188,9 @@ OPTIMIZERS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], StepPath, in
     # per-call state in the param groups (group['step']): one written here, one of pytorch-optimizer's
     "CountingSGD": (lambda g: CountingSGD(g), StepPath.WHOLE_PARAMETER, WIDTH),
     "po-Lamb": (lambda g: _pytorch_optimizer("Lamb")(g, lr=1e-2, weight_decay=0.01), StepPath.WHOLE_PARAMETER, WIDTH),
+    # a step count in state['k'], a key that is no parameter; state in lists of tensors (host memory)
+    "po-MADGRAD": (lambda g: _pytorch_optimizer("MADGRAD")(g, lr=1e-2), StepPath.WHOLE_PARAMETER, WIDTH),
+    "po-SOAP": (lambda g: _pytorch_optimizer("SOAP")(g, lr=3e-3), StepPath.WHOLE_PARAMETER, WIDTH),
 }
 
 
@@ -477,12 +480,13 @@ def test_partitioned_state_over_two_processes_is_exact_for_every_optimizer(tmp_p
         assert any(0 < hi < numel for lo, hi, numel in chunks), f"{name}: some unit must be split between the ranks"
 
 
-@pytest.mark.parametrize("optimizer", ["Adafactor", "Muon", "CountingSGD", "po-Lamb"])
+@pytest.mark.parametrize("optimizer", ["Adafactor", "Muon", "CountingSGD", "po-Lamb", "po-MADGRAD", "po-SOAP"])
 def test_a_whole_parameter_optimizer_resumes_bit_for_bit(tmp_path, optimizer):
     """Its state in its own shapes round-trips a checkpoint: Adafactor's row and column variances (host
     state) and a vector's variance (streamed), Muon's momentum, a step count kept in the param groups
-    (pytorch-optimizer's ``group['step']``): the resumed run lands where the uninterrupted one does, and that
-    is Lightning's."""
+    (pytorch-optimizer's ``group['step']``), one kept in ``state['k']`` (MADGRAD), state in lists of tensors
+    (SOAP's bases: saved as bytes in torch's own format): the resumed run lands where the uninterrupted one
+    does, and that is Lightning's."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def run(root: Any, epochs: int, ckpt: str | None = None) -> dict[str, torch.Tensor]:
@@ -641,13 +645,12 @@ def test_an_error_inside_the_probe_is_refused_clearly_before_any_step(tmp_path, 
 @pytest.mark.parametrize("name, make", [
     ("AdaBelief", lambda g: _pytorch_optimizer("AdaBelief")(g, lr=3e-3, weight_decouple=False)),
     ("CAME", lambda g: __import__("came_pytorch").CAME(g, lr=3e-3)),
-    ("SOAP", lambda g: _pytorch_optimizer("SOAP")(g, lr=3e-3)),
 ])
 def test_optimizers_users_brought_are_exact(name, make):
     """Found silently wrong or failing by a user's trial: pytorch-optimizer's AdaBelief (its step count in the
-    param groups), came-pytorch's CAME (a constructor that requires its ``lr``) and pytorch-optimizer's SOAP
-    (state held in lists of tensors), each exact on the whole-parameter path with every kind on SSD and
-    alpha 0.5."""
+    param groups) and came-pytorch's CAME (a constructor that requires its ``lr``), each exact on the
+    whole-parameter path with every kind on SSD and alpha 0.5 (pytorch-optimizer's SOAP and Lamb are in
+    OPTIMIZERS, on every path)."""
     pytest.importorskip("came_pytorch" if name == "CAME" else "pytorch_optimizer")
     OPTIMIZERS[name] = (make, StepPath.WHOLE_PARAMETER, WIDTH)
     try:
