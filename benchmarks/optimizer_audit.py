@@ -1,5 +1,6 @@
-"""Every optimizer in pytorch-optimizer's registry against greedysnake's optimizer contract
-(``tests/optimizer_registry.py``): trained under ``strategy="auto"`` and under greedysnake with every kind on
+"""Every optimizer in pytorch-optimizer's registry, and every optimizer class of the other libraries users bring
+(``LIBRARIES``: torch-optimizer, lion-pytorch, came-pytorch, schedulefree, transformers), against greedysnake's
+optimizer contract (``tests/optimizer_registry.py``): trained under ``strategy="auto"`` and under greedysnake with every kind on
 SSD and with the planned defaults, each exact (weights and every window's gradient to 1e-5) or refused
 before any step; never silently different. Writes ``benchmarks/results/optimizer_audit.json``, which the
 docs' supported-optimizers table is rendered from (``docs/reference/status.md``), and prints the counts.
@@ -23,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.optimizer_registry import audit, reason_of  # noqa: E402
+from tests.optimizer_registry import LIBRARIES, audit, library_classes, reason_of  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "optimizer_audit.json"
 
@@ -36,7 +37,8 @@ def main() -> int:
     parser.add_argument("--names", nargs="*", help="registry names (default: the whole registry)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    names = args.names or pytorch_optimizer.get_supported_optimizers()
+    names = args.names or [*pytorch_optimizer.get_supported_optimizers(),
+                           *(name for library in LIBRARIES for name in library_classes(library))]
     torch.set_num_threads(1)
     rows, start = [], time.time()
     for name in names:
@@ -44,26 +46,29 @@ def main() -> int:
         rows.append(row.as_dict())
         print(f"{name:22s} {'does not train under auto: ' + row.auto if row.auto else row.outcomes}", flush=True)
     counts: collections.Counter[str] = collections.Counter()
+    others: collections.Counter[str] = collections.Counter()
     for row in rows:
+        tally = others if "." in row["name"] else counts  # (the other libraries' classes, by qualified name)
         if row["auto"]:
-            counts["does not train under strategy='auto'"] += 1
+            tally["does not train under strategy='auto'"] += 1
             continue
         outcomes = set(row["outcomes"].values())
         if outcomes <= {"exact"}:
-            counts["exact"] += 1
+            tally["exact"] += 1
         elif outcomes <= {"exact", "exact to rounding"}:
-            counts["exact (to rounding on some path)"] += 1
+            tally["exact (to rounding on some path)"] += 1
         elif outcomes <= {"refused"}:
-            counts[f"refused ({reason_of(next(iter(row['details'].values())))})"] += 1
+            tally[f"refused ({reason_of(next(iter(row['details'].values())))})"] += 1
         else:
-            counts["NOT ALLOWED: " + "/".join(sorted(outcomes))] += 1
+            tally["NOT ALLOWED: " + "/".join(sorted(outcomes))] += 1
     result = {"registry": "pytorch-optimizer", "version": version("pytorch-optimizer"), "torch": torch.__version__,
               "command": "python benchmarks/optimizer_audit.py", "seconds": round(time.time() - start),
-              "counts": dict(sorted(counts.items())), "rows": rows}
+              "counts": dict(sorted(counts.items())), "libraries": list(LIBRARIES),
+              "other_counts": dict(sorted(others.items())), "rows": rows}
     if not args.names:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["counts"], indent=1))
-    return 1 if any(k.startswith("NOT ALLOWED") for k in counts) else 0
+    print(json.dumps({"registry": result["counts"], "other libraries": result["other_counts"]}, indent=1))
+    return 1 if any(k.startswith("NOT ALLOWED") for k in (*counts, *others)) else 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ Shared by ``tests/integration/test_optimizer_registry.py`` (a fixed sample cover
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 import logging
 import warnings
 from collections.abc import Callable
@@ -63,6 +65,8 @@ RECIPES: dict[str, Callable[[type, Any], torch.optim.Optimizer]] = {
     "bsam": lambda cls, params: cls(params, num_data=NUM_BATCHES * 4, lr=LR),
     "ranger21": lambda cls, params: cls(params, num_iterations=4, lr=LR),
     "lbfgs": lambda cls, params: cls(params, lr=LR),  # (one param group only)
+    "transformers.optimization.Adafactor": lambda cls, params: cls(params, lr=LR, relative_step=False,
+                                                                    scale_parameter=False),
 }
 """Constructions for the registry's classes whose constructor needs more than the parameters and a
 learning rate (what their users pass)."""
@@ -73,10 +77,33 @@ MODULE_RECIPES: dict[str, Callable[[type, nn.Module], torch.optim.Optimizer]] = 
 """Classes built over the model itself (Adam-mini partitions it by parameter names)."""
 
 
-def make_optimizer(name: str, module: nn.Module) -> torch.optim.Optimizer:
+LIBRARIES = ("torch_optimizer", "lion_pytorch", "came_pytorch", "schedulefree", "transformers.optimization")
+"""Other libraries users bring their optimizers from: every optimizer class each exports is audited too."""
+
+
+def library_classes(library: str) -> list[str]:
+    """The qualified names of the optimizer classes ``library`` exports (empty where it is not installed)."""
+    try:
+        module = importlib.import_module(library)
+    except ImportError:
+        return []
+    return sorted(f"{library}.{n}" for n, c in vars(module).items()
+                  if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer)
+                  and c.__module__.startswith(library.partition(".")[0]))
+
+
+def optimizer_class(name: str) -> type:
+    """A registry name (``lamb``) or a qualified class name (``torch_optimizer.Lamb``)."""
+    if "." in name:
+        library, _, cls = name.rpartition(".")
+        return getattr(importlib.import_module(library), cls)
     import pytorch_optimizer
 
-    cls = pytorch_optimizer.load_optimizer(name)
+    return pytorch_optimizer.load_optimizer(name)
+
+
+def make_optimizer(name: str, module: nn.Module) -> torch.optim.Optimizer:
+    cls = optimizer_class(name)
     if name in MODULE_RECIPES:
         return MODULE_RECIPES[name](cls, module)
     params = list(module.parameters())
@@ -105,6 +132,11 @@ class MLP(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return make_optimizer(self.name, self)
+
+    def on_train_start(self) -> None:
+        optimizer = self.optimizers().optimizer
+        if callable(getattr(optimizer, "train", None)):
+            optimizer.train()  # (Schedule-Free's train mode, as its users set it)
 
 
 @dataclass
@@ -159,6 +191,7 @@ class Row:
 def reason_of(message: str) -> str:
     """A refusal's reason, in one word, for the table."""
     for words, reason in (("couples parameters", "coupled"), ("closure", "closure"), ("random numbers", "random"),
+                          ("train/eval modes", "modes"),
                           ("keeps state", "state kind"),
                           ("changes its attribute", "state kind"), ("sparse", "sparse")):
         if words in message:
@@ -175,10 +208,8 @@ def _quiet() -> None:
 
 def audit(name: str, paths: tuple[str, ...] = tuple(PATHS)) -> Row:
     """``name`` trained under ``strategy="auto"``, then under greedysnake on each of ``paths``."""
-    import pytorch_optimizer
-
     _quiet()
-    row = Row(name, pytorch_optimizer.load_optimizer(name).__name__)
+    row = Row(name, optimizer_class(name).__name__)
     try:
         ref = fit("auto", name)
         if ref.steps != 4:

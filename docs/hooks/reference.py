@@ -162,6 +162,10 @@ def optimizers_markdown() -> str:
              f"({result['seconds']} s on this project's 2-core CPU machine).", "",
              "| outcome | optimizers |", "|---|---|"]
     lines += [f"| {outcome} | {count} |" for outcome, count in result["counts"].items()]
+    if result.get("other_counts"):
+        lines += ["", f"Every optimizer class of {', '.join(result['libraries'])} (the rows named by module):", "",
+                  "| outcome | optimizers |", "|---|---|"]
+        lines += [f"| {outcome} | {count} |" for outcome, count in result["other_counts"].items()]
     lines += ["", "| optimizer | every kind on SSD | planned defaults | path, or why not |", "|---|---|---|---|"]
     for row in result["rows"]:
         if row["auto"]:

@@ -123,11 +123,23 @@ class OptimizerContract:
 NO_OPTIMIZER = OptimizerContract(StepPath.ELEMENT_WISE, reason="no optimizer")
 
 
+MODES = ("train", "eval")
+"""Methods of an optimizer that keeps a second sequence of weights and swaps it into the parameters
+(Schedule-Free's ``optimizer.train()`` / ``optimizer.eval()``, SPlus's EMA for evaluation)."""
+
+
 def refusal(cls: type) -> str | None:
     """Why no path can step ``cls`` (None: one may)."""
     for klass in cls.__mro__:
         if klass.__module__.startswith("torch.optim") and klass.__name__ in REFUSED:
             return f"{cls.__name__} {REFUSED[klass.__name__]}"
+    modes = [m for m in MODES if callable(getattr(cls, m, None)) and not hasattr(torch.optim.Optimizer, m)]
+    if modes:
+        return (f"{cls.__name__}, which keeps a second sequence of weights that optimizer.{'()/optimizer.'.join(modes)}() "
+                "swap into the parameters (Schedule-Free, an EMA for evaluation): greedysnake steps per-unit copies "
+                "of the optimizer, which hold that state, so those calls on yours would not reach it and evaluation "
+                "would see other weights than Lightning's. Fix: strategy='auto' for this optimizer, or one without "
+                "train/eval modes (AdamW).")
     return None
 
 
@@ -198,7 +210,9 @@ def _union(a: CallState, b: CallState) -> CallState:
 
 # -- probes ---------------------------------------------------------------------------------------------
 def _hyper(optimizer: torch.optim.Optimizer, gi: int) -> dict[str, Any]:
-    return {k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}
+    """Group ``gi``'s hyperparameters, as copies (a group holding a cache the step fills, torch-optimizer's
+    RAdam ``buffer``, would otherwise be shared by every probe optimizer and the user's)."""
+    return {k: _snapshot(v) for k, v in optimizer.param_groups[gi].items() if k != "params"}
 
 
 def _eager(optimizer: torch.optim.Optimizer) -> bool:

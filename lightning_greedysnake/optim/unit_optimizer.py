@@ -14,6 +14,7 @@ their own shapes (``whole_parameters``), the unit's split and the ranks' chunks 
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -99,7 +100,10 @@ _STATE = "state:"
 
 
 def _copied(value: Any) -> Any:
-    return value.clone() if isinstance(value, Tensor) else value
+    """A copy that shares nothing another part could change in place (a tensor, or a container of state)."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    return copy.deepcopy(value) if isinstance(value, (list, dict, set)) else value
 
 
 def discover_slots(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:

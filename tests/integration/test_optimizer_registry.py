@@ -19,7 +19,7 @@ import pytest
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
-from tests.optimizer_registry import audit, reason_of  # noqa: E402
+from tests.optimizer_registry import LIBRARIES, audit, library_classes, reason_of  # noqa: E402
 
 AUDIT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "optimizer_audit.json"
 
@@ -33,6 +33,7 @@ SAMPLE: dict[str, str] = {
     "dadaptadam": "refused (coupled)",  # an estimate over all parameters in the param groups
     "adagc": "refused (coupled)",  # the weights' update reads other parameters' gradients
     "gravity": "refused (random)",  # draws random numbers in its step
+    "schedulefreeadamw": "refused (modes)",  # optimizer.train()/eval() swap a second weight sequence in
     "alig": "refused (closure)",  # needs the closure
     "emonavi": "refused (closure)",  # reads the loss the closure returns
     "sara": "refused (state kind)",  # a bool mask per element
@@ -68,6 +69,23 @@ def test_every_registry_optimizer_is_exact_or_refused_clearly(name):
         assert row.moved > 1e-3, "the optimizer must move the weights for the comparison to mean anything"
 
 
+OTHERS = [name for library in LIBRARIES for name in library_classes(library)]
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_every_optimizer_of_other_libraries_is_exact_or_refused_clearly(name):
+    """The same, for every optimizer class of the other libraries users bring (torch-optimizer, lion-pytorch,
+    came-pytorch, schedulefree, transformers' Adafactor)."""
+    row = audit(name)
+    if row.auto is not None:
+        pytest.skip(f"does not train under strategy='auto' either: {row.auto}")
+    for path, outcome in row.outcomes.items():
+        verdict = _verdict(outcome, row.details[path])
+        assert verdict == "exact" or verdict.startswith("refused"), (path, outcome, row.details[path])
+        if outcome == "refused":
+            assert "Fix:" in row.details[path] and row.cls in row.details[path]
+
+
 def test_the_whole_registry_was_audited_with_nothing_silently_different():
     """The committed audit (``benchmarks/optimizer_audit.py``, the docs' table) covers every optimizer of the
     installed registry, and none of them trained differently or failed inside a fit."""
@@ -76,9 +94,10 @@ def test_the_whole_registry_was_audited_with_nothing_silently_different():
     result = json.loads(AUDIT.read_text())
     if result["version"] != version("pytorch-optimizer"):
         pytest.skip(f"the audit ran on pytorch-optimizer {result['version']}; {version('pytorch-optimizer')} is here")
-    rows = {row["name"]: row for row in result["rows"]}
+    every = {row["name"]: row for row in result["rows"]}
+    rows = {name: row for name, row in every.items() if "." not in name}  # (the other libraries' by qualified name)
     assert set(rows) == set(pytorch_optimizer.get_supported_optimizers())
-    bad = {name: row["details"] for name, row in rows.items()
+    bad = {name: row["details"] for name, row in every.items()
            if set(row["outcomes"].values()) - {"exact", "exact to rounding", "refused"}}
     assert not bad, bad
     for name, expected in SAMPLE.items():  # (what the sample shows here, the audit showed there)
