@@ -113,3 +113,28 @@ def check_accumulation(accumulate_grad_batches: Any) -> None:
             "Trainer(accumulate_grad_batches=1) for one optimizer step per batch, or the number of batches "
             "to accumulate per step (e.g. 8)."
         )
+
+
+def check_parameter_dtypes(module: torch.nn.Module, units: Any, compute_dtype: torch.dtype, precision: str) -> None:
+    """Refuse a layered model's parameter whose dtype the tensor manager would change, before any work.
+
+    Every parameter of the layered model is laid out as ``compute_dtype`` compute weights, a trainable one
+    with an fp32 master copy: exact for an fp32 parameter, and for a frozen one already in the compute dtype
+    (a bf16 base under ``bf16-mixed``). Any other (a frozen bf16 base under ``32-true``, PEFT's usual setup; a
+    trainable bf16 parameter, which Lightning would step in bf16; an int8 or NF4 base) would compute with
+    other values than Lightning does: refused, naming the parameter."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    for unit in units:
+        for p in unit.parameters():
+            if p.dtype == torch.float32 or (not p.requires_grad and p.dtype == compute_dtype):
+                continue
+            name = names.get(id(p), f"a parameter of unit {unit.index}")
+            role = "trainable" if p.requires_grad else "frozen"
+            raise ValueError(
+                f"parameter {name!r} is {str(p.dtype).removeprefix('torch.')} ({role}), but under precision="
+                f"{precision!r} strategy='greedysnake' keeps every parameter of the layered model as "
+                f"{str(compute_dtype).removeprefix('torch.')} compute weights"
+                f"{', a trainable one with float32 master weights' if compute_dtype != torch.float32 else ''}: it "
+                "would train with other values than Lightning does. Parameters in their own dtype (a frozen bf16 "
+                "or quantized base for LoRA) are not supported yet. Fix: keep the model in float32 (model.float() "
+                "before fit), use precision='bf16-mixed' for a frozen bfloat16 base, or strategy='auto'.")

@@ -89,6 +89,8 @@ def cut_model(ctx: SetupContext, config: RunConfig, module: nn.Module) -> ModelC
         check_parameter_ownership(module, path, units)
     else:  # a parameter outside the chain is the evaluation's own business; one in two units is not
         check_tied_weights(module, path, units)
+    if config.offload.uses_tensor_manager:
+        checks.check_parameter_dtypes(module, units, ctx.precision.compute_dtype, ctx.precision.precision)
     on_meta = stand_in_for_meta_parameters(module, units, config.offload.uses_tensor_manager)
     if config.offload.uses_tensor_manager:
         check_device(config, ctx.device, ctx.is_distributed)

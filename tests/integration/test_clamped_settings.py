@@ -15,20 +15,10 @@ import torch
 
 from lightning_greedysnake import GreedySnakeStrategy
 from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
+from tests.integration.test_start_report import Captured
 
 K = 2
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-
-
-class Captured(logging.Handler):
-    """Lightning's log (``rank_zero_info``, the report's channel)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def fit(strategy: Any, root: Path) -> tuple[dict[str, torch.Tensor], str]:
