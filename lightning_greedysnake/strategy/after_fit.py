@@ -87,20 +87,22 @@ def steps_held(manager: TieredTensorStore, global_step: int, nonfinite: tuple[li
     a non-finite gradient (:attr:`~lightning_greedysnake.strategy.nonfinite.NonFiniteGuard.stepped_nonfinite`:
     the units, the ``global_step`` during that step), at the end of the step: its update landed in the
     units that reached it, Lightning never counted it."""
-    done = manager.stepper.steps_completed
+    stepper = manager.stepper
+    # (a unit the optimizer never steps, a Tanh's or a frozen one's, counts no steps and holds every step alike)
+    done = {u: n for u, n in enumerate(stepper.steps_completed) if stepper.trains(u)}
     if nonfinite is not None:
         units, step = nonfinite
-        top = max(done, default=0)
-        behind = [u for u, n in enumerate(done) if n < top]
+        top = max(done.values(), default=0)
+        behind = [u for u, n in done.items() if n < top]
         held = (f"optimizer step {step + 1}'s update in every unit" if not behind else
-                f"optimizer step {step + 1}'s update in units {[u for u, n in enumerate(done) if n == top]} and "
+                f"optimizer step {step + 1}'s update in units {[u for u, n in done.items() if n == top]} and "
                 f"{step_done(step)} in units {behind}")
         return (f"{held} (trainer.global_step={step}: fit raised at the end of that step, before Lightning counted "
                 f"it); unit{'s' if len(units) > 1 else ''} {units} were stepped with a non-finite gradient")
-    if not done or min(done) == max(done):
+    if not done or min(done.values()) == max(done.values()):
         return f"the last complete optimizer step, {step_done(global_step)}" if global_step else step_done(0)
-    low = min(done)
-    ahead = [u for u, n in enumerate(done) if n > low]
+    low = min(done.values())
+    ahead = [u for u, n in done.items() if n > low]
     return (f"a mix: units {ahead} were already updated by {step_running(global_step)} when fit failed, the "
             f"other {len(done) - len(ahead)} units hold {step_done(global_step)}")
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.strategy.nonfinite import NonFiniteError
-from tests.helpers import TinyGPTModule, make_trainer, max_abs_diff, token_loader
+from tests.helpers import SequentialModule, TinyGPTModule, make_trainer, max_abs_diff, regression_loader, token_loader
 
 K = 3
 BAD_BATCH = 4  # micro-batch 1 of the second window (optimizer step 2)
@@ -125,3 +125,33 @@ def test_after_a_raise_on_a_nonfinite_gradient_the_note_says_what_the_module_hol
         units = [int(u) for u in claimed.group(1).split(",")]
         for unit, block in enumerate(module.model.blocks):  # (one block a unit)
             assert (unit in units) == (not all(bool(torch.isfinite(p).all()) for p in block.parameters())), (unit, note)
+
+
+class SequentialNaNLossAt(SequentialModule):
+    """A Sequential whose Tanh is a unit without parameters (never stepped)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        return loss * float("nan") if batch_idx == BAD_BATCH else loss
+
+
+def test_after_a_raise_a_unit_without_parameters_is_no_mix():
+    """A unit the optimizer never steps (a Tanh's) counts no steps: the note after a raise on a non-finite loss
+    says the module holds the last complete optimizer step, as it does (was: 'a mix: units [0, 2, 3, 4] were
+    already updated'), and those are the weights of a run stopped after that step."""
+    def fit(module: L.LightningModule, batches: int, raise_: bool) -> Any:
+        strategy = GreedySnakeStrategy(auto=False, on_nonfinite="raise") if raise_ else GreedySnakeStrategy(auto=False)
+        return make_trainer(strategy, K, max_epochs=1, limit_train_batches=batches).fit(
+            module, regression_loader(9))
+
+    L.seed_everything(0, verbose=False)
+    module = SequentialNaNLossAt()
+    with pytest.raises(NonFiniteError), pytest.warns(UserWarning, match="fit failed") as seen:
+        fit(module, 9, raise_=True)
+    note = next(str(w.message) for w in seen if "fit failed" in str(w.message))
+    assert "holds the last complete optimizer step, optimizer step 1" in note and "a mix" not in note, note
+    L.seed_everything(0, verbose=False)
+    good = SequentialNaNLossAt()
+    fit(good, K, raise_=False)  # the first window only
+    assert max_abs_diff(dict(module.named_parameters()), dict(good.named_parameters())) == 0
