@@ -91,5 +91,40 @@ def sequential_chain(model: nn.Sequential) -> LayerChain:
     )
 
 
+def transformer_encoder_chain(model: nn.TransformerEncoder) -> LayerChain:
+    """``nn.TransformerEncoder``: its ``layers`` are the blocks, its ``norm`` (if any) the post. ``pre`` puts
+    the masks in the form the encoder's own ``forward`` gives its layers (``F._canonical_mask``, a causal
+    mask detected), and every layer is called with them, as that ``forward`` calls it outside its inference
+    fast path (which runs only without gradients: evaluation may round differently there)."""
+    import torch.nn.functional as F
+    from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
+
+    def pre(src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+            is_causal: bool | None = None) -> tuple[Tensor, Any]:
+        padding = F._canonical_mask(mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+                                    other_type=F._none_or_dtype(mask), other_name="mask", target_type=src.dtype)
+        mask = F._canonical_mask(mask=mask, mask_name="mask", other_type=None, other_name="",
+                                 target_type=src.dtype, check_other=False)
+        batch_first = model.layers[0].self_attn.batch_first
+        is_causal = _detect_is_causal_mask(mask, is_causal, _get_seq_len(src, batch_first))
+        return src, (mask, is_causal, padding)
+
+    def block(layer: nn.Module, hidden: Tensor, ctx: Any) -> Tensor:
+        mask, is_causal, padding = ctx
+        return layer(hidden, src_mask=mask, is_causal=is_causal, src_key_padding_mask=padding)
+
+    norm = model.norm
+    return LayerChain(
+        pre_modules=(),
+        blocks=tuple(model.layers),
+        post_modules=(norm,) if norm is not None else (),
+        pre=pre,
+        block_forward=block,
+        post=(lambda hidden, ctx: norm(hidden)) if norm is not None else (lambda hidden, ctx: hidden),
+    )
+
+
 register_adapter(Adapter("LayeredModel", lambda m: isinstance(m, LayeredModel), lambda m: m.layer_chain()))
 register_adapter(Adapter("nn.Sequential", lambda m: isinstance(m, nn.Sequential), sequential_chain))
+register_adapter(Adapter("nn.TransformerEncoder", lambda m: isinstance(m, nn.TransformerEncoder),
+                         transformer_encoder_chain))
