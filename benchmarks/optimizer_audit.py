@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import logging
 import sys
 import time
+import warnings
 from importlib.metadata import version
 from pathlib import Path
 
@@ -37,6 +39,9 @@ def main() -> int:
     parser.add_argument("--names", nargs="*", help="registry names (default: the whole registry)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)  # (this process's output: one line an optimizer)
+    for logger in ("lightning", "lightning.pytorch", "lightning_greedysnake", "lightning.fabric"):
+        logging.getLogger(logger).setLevel(logging.ERROR)
     names = args.names or [*pytorch_optimizer.get_supported_optimizers(),
                            *(name for library in LIBRARIES for name in library_classes(library))]
     torch.set_num_threads(1)

@@ -12,11 +12,8 @@ Shared by ``tests/integration/test_optimizer_registry.py`` (a fixed sample cover
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
-import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -199,16 +196,8 @@ def reason_of(message: str) -> str:
     return "cannot step"
 
 
-@functools.lru_cache(maxsize=None)
-def _quiet() -> None:
-    warnings.filterwarnings("ignore", category=UserWarning)
-    for name in ("lightning", "lightning.pytorch", "lightning_greedysnake", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def audit(name: str, paths: tuple[str, ...] = tuple(PATHS)) -> Row:
     """``name`` trained under ``strategy="auto"``, then under greedysnake on each of ``paths``."""
-    _quiet()
     row = Row(name, optimizer_class(name).__name__)
     try:
         ref = fit("auto", name)
