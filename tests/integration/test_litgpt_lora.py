@@ -15,9 +15,8 @@ litgpt = pytest.importorskip("litgpt")
 
 from litgpt.lora import GPT, Config, mark_only_lora_as_trainable  # noqa: E402
 
-from lightning_greedysnake import GreedySnakeStrategy  # noqa: E402
-from lightning_greedysnake.config import OffloadConfig  # noqa: E402
 from tests.helpers import Grads, make_trainer, max_abs_diff, token_loader  # noqa: E402
+from tests.integration.test_optimizer_contract import PATHS  # noqa: E402  (the four paths)
 
 VOCAB = 64
 
@@ -41,12 +40,6 @@ class LoRAModule(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3)
 
 
-PATHS = {
-    "vertical-ssd": lambda: GreedySnakeStrategy(auto=False, offload=OffloadConfig.everywhere("ssd")),
-    "planned": lambda: GreedySnakeStrategy(),
-    "horizontal": lambda: GreedySnakeStrategy(auto=False, schedule="horizontal"),
-    "alpha-half": lambda: GreedySnakeStrategy(auto=False, alpha=0.5, lag=1, offload=OffloadConfig.everywhere("ssd")),
-}
 
 
 def fit(strategy: Any) -> tuple[dict[str, torch.Tensor], Any, set[str]]:
