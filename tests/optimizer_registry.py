@@ -153,14 +153,23 @@ def fit(strategy: Any, name: str, reversed_windows: bool = False) -> Fit:
     module = MLP(name)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     grads = Grads()
-    trainer = make_trainer(strategy, K, callbacks=[grads])
+    trainer = make_trainer(strategy, K, callbacks=[grads, _path := _ContractPath()])
     batches = list(regression_loader(NUM_BATCHES))
     if reversed_windows:
         batches = [b for w in range(0, len(batches), K) for b in reversed(batches[w : w + K])]
     trainer.fit(module, DataLoader(batches, batch_size=None))
-    manager = getattr(trainer.strategy, "tensor_manager", None)
     return Fit({n: p.detach().clone() for n, p in module.named_parameters()}, grads.grads, trainer.global_step,
-               start, manager.contract.path.value if manager is not None else None)
+               start, _path.path)
+
+
+class _ContractPath(L.Callback):
+    """The contract's path of a greedysnake run, read while it trains (its tensor manager closes with fit)."""
+
+    path: str | None = None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        manager = getattr(trainer.strategy, "tensor_manager", None)
+        self.path = manager.contract.path.value if manager is not None else None
 
 
 @dataclass
