@@ -67,6 +67,9 @@ class _Window:
     input_checks: list[tuple[int, Tensor]] = field(default_factory=list)
     """Device-side input comparisons not read yet (micro-batch, flag: True where the inputs differ),
     read once at the window's end (:meth:`WindowEngine.finish_window`)."""
+    hinted: set[int] = field(default_factory=set)
+    """Units whose step's read-ahead hint was taken in this window (its reads under way, or none to make):
+    not asked again before every later op (it was, for every coming step: K x units squared calls a window)."""
 
     @property
     def next_op(self) -> Op | None:
@@ -528,8 +531,11 @@ class WindowEngine:
             self.store.prefetch_step(w.last_step[1])
         elif w.next_op is not None and w.next_op.kind is not OpKind.FORWARD:
             for step in w.steps_after(w.cursor - 1):  # (the op at the cursor may be the step itself)
+                if step in w.hinted:
+                    continue
                 if not self.store.prefetch_step(step, last=False):
                     break
+                w.hinted.add(step)
 
     def _next_units_after_cursor(self, u: int) -> list[int]:
         """The next ``offload.prefetch_units`` different units the plan will need, in order (the
