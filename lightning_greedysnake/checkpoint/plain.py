@@ -9,6 +9,7 @@ from torch import Tensor
 from lightning_greedysnake.checkpoint.format import TRAINER_STATE, CheckpointReader
 from lightning_greedysnake.checkpoint.streamed import (
     EXTRA_FILE,
+    OPTIMIZER_LEVEL_STATE,
     model_file,
     optimizer_entries,
     optimizer_file,
@@ -34,4 +35,6 @@ def plain_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, object]:
         order = reader.manifest["optimizer_params"]
         for opt in state.get("optimizer_states", []):
             opt["state"] = {i: per_param[n] for i, n in enumerate(order) if n is not None and n in per_param}
+            # state under keys that are no parameter (MADGRAD's step count) goes where torch.optim keeps it
+            opt["state"].update(opt.pop(OPTIMIZER_LEVEL_STATE, {}))
     return state

@@ -263,9 +263,20 @@ def _snapshot(value: Any) -> Any:
         return value
 
 
+def _holds_the_model(value: Any) -> bool:
+    """An attribute referring to the model or the user's parameters (a wrapped optimizer, ``self.model``, a
+    list of parameters): not the optimizer's own state, and never copied (it may be the whole model)."""
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.nn.Parameter)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_the_model(v) for v in value[:8])
+    return isinstance(value, dict) and any(_holds_the_model(v) for v in list(value.values())[:8])
+
+
 def _attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:
     out = {k: _snapshot(v) for k, v in vars(opt).items()
-           if k not in ("defaults", "state", "param_groups") and not k.startswith("_") and not callable(v)}
+           if k not in ("defaults", "state", "param_groups") and not k.startswith("_") and not callable(v)
+           and not _holds_the_model(v)}
     out.update({f"state:{k}": _snapshot(v) for k, v in opt.state.items() if isinstance(k, str)})
     return out
 

@@ -500,6 +500,11 @@ def test_a_whole_parameter_optimizer_resumes_bit_for_bit(tmp_path, optimizer):
 
     uninterrupted = run(tmp_path / "a", 2)
     run(tmp_path / "b", 1)
+    if optimizer == "po-MADGRAD":  # its step count, state['k'], where torch.optim keeps it in a plain checkpoint
+        from lightning_greedysnake.checkpoint.plain import plain_checkpoint
+
+        (saved,) = plain_checkpoint(tmp_path / "b" / "last.ckpt")["optimizer_states"]
+        assert int(saved["state"]["k"]) == 3  # (three windows an epoch)
     resumed = run(tmp_path / "b", 2, ckpt=str(tmp_path / "b" / "last.ckpt"))
     assert max_abs_diff(resumed, uninterrupted) == 0
     assert max_abs_diff(uninterrupted, reference(optimizer)["params"]) <= 1e-5
