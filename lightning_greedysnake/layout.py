@@ -6,6 +6,12 @@ the tensor manager and the per-unit stepper read their sizes here, so they agree
 Every unit's region starts on a 4 KiB boundary and has a 4 KiB-multiple length, so one O_DIRECT request
 moves a whole unit; inside a region each parameter starts on a 64-element boundary (cache lines for the
 optimizer's vector kernels).
+
+A unit's trained parameters (those its optimizer steps) come first, its read-only ones (frozen, or not in
+the optimizer: a LoRA base) after them: the trained ones are a prefix of the unit's flat buffers
+(:attr:`UnitLayout.trained_numel`), and only that prefix has master weights, gradients and optimizer
+state, is stepped and is written back. A read-only parameter may keep its own dtype (a bf16 base beside
+fp32 adapters): it then takes the compute elements its bytes need (:attr:`ParamSlot.storage`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ class ParamSlot:
     shape: tuple[int, ...]
     offset_numel: int
     group: int | None
-    """Index of the optimizer param group that trains it; ``None``: frozen (no gradient, never stepped)."""
+    """Index of the optimizer param group that trains it; ``None``: read-only (frozen, or not in the
+    optimizer: no gradient room, no state, never stepped, never written back)."""
+    storage: tuple[str, int] | None = None
+    """A read-only parameter kept in its own dtype, not the unit's compute dtype: ``(dtype name, itemsize)``
+    (``("bfloat16", 2)`` for a bf16 base under ``32-true``). Its elements start at byte ``offset_numel x``
+    the compute itemsize of the weights. None: the compute dtype."""
+    span_numel: int = -1
+    """Compute-dtype elements the parameter occupies (its numel, or what its own dtype's bytes need)."""
 
     @property
     def numel(self) -> int:
@@ -40,28 +53,62 @@ class UnitLayout:
     unit: int
     params: tuple[ParamSlot, ...]
     numel: int
-    """Elements of the unit's flat buffer, padding included."""
+    """Elements of the unit's flat compute weights, padding included."""
+    trained_numel: int
+    """Elements of the trained prefix, padding included (every parameter the optimizer steps lies in
+    ``[0, trained_numel)``): the length of the unit's master weights, gradients and each state slot, and
+    the most of its weights a step writes. 0: nothing of the unit is trained."""
 
     def nbytes(self, itemsize: int) -> int:
-        """Bytes of one region of this unit holding elements of ``itemsize`` bytes (4 KiB aligned)."""
+        """Bytes of one weights region of this unit holding elements of ``itemsize`` bytes (4 KiB aligned)."""
         return align_up(max(self.numel, 1) * itemsize)
+
+    def trained_nbytes(self, itemsize: int) -> int:
+        """Bytes of one region of the trained prefix (master weights, gradients) of ``itemsize``-byte
+        elements (4 KiB aligned; 0 where nothing is trained)."""
+        return align_up(self.trained_numel * itemsize) if self.trained_numel else 0
 
     @property
     def trainable_numel(self) -> int:
         return sum(p.numel for p in self.params if p.group is not None)
 
 
-def build_unit_layout(unit: int, params: list[tuple[str, tuple[int, ...], int | None]],
-                      align: int = PARAM_ALIGN_NUMEL) -> UnitLayout:
-    """Lay ``(name, shape, group)`` entries out one after another, each on an ``align``-element boundary
-    (64; quantized optimizer state: a multiple of its block, so a parameter's blocks are the unit's)."""
-    slots = []
-    offset = 0
-    for name, shape, group in params:
-        slot = ParamSlot(name, tuple(shape), offset, group)
-        slots.append(slot)
-        offset = align_up(offset + slot.numel, align)
-    return UnitLayout(unit, tuple(slots), offset)
+SPLIT_ALIGN_NUMEL = 2048
+"""Element ranges that split a unit (a step's backward and forward parts, a rank's chunk) start on a
+multiple of this many elements, so their bytes start on a 4 KiB boundary in every dtype (2-byte compute
+weights, 4-byte master weights and state)."""
+
+
+def split_align_numel(state_codec: tuple[tuple[int, int], ...] = ()) -> int:
+    """:attr:`StateLayout.split_align_numel` for state of ``state_codec``'s components."""
+    return math.lcm(SPLIT_ALIGN_NUMEL, *(per * (4096 // math.gcd(4096, isz)) for per, isz in state_codec))
+
+
+def build_unit_layout(unit: int, params: list[tuple], align: int = PARAM_ALIGN_NUMEL,
+                      compute_itemsize: int = 4, prefix_align: int = SPLIT_ALIGN_NUMEL) -> UnitLayout:
+    """Lay ``(name, shape, group)`` or ``(name, shape, group, storage)`` entries out one after another, each
+    on an ``align``-element boundary (64; quantized optimizer state: a multiple of its block, so a
+    parameter's blocks are the unit's). The trained entries (a group) must come before the read-only ones
+    (None); the first read-only one starts on a ``prefix_align`` boundary (:func:`split_align_numel`: the
+    trained prefix's bytes end on 4 KiB in every kind, so a step reads and writes it alone). A read-only
+    entry's ``storage`` (:attr:`ParamSlot.storage`) takes the ``compute_itemsize``-byte elements its bytes
+    need."""
+    slots: list[ParamSlot] = []
+    offset = trained = 0
+    for name, shape, group, *rest in params:
+        storage = rest[0] if rest else None
+        if group is not None and slots and slots[-1].group is None:
+            raise ValueError(f"unit {unit}: trained parameter {name!r} laid out after a read-only one")
+        assert storage is None or group is None, f"{name}: only a read-only parameter keeps its own dtype"
+        if group is None and trained and offset == trained:  # the first read-only one after the prefix
+            offset = trained = align_up(trained, prefix_align)
+        numel = math.prod(shape)
+        span = numel if storage is None else -(-numel * storage[1] // compute_itemsize)
+        slots.append(ParamSlot(name, tuple(shape), offset, group, storage, span))
+        offset = align_up(offset + span, align)
+        if group is not None:
+            trained = offset
+    return UnitLayout(unit, tuple(slots), offset, trained)
 
 
 @dataclass(frozen=True)
@@ -80,17 +127,6 @@ def build_file_layout(region_bytes: list[int]) -> FileLayout:
     assert all(size % 4096 == 0 for size in region_bytes), region_bytes
     return FileLayout(tuple(itertools.accumulate(region_bytes[:-1], initial=0)) if region_bytes else (),
                       tuple(region_bytes))
-
-
-SPLIT_ALIGN_NUMEL = 2048
-"""Element ranges that split a unit (a step's backward and forward parts, a rank's chunk) start on a
-multiple of this many elements, so their bytes start on a 4 KiB boundary in every dtype (2-byte compute
-weights, 4-byte master weights and state)."""
-
-
-def split_align_numel(state_codec: tuple[tuple[int, int], ...] = ()) -> int:
-    """:attr:`StateLayout.split_align_numel` for state of ``state_codec``'s components."""
-    return math.lcm(SPLIT_ALIGN_NUMEL, *(per * (4096 // math.gcd(4096, isz)) for per, isz in state_codec))
 
 
 def parameter_starts(layout: UnitLayout, lo: int, hi: int) -> list[int]:
@@ -112,7 +148,7 @@ def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None
     parameter start nearest the share instead (:attr:`StateLayout.parameter_cuts`; such a layout puts
     every parameter on ``align``); ``min_piece_numel``: an aligned cut leaving fewer of a parameter's
     elements on one side moves to the nearest aligned cut that does not (none: nothing is deferred)."""
-    lo, hi = bounds if bounds is not None else (0, layout.numel)
+    lo, hi = bounds if bounds is not None else (0, layout.trained_numel)
     if alpha <= 0.0:
         return hi
     if alpha >= 1.0:
@@ -132,16 +168,17 @@ def split_numel(layout: UnitLayout, alpha: float, bounds: tuple[int, int] | None
 
 
 def shard_bounds(layout: UnitLayout, rank: int, world: int, parameter_cuts: bool = False) -> tuple[int, int]:
-    """The element range of a unit that ``rank`` of ``world`` steps: equal chunks on a
+    """The element range of a unit's trained prefix that ``rank`` of ``world`` steps: equal chunks on a
     ``SPLIT_ALIGN_NUMEL`` boundary (so every chunk's bytes start on 4 KiB), the last one shorter.
     ``parameter_cuts``: each chunk boundary on the parameter start nearest the equal share instead (a
     parameter is never cut, so chunks may differ in length and a rank's may be empty)."""
+    n = layout.trained_numel
     if parameter_cuts:
-        cuts = parameter_starts(layout, 0, layout.numel)
-        return (_nearest_cut(cuts, rank * layout.numel / world), _nearest_cut(cuts, (rank + 1) * layout.numel / world))
-    chunk = -(-layout.numel // world)
+        cuts = parameter_starts(layout, 0, n)
+        return (_nearest_cut(cuts, rank * n / world), _nearest_cut(cuts, (rank + 1) * n / world))
+    chunk = -(-n // world)
     chunk = -(-chunk // SPLIT_ALIGN_NUMEL) * SPLIT_ALIGN_NUMEL
-    return min(layout.numel, rank * chunk), min(layout.numel, (rank + 1) * chunk)
+    return min(n, rank * chunk), min(n, (rank + 1) * chunk)
 
 
 @dataclass(frozen=True)
@@ -179,7 +216,7 @@ class StateLayout:
         return self.state_codec or ((1, self.state_itemsize),)
 
     def _component_bytes(self, lay: UnitLayout, per: int, isz: int) -> int:
-        return align_up(max(-(-lay.numel // per), 1) * isz)
+        return align_up(max(-(-lay.trained_numel // per), 1) * isz)
 
     def _slot_bytes(self, lay: UnitLayout) -> int:
         return sum(self._component_bytes(lay, per, isz) for per, isz in self._components)
@@ -203,15 +240,14 @@ class StateLayout:
 
     def region_bytes(self, kind: TensorKind, u: int) -> int:
         lay = self.units[u]
-        trainable = lay.trainable_numel > 0
         if kind is TensorKind.WEIGHTS:
             return lay.nbytes(self.compute_itemsize)
         if kind is TensorKind.MASTER_WEIGHTS:
-            return lay.nbytes(4) if self.separate_master and trainable else 0
+            return lay.trained_nbytes(4) if self.separate_master else 0
         if kind is TensorKind.OPTIMIZER_STATES:
-            return self._slot_bytes(lay) * self.num_slots if trainable else 0
+            return self._slot_bytes(lay) * self.num_slots if lay.trained_numel else 0
         if kind is TensorKind.GRADIENTS:
-            return lay.nbytes(4) if trainable else 0
+            return lay.trained_nbytes(4)
         raise ValueError(f"{kind} has no per-unit region")
 
     def all_region_bytes(self, kind: TensorKind) -> list[int]:
@@ -219,7 +255,8 @@ class StateLayout:
 
     def byte_ranges(self, kind: TensorKind, u: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """Byte ranges of elements ``[lo, hi)`` of unit ``u`` in ``kind``'s region (one per state slot and
-        component); a range reaching the unit's end runs to the region's (aligned) end."""
+        component); a range reaching the region's last element runs to its (aligned) end (the weights: the
+        unit's; every other kind: the trained prefix's)."""
         lay = self.units[u]
         if kind is TensorKind.OPTIMIZER_STATES:
             out = []
@@ -227,11 +264,14 @@ class StateLayout:
                 at = self.slot_offset_bytes(u, k)
                 for per, isz in self._components:
                     size = self._component_bytes(lay, per, isz)
-                    out.append((at + lo // per * isz, at + (size if hi >= lay.numel else -(-hi // per) * isz)))
+                    out.append((at + lo // per * isz,
+                                at + (size if hi >= lay.trained_numel else -(-hi // per) * isz)))
                     at += size
             return out
-        isz = self.compute_itemsize if kind is TensorKind.WEIGHTS else 4
-        return [(lo * isz, lay.nbytes(isz) if hi >= lay.numel else hi * isz)]
+        if kind is TensorKind.WEIGHTS:
+            isz = self.compute_itemsize
+            return [(lo * isz, lay.nbytes(isz) if hi >= lay.numel else hi * isz)]
+        return [(lo * 4, lay.trained_nbytes(4) if hi >= lay.trained_numel else hi * 4)]
 
     def trained_weight_ranges(self, u: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """Byte ranges of unit ``u``'s compute weights that a step of elements ``[lo, hi)`` changes: each
@@ -257,9 +297,10 @@ class StateLayout:
         return k * self._slot_bytes(self.units[u])
 
     def bounds(self, u: int, rank: int | None = None) -> tuple[int, int]:
-        """The element range of unit ``u`` that ``rank`` (default: this process) steps."""
+        """The element range of unit ``u`` that ``rank`` (default: this process) steps (within its trained
+        prefix)."""
         if self.shard is None:
-            return 0, self.units[u].numel
+            return 0, self.units[u].trained_numel
         return shard_bounds(self.units[u], self.shard[0] if rank is None else rank, self.shard[1],
                             self.parameter_cuts)
 

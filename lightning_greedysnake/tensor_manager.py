@@ -68,6 +68,30 @@ from lightning_greedysnake.unit_state import UnitValues
 __all__ = ["ClipPolicy", "TieredTensorStore"]
 
 
+def parameter_groups(optimizer: torch.optim.Optimizer | None) -> dict[int, int]:
+    """Parameter id -> the index of the optimizer's param group that holds it."""
+    return {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
+
+
+def layout_order(unit: Unit, groups: dict[int, int]) -> list[tuple[nn.Parameter, int | None]]:
+    """``unit``'s parameters in the order of its layout, each with the param group that trains it: the
+    trained ones first, then the read-only ones (None: frozen, or not in the optimizer), each in the unit's
+    own order. The one place that order is decided: the layout's slots and the tensor manager's
+    parameters follow it index for index."""
+    entries = [(p, groups.get(id(p)) if p.requires_grad else None) for p in unit.parameters()]
+    return [e for e in entries if e[1] is not None] + [e for e in entries if e[1] is None]
+
+
+def read_only_storage(p: Tensor, compute_dtype: torch.dtype) -> tuple[str, int] | None:
+    """How a read-only parameter is kept (:attr:`~lightning_greedysnake.layout.ParamSlot.storage`): in its
+    own dtype, where that is neither float32 (held in the compute dtype under the precision policy, as a
+    trained parameter's compute weights are) nor the compute dtype already. A dtype wider than the compute
+    dtype is refused before this (:func:`~lightning_greedysnake.strategy.checks.check_parameter_dtypes`)."""
+    if p.dtype in (torch.float32, compute_dtype):
+        return None
+    return str(p.dtype).removeprefix("torch."), p.dtype.itemsize
+
+
 def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torch.optim.Optimizer | None,
                  config: OffloadConfig, compute_dtype: torch.dtype, shard: tuple[int, int] | None = None,
                  contract: OptimizerContract | None = None, state_format: StateFormat | None = None) -> StateLayout:
@@ -83,13 +107,13 @@ def state_layout(units: list[Unit], param_names: dict[int, str], optimizer: torc
     align = PARAM_ALIGN_NUMEL if codec is None else max(PARAM_ALIGN_NUMEL, codec.align_numel)
     if contract.whole_parameters:  # every parameter start a legal cut: 4 KiB-aligned bytes in every dtype
         align = math.lcm(align, split_align_numel(codec.layout if codec else ()))
-    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]} if optimizer else {}
+    groups = parameter_groups(optimizer)
     layouts = [
         build_unit_layout(unit.index, [
-            (param_names.get(id(p), f"unit{unit.index}.{i}"), tuple(p.shape),
-             group_of.get(id(p)) if p.requires_grad else None)
-            for i, p in enumerate(unit.parameters())
-        ], align)
+            (param_names.get(id(p), f"unit{unit.index}.{i}"), tuple(p.shape), group,
+             read_only_storage(p, compute_dtype) if group is None else None)
+            for i, (p, group) in enumerate(layout_order(unit, groups))
+        ], align, compute_dtype.itemsize, split_align_numel(codec.layout if codec else ()))
         for unit in units
     ]
     return StateLayout(tuple(layouts), compute_dtype.itemsize, len(slots),
@@ -116,7 +140,7 @@ def gradients_from(state: StateLayout, alpha_max: float | None) -> list[int] | N
     None or each rank steps its own chunk (partitioned state: its deferred part is within its chunk)."""
     if alpha_max is None or state.shard is not None:
         return None
-    return [lay.numel if u == 0 else state.split(u, alpha_max) for u, lay in enumerate(state.units)]
+    return [lay.trained_numel if u == 0 else state.split(u, alpha_max) for u, lay in enumerate(state.units)]
 
 
 class TieredTensorStore:
@@ -165,7 +189,9 @@ class TieredTensorStore:
         self.offload_dirs: list[Path] = []
         """The offload directories, one per SSD (set by :meth:`open`; empty: none)."""
         self._closed = False
-        self.params: list[list[nn.Parameter]] = [unit.parameters() for unit in units]
+        groups = parameter_groups(optimizer)
+        self.params: list[list[nn.Parameter]] = [[p for p, _ in layout_order(unit, groups)] for unit in units]
+        """Each unit's parameters in its layout's order (the trained ones first)."""
         self.contract = contract if contract is not None else optimizer_contract(optimizer)
         """How the optimizer is stepped: element-wise on flat slices, or on whole parameters."""
         self.slots: tuple[str, ...] = self.contract.slots
@@ -296,6 +322,7 @@ class TieredTensorStore:
         Called once, after the model exists (and after a checkpoint's weights were loaded into it)."""
         for u in range(self.num_units):
             self.values.load_unit_weights(u, [p.data for p in self.params[u]])
+        for u in range(self.num_units):  # (after every unit's: a parameter several units lay out is read by each)
             self.weights.unbind(u)
         self.flush()
         self.grads.register_hooks()
@@ -304,6 +331,12 @@ class TieredTensorStore:
         """For a model created on the meta device: give unit u's parameters real (uninitialized) memory,
         let ``init_unit(u)`` fill them in place, store them in their tiers and free the memory again,
         one unit at a time, so the whole model never exists in RAM at once."""
+        if self.weights.shares_parameters:
+            raise ValueError(
+                "a frozen parameter is used by several units (a tied embedding and head) of a model created on "
+                "the meta device: greedysnake initializes such a model unit by unit, which would give each unit's "
+                "copy of it other values. Fix: create the model on the CPU (or load its weights before fit), or "
+                "untie it (e.g. tie_word_embeddings=False).")
         for u in range(self.num_units):
             self.weights.materialize(u)
             init_unit(u)
@@ -377,6 +410,7 @@ class TieredTensorStore:
 
     # -- the TensorStore protocol (training thread) ----------------------------------------------------------
     def begin_window(self, num_microbatches: int) -> None:
+        self.grads.check_requires_grad()
         self.activations.begin_window(num_microbatches, self.num_units)
 
     def acquire_unit(self, unit: int) -> None:

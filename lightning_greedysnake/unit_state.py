@@ -77,7 +77,7 @@ class UnitValues:
         arena.put_back(TensorKind.WEIGHTS, u, weights)
         if arena.state.region_bytes(TensorKind.MASTER_WEIGHTS, u):
             master = arena.stage(TensorKind.MASTER_WEIGHTS, u, read=False)
-            mflat = master.view(torch.float32, lay.numel)
+            mflat = master.view(torch.float32, lay.trained_numel)
             for slot, value in zip(lay.params, values, strict=True):
                 if slot.group is not None:
                     slot_view(mflat, slot).copy_(value.detach())
@@ -93,15 +93,17 @@ class UnitValues:
         try:
             flat = weights.view(self._dtype, lay.numel)
             dtype = torch.float32 if arena.state.separate_master else self._dtype
-            # (a trained parameter's value comes from the master weights below: no copy of it made here)
+            # (a trained parameter's value comes from the master weights below: no copy of it made here; a
+            # read-only one kept in its own dtype is given in it)
             out = [torch.empty(0) if has_master and slot.group is not None
+                   else slot_view(flat, slot).clone() if slot.storage is not None
                    else slot_view(flat, slot).to(dtype, copy=True) for slot in lay.params]
         finally:
             weights.release()
         if has_master:
             master = arena.stage(TensorKind.MASTER_WEIGHTS, u, read=True)
             try:
-                mflat = master.view(torch.float32, lay.numel)
+                mflat = master.view(torch.float32, lay.trained_numel)
                 for k, slot in enumerate(lay.params):
                     if slot.group is not None:
                         out[k] = slot_view(mflat, slot).clone()

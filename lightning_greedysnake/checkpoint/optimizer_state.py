@@ -38,7 +38,7 @@ def _trainable_index(state: StateLayout, u: int) -> dict[int, int]:
 def _slot_view(held: StagedBuffer, state: StateLayout, u: int, k: int, slot: ParamSlot) -> Tensor:
     lay = state.units[u]
     dtype = torch.float32 if state.state_itemsize == 4 else torch.bfloat16
-    flat = held.view(dtype, lay.numel, offset_bytes=state.slot_offset_bytes(u, k))
+    flat = held.view(dtype, lay.trained_numel, offset_bytes=state.slot_offset_bytes(u, k))
     return flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)
 
 

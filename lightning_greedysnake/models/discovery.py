@@ -172,18 +172,19 @@ def _tied_error(root: nn.Module, layered_path: str, units: list[Unit],
 
 
 def check_tied_weights(root: nn.Module, layered_path: str, units: list[Unit]) -> None:
-    """Every parameter of the layered model is used by one unit (its uses within one unit are exact: autograd
-    sums the gradient over them).
+    """Every trainable parameter of the layered model is used by one unit (its uses within one unit are exact:
+    autograd sums the gradient over them).
 
-    A parameter in two units (a tied embedding and head, or one module at several positions of an
-    ``nn.Sequential``, say) would be updated by two optimizer steps of one window; an evaluation through the
-    tensor manager computes NaN losses with it (a GPT with its head tied to the embedding, validated).
+    A trainable parameter in two units (a tied embedding and head, or one module at several positions of an
+    ``nn.Sequential``, say) would be updated by two optimizer steps of one window. A frozen one is accepted
+    (PEFT's LoRA on GPT-2, whose head is its frozen embedding): read-only, each unit keeps an equal copy.
     """
     uses: dict[int, tuple[nn.Parameter, list[Use]]] = {}
     for unit in units:
         for module, place in zip(unit.modules, unit.places or (None,) * len(unit.modules), strict=True):
             for p in module.parameters():
-                uses.setdefault(id(p), (p, []))[1].append((unit, place, module))
+                if p.requires_grad:
+                    uses.setdefault(id(p), (p, []))[1].append((unit, place, module))
     tied = [(p, u) for p, u in uses.values() if len({unit.index for unit, _, _ in u}) > 1]
     if tied:
         raise _tied_error(root, layered_path, units, tied)

@@ -60,6 +60,8 @@ class GradientAccumulator:
         self._finite: list[Tensor] = []
         """Speculative steps (fp16): per unit completed in this window, whether its gradient is finite."""
         self._hooks: list[Any] = []
+        self._laid_out: list[tuple[nn.Parameter, str, bool]] = []
+        """Every parameter with its name and ``requires_grad`` as laid out (:meth:`register_hooks`)."""
         self._scratch: Tensor | None = None
         """fp32 room for one parameter's 16-bit gradient on its way into the accumulator."""
         self._largest_param = max((s.numel for lay in state.units for s in lay.params), default=1)
@@ -70,6 +72,22 @@ class GradientAccumulator:
             for p in ps:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._laid_out = [(p, slot.name, p.requires_grad) for ps, lay in zip(self.params, self._state.units, strict=True)
+                          for p, slot in zip(ps, lay.params, strict=True)]
+
+    def check_requires_grad(self) -> None:
+        """Refuse a parameter whose ``requires_grad`` changed since the layout was made (at the start of fit):
+        a frozen one is read-only there, with no room for a gradient or state, and a hook collects the
+        gradients of the others (training thread, at the start of every window)."""
+        for p, name, was in self._laid_out:
+            if p.requires_grad != was:
+                raise ValueError(
+                    f"parameter {name!r} changed requires_grad from {was} to {p.requires_grad} during fit: "
+                    "strategy='greedysnake' lays out which parameters are trained when fit starts (a frozen one "
+                    "read-only, with no gradient, state or master room), so it would not train as Lightning "
+                    "does. Fix: set requires_grad before trainer.fit; to unfreeze (or freeze) during training, end "
+                    "the fit and start a new one from its checkpoint (trainer.fit(..., ckpt_path=...)), which lays "
+                    "the parameters out again.")
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -118,14 +136,14 @@ class GradientAccumulator:
                 held = self._arena.stage(TensorKind.GRADIENTS, u, read=False)  # (not zeroed: see _complete)
                 self._has_grad[u] = [False] * len(self._state.units[u].params)
             self._grads[u] = held
-        return held.view(torch.float32, self._state.units[u].numel)
+        return held.view(torch.float32, self._state.units[u].trained_numel)
 
     def _device_flat(self, u: int) -> Tensor:
         assert self._copies is not None
         flat = self._on_device.get(u)
         if flat is not None:
             return flat
-        numel = self._state.units[u].numel
+        numel = self._state.units[u].trained_numel
         if u in self._spilled:
             self._spilled.discard(u)
             held = self._arena.stage(TensorKind.GRADIENTS, u, read=True)

@@ -203,7 +203,7 @@ class RegionMap:
         """Bytes of unit ``u``'s SSD region of ``kind`` that can be written (see ``gradients_from``)."""
         if kind is not TensorKind.GRADIENTS or self.gradients_from is None:
             return self.state.kept_unit_bytes(kind, u)
-        lo, hi = self.gradients_from[u], self.state.units[u].numel
+        lo, hi = self.gradients_from[u], self.state.units[u].trained_numel
         return sum(b - a for a, b in self.state.byte_ranges(kind, u, lo, hi)) if lo < hi else 0
 
     def host_bytes(self) -> int:

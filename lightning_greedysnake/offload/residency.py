@@ -46,8 +46,12 @@ from lightning_greedysnake.offload.staging import Staged, StagingArena
 
 
 def slot_view(flat: Tensor, slot: ParamSlot) -> Tensor:
-    """The parameter ``slot`` inside a unit's flat buffer, in its own shape."""
-    return flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)
+    """The parameter ``slot`` inside a unit's flat buffer, in its own shape (a read-only one kept in its own
+    dtype: its bytes there, viewed as that dtype)."""
+    if slot.storage is None:
+        return flat[slot.offset_numel : slot.offset_numel + slot.numel].view(slot.shape)
+    own = flat[slot.offset_numel : slot.offset_numel + slot.span_numel].view(getattr(torch, slot.storage[0]))
+    return own[: slot.numel].view(slot.shape)
 
 
 class UpdateGate:
@@ -99,6 +103,14 @@ class WeightsResidency:
         self._placeholders = [
             [torch.full((1,), math.nan, dtype=compute_dtype).expand(p.shape) for p in ps] for ps in params
         ]
+        units_of: dict[int, list[int]] = {}
+        for u, ps in enumerate(params):
+            for p in ps:
+                units_of.setdefault(id(p), []).append(u)
+        self._shared_bound: dict[int, dict[int, Tensor]] = {i: {} for i, us in units_of.items() if len(us) > 1}
+        """A read-only parameter several units use (a frozen embedding tied to the head): each of those units
+        lays out a copy of it, and the units holding it now with their views (training thread only). It stays
+        bound while any of them holds it: the copies are equal, none is ever written."""
         self.weight_loads: dict[int, int] = {u: 0 for u in range(len(params))}
         """Times each unit's compute weights were acquired, since construction."""
         self.prefetches_refused = 0
@@ -258,10 +270,24 @@ class WeightsResidency:
         """Point unit ``unit``'s parameters at views of ``flat`` (its flat compute weights)."""
         for p, slot in zip(self.params[unit], self._state.units[unit].params, strict=True):
             p.data = slot_view(flat, slot)
+            bound = self._shared_bound.get(id(p))
+            if bound is not None:
+                bound[unit] = p.data
 
     def unbind(self, unit: int) -> None:
         for p, placeholder in zip(self.params[unit], self._placeholders[unit], strict=True):
+            bound = self._shared_bound.get(id(p))
+            if bound is not None:
+                bound.pop(unit, None)
+                if bound:  # another unit holds its copy still
+                    p.data = next(iter(bound.values()))
+                    continue
             p.data = placeholder
+
+    @property
+    def shares_parameters(self) -> bool:
+        """Whether a read-only parameter is laid out by several units."""
+        return bool(self._shared_bound)
 
     def materialize(self, unit: int) -> None:
         """Give ``unit``'s parameters real (uninitialized) memory in their own dtypes (meta models)."""

@@ -220,7 +220,7 @@ class PartStepper:
                 grad_reads.wait_reads()  # (issued before this part's: landed by now, as a rule)
             if weights_held is not None:
                 weights_held.wait_io()  # changed in place below: its last write-behind must be done
-            mflat = master.view(torch.float32, lay.numel)
+            mflat = master.view(torch.float32, lay.trained_numel)
             access = self._format.open(states, state, unit, self._slots, lo, hi)
             created = opt.step(mflat, grad, access, has_grad, part, hyper)
             self._format.close(access, seed=mix(unit, opt.step_number(part)))

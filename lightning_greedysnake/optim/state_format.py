@@ -133,7 +133,7 @@ class StateFormat:
             return FlatState({})
         if self.codec is not None:
             return SubclassState.over(self.codec, held, state, unit, slots)
-        numel = state.units[unit].numel
+        numel = state.units[unit].trained_numel
         views = {name: held.view(self.dtype, numel, offset_bytes=state.slot_offset_bytes(unit, k))
                  for k, name in enumerate(slots)}
         wide, base = self.widen(views, lo, hi)  # (bf16 state: fp32 scratch of the range)

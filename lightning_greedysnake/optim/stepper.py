@@ -310,7 +310,7 @@ class UnitStepper:
                     held = self._staging.stage(TensorKind.GRADIENTS, unit, read=True, wait=False,
                                                ranges=self.state.byte_ranges(TensorKind.GRADIENTS, unit, lo, hi))
                     try:
-                        flat = held.view(torch.float32, self.state.units[unit].numel)
+                        flat = held.view(torch.float32, self.state.units[unit].trained_numel)
                         self.parts.step_part(unit, 1, flat, None, hyper, has_grad,
                                              reads_out=self.lane.start_aheads, grad_reads=held)
                     finally:
@@ -387,7 +387,7 @@ class UnitStepper:
         the lane): averaged over the ranks when ``average``, unscaled by ``inv_scale``, observed (non-finite
         check, gradient observer), then clipped: clamped to each of ``values``, scaled by ``coef``."""
         grad.wait_reads()  # hand-over from the device's D2H copy of the gradient, if any, to the lane
-        flat = grad.view(torch.float32, self.state.units[unit].numel)
+        flat = grad.view(torch.float32, self.state.units[unit].trained_numel)
         if self.collectives is not None and average:
             self.collectives.average_gradient(flat)  # data parallel: the ranks' gradients averaged, as DDP does
         if inv_scale is not None:

@@ -189,7 +189,7 @@ class SubclassState:
     def over(cls, codec: SubclassCodec, held: Any, state: StateLayout, unit: int,
              slots: tuple[str, ...]) -> SubclassState:
         """Views of unit ``unit``'s staged state region ``held`` (a :class:`StagedBuffer`)."""
-        numel = state.units[unit].numel
+        numel = state.units[unit].trained_numel
         return cls(codec, {
             name: [held.view(c.dtype, c.entries(numel), offset_bytes=state.component_offset_bytes(unit, k, ci))
                    for ci, c in enumerate(codec.components)]

@@ -264,7 +264,7 @@ class UnitOptimizer:
         self.layout = layout
         self.slots = slots
         self.trainable: list[ParamSlot] = [p for p in layout.params if p.group is not None]
-        self.bounds = bounds if bounds is not None else (0, layout.numel)
+        self.bounds = bounds if bounds is not None else (0, layout.trained_numel)
         """The element range this process steps (data parallel with sharded state: its chunk)."""
         self.split = self.bounds[1] if split is None else split
         ranges = [(self.bounds[0], self.split), (self.split, self.bounds[1])]

@@ -116,25 +116,38 @@ def check_accumulation(accumulate_grad_batches: Any) -> None:
 
 
 def check_parameter_dtypes(module: torch.nn.Module, units: Any, compute_dtype: torch.dtype, precision: str) -> None:
-    """Refuse a layered model's parameter whose dtype the tensor manager would change, before any work.
+    """Refuse a layered model's parameter that the tensor manager would train with other values than
+    Lightning does, before any work, naming it.
 
-    Every parameter of the layered model is laid out as ``compute_dtype`` compute weights, a trainable one
-    with an fp32 master copy: exact for an fp32 parameter, and for a frozen one already in the compute dtype
-    (a bf16 base under ``bf16-mixed``). Any other (a frozen bf16 base under ``32-true``, PEFT's usual setup; a
-    trainable bf16 parameter, which Lightning would step in bf16; an int8 or NF4 base) would compute with
-    other values than Lightning does: refused, naming the parameter."""
+    A trainable parameter is laid out as ``compute_dtype`` compute weights with an fp32 master copy: exact
+    for an fp32 one only (a trainable bf16 parameter Lightning would step in bf16). A frozen one is
+    read-only and kept in its own dtype (a bf16 base beside fp32 adapters, PEFT's usual setup; an int8
+    base), or in the compute dtype where it is float32 (the precision policy's): refused where its dtype is
+    wider than the compute dtype (float64), or where it is a tensor subclass (torchao's NF4 or int8
+    weight-only tensors: their bytes are not a plain array to stream)."""
     names = {id(p): n for n, p in module.named_parameters()}
+    dtype_name = str(compute_dtype).removeprefix("torch.")
     for unit in units:
         for p in unit.parameters():
-            if p.dtype == torch.float32 or (not p.requires_grad and p.dtype == compute_dtype):
-                continue
             name = names.get(id(p), f"a parameter of unit {unit.index}")
-            role = "trainable" if p.requires_grad else "frozen"
-            raise ValueError(
-                f"parameter {name!r} is {str(p.dtype).removeprefix('torch.')} ({role}), but under precision="
-                f"{precision!r} strategy='greedysnake' keeps every parameter of the layered model as "
-                f"{str(compute_dtype).removeprefix('torch.')} compute weights"
-                f"{', a trainable one with float32 master weights' if compute_dtype != torch.float32 else ''}: it "
-                "would train with other values than Lightning does. Parameters in their own dtype (a frozen bf16 "
-                "or quantized base for LoRA) are not supported yet. Fix: keep the model in float32 (model.float() "
-                "before fit), use precision='bf16-mixed' for a frozen bfloat16 base, or strategy='auto'.")
+            own = str(p.dtype).removeprefix("torch.")
+            if type(p.data) not in (torch.Tensor, torch.nn.Parameter):
+                raise ValueError(
+                    f"parameter {name!r} is a {type(p.data).__name__} (a tensor subclass: a quantized base such as "
+                    "torchao's NF4 or int8 weight-only tensors), which strategy='greedysnake' cannot stream from "
+                    "its tiers: its bytes are not one plain array. Fix: dequantize the base into a plain bfloat16 "
+                    "tensor before fit (frozen, it is kept read-only in bfloat16: half the bytes of float32), or "
+                    "use strategy='auto'.")
+            if p.requires_grad and p.dtype != torch.float32:
+                raise ValueError(
+                    f"parameter {name!r} is {own} (trainable), but under precision={precision!r} "
+                    f"strategy='greedysnake' steps every trainable parameter on a float32 master copy (kept as "
+                    f"{dtype_name} compute weights): Lightning would step it in {own}, so it would train with other "
+                    "values. Fix: keep the trainable parameters in float32 (model.float() before fit, or only the "
+                    "trainable ones: a frozen base may stay in its own dtype), or use strategy='auto'.")
+            if not p.requires_grad and p.dtype != torch.float32 and p.dtype.itemsize > compute_dtype.itemsize:
+                raise ValueError(
+                    f"parameter {name!r} is {own} (frozen): strategy='greedysnake' keeps a frozen parameter "
+                    f"read-only in its own dtype where that is no wider than the compute dtype ({dtype_name} under "
+                    f"precision={precision!r}), so it would compute with other values than Lightning does. Fix: "
+                    f"cast it to {dtype_name} or float32 before fit, or use strategy='auto'.")

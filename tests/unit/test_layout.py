@@ -8,10 +8,10 @@ from lightning_greedysnake.layout import (PARAM_ALIGN_NUMEL, build_file_layout, 
 
 
 def test_parameters_start_on_aligned_offsets_and_regions_are_page_multiples():
-    lay = build_unit_layout(0, [("w", (3, 5), 0), ("b", (5,), 1), ("frozen", (7,), None)])
+    lay = build_unit_layout(0, [("w", (3, 5), 0), ("b", (5,), 1), ("c", (7,), 1)])
     assert [p.offset_numel for p in lay.params] == [0, PARAM_ALIGN_NUMEL, 2 * PARAM_ALIGN_NUMEL]
-    assert lay.numel == 3 * PARAM_ALIGN_NUMEL
-    assert lay.trainable_numel == 15 + 5
+    assert lay.numel == lay.trained_numel == 3 * PARAM_ALIGN_NUMEL
+    assert lay.trainable_numel == 15 + 5 + 7
     assert lay.nbytes(4) == 4096 and lay.nbytes(2) == 4096
     big = build_unit_layout(1, [("w", (1000, 3), 0)])
     assert big.nbytes(4) % 4096 == 0 and big.nbytes(4) >= 3000 * 4
@@ -49,15 +49,52 @@ def test_a_three_way_split_places_a_device_prefix_then_a_host_prefix_then_the_re
     assert OffloadConfig(weights=config.weights).weights == config.weights  # (validated again as given)
 
 
-def test_a_steps_weight_ranges_are_the_runs_of_trained_parameters_a_frozen_one_ends_a_run():
+def test_the_trained_parameters_are_a_prefix_and_only_it_has_master_gradient_and_state_room():
+    """Issue 70: a read-only parameter (frozen, or not in the optimizer) lies after every trained one; the
+    master weights, gradients and each state slot cover the trained prefix only, a step's bounds and the
+    weight bytes it writes end there, and the weights region holds the whole unit."""
+    from lightning_greedysnake.config import TensorKind
     from lightning_greedysnake.layout import StateLayout, build_unit_layout
 
-    lay = build_unit_layout(0, [("a", (100,), 0), ("b", (10,), 0), ("frozen", (64,), None), ("c", (64,), 0)])
+    lay = build_unit_layout(0, [("a", (100,), 0), ("b", (10,), 0), ("c", (64,), 0), ("frozen", (5000,), None)])
     state = StateLayout((lay,), compute_itemsize=2, num_slots=2, separate_master=True)
-    assert [s.offset_numel for s in lay.params] == [0, 128, 192, 256]
-    assert state.trained_weight_ranges(0, 0, lay.numel) == [(0, 276), (512, 640)]  # a and b (padding between), c
-    assert state.trained_weight_ranges(0, 120, 300) == [(256, 276), (512, 600)]  # clipped to the part
-    assert state.trained_weight_ranges(0, 192, 256) == []  # only the frozen one
+    # the prefix ends on 2048 elements (4 KiB in every dtype), so a step's reads and writes stop there
+    assert [s.offset_numel for s in lay.params] == [0, 128, 192, 2048]
+    assert (lay.trained_numel, lay.numel) == (2048, 2048 + 5056)
+    assert state.region_bytes(TensorKind.WEIGHTS, 0) == 16384  # 7104 x 2 bytes, 4 KiB aligned
+    for kind in (TensorKind.MASTER_WEIGHTS, TensorKind.GRADIENTS):
+        assert state.region_bytes(kind, 0) == 8192  # 2048 x 4 bytes, not 7104 x 4
+    assert state.region_bytes(TensorKind.OPTIMIZER_STATES, 0) == 2 * 8192
+    assert state.bounds(0) == (0, 2048)
+    assert state.trained_weight_ranges(0, *state.bounds(0)) == [(0, 512)]
+    assert state.byte_ranges(TensorKind.WEIGHTS, 0, *state.bounds(0)) == [(0, 4096)]  # the frozen bytes unwritten
+    assert state.byte_ranges(TensorKind.GRADIENTS, 0, *state.bounds(0)) == [(0, 8192)]
+    assert state.trained_weight_ranges(0, 130, 300) == [(260, 512)]  # clipped to the part
+    frozen = build_unit_layout(1, [("w", (64,), None)])
+    assert frozen.trained_numel == 0 and StateLayout((frozen,), 4, 2, False).region_bytes(TensorKind.GRADIENTS, 0) == 0
+    with pytest.raises(ValueError, match=r"trained parameter 'c' laid out after a read-only one"):
+        build_unit_layout(0, [("a", (100,), 0), ("frozen", (64,), None), ("c", (64,), 0)])
+
+
+def test_a_read_only_parameter_in_its_own_dtype_takes_the_compute_elements_its_bytes_need():
+    import torch
+
+    from lightning_greedysnake.layout import build_unit_layout
+    from lightning_greedysnake.offload.residency import slot_view
+
+    lay = build_unit_layout(0, [("lora", (8,), 0), ("base", (10, 30), None, ("bfloat16", 2)),
+                                ("codes", (100,), None, ("int8", 1))], compute_itemsize=4)
+    base, codes = lay.params[1], lay.params[2]
+    assert (base.offset_numel, base.span_numel) == (2048, 150)
+    assert (codes.offset_numel, codes.span_numel) == (2240, 25)
+    assert lay.trained_numel == 2048 and lay.numel == 2304
+    flat = torch.zeros(lay.numel)
+    value = torch.randn(10, 30).to(torch.bfloat16)
+    slot_view(flat, base).copy_(value)
+    slot_view(flat, codes).copy_(torch.arange(100, dtype=torch.int8))
+    assert slot_view(flat, base).dtype == torch.bfloat16 and torch.equal(slot_view(flat, base), value)
+    assert torch.equal(slot_view(flat, codes), torch.arange(100, dtype=torch.int8))
+    assert flat[:2048].abs().sum() == 0  # the trained prefix untouched
 
 
 def test_a_split_share_that_no_whole_unit_fits_is_found_with_the_share_it_needs():

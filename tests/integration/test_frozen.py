@@ -1,0 +1,127 @@
+"""Frozen parameters are read-only (issue 70): LitGPT's LoRA model with every kind on SSD reads its frozen base
+with its unit and never writes it; the master weights, gradients and optimizer state exist for the trained
+parameters only; in the vertical order a window reads each unit's weights once, the horizontal order once per
+micro-batch. Measured with ``io_stats()``/``step_telemetry``, the bytes the SSD really moved. A parameter whose
+``requires_grad`` changes during fit is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_greedysnake import GreedySnakeStrategy
+from lightning_greedysnake.config import OffloadConfig, TensorKind
+from tests.helpers import make_trainer, max_abs_diff, token_loader
+
+litgpt = pytest.importorskip("litgpt")
+
+from litgpt.lora import GPT, Config, mark_only_lora_as_trainable  # noqa: E402
+
+VOCAB, K = 64, 3
+
+
+class LoRAModule(L.LightningModule):
+    """The issue's model: n_embd 128, 4 layers, r=4 on query, value and projection (about 1% trainable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = Config.from_name("Llama-3.2-1B", n_layer=4, n_embd=128, n_head=4, n_query_groups=4, head_size=32,
+                                  intermediate_size=256, vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=16,
+                                  lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_value=True,
+                                  lora_projection=True)
+        self.model = GPT(config)
+        mark_only_lora_as_trainable(self.model)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3)
+
+
+class Layout(L.Callback):
+    """The tensor manager's layout, as the run made it."""
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.state = trainer.strategy.tensor_manager.state
+
+
+def fit(schedule: str) -> tuple[GreedySnakeStrategy, LoRAModule, Any]:
+    L.seed_everything(0, verbose=False)
+    module, layout = LoRAModule(), Layout()
+    strategy = GreedySnakeStrategy(auto=False, schedule=schedule, offload=OffloadConfig.everywhere("ssd"))
+    make_trainer(strategy, K, max_epochs=1, callbacks=[layout]).fit(module, token_loader(4 * K, vocab=VOCAB))
+    return strategy, module, layout.state
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[GreedySnakeStrategy, LoRAModule, Any]]:
+    return {schedule: fit(schedule) for schedule in ("vertical", "horizontal")}
+
+
+def test_frozen_weights_are_never_written_and_only_trained_parameters_have_state_and_gradients(runs):
+    strategy, module, state = runs["vertical"]
+    units = range(state.num_units)
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in module.parameters())
+    assert trainable * 40 < total  # (the base is most of the model)
+    prefix = [state.units[u].trained_numel for u in units]
+    # the trained prefix: the trainable parameters and padding (up to a 2048-element boundary a unit)
+    assert trainable <= sum(prefix) <= trainable + 2048 * state.num_units
+    weights = sum(state.region_bytes(TensorKind.WEIGHTS, u) for u in units)
+    prefix_weights = sum(b - a for u in units for a, b in state.byte_ranges(TensorKind.WEIGHTS, u, *state.bounds(u)))
+    assert prefix_weights * 20 < weights
+    for kind, room in ((TensorKind.GRADIENTS, 1), (TensorKind.OPTIMIZER_STATES, 2)):  # AdamW: two slots
+        assert sum(state.region_bytes(kind, u) for u in units) == room * 4 * sum(prefix)
+    steps = len(strategy.step_telemetry)
+    assert steps == 4
+    stats = strategy.io_stats()  # the whole fit's (a step's writes may land in the next step's telemetry)
+    # the weights went to SSD once at the start; every step since wrote what it changed: the trained prefix of
+    # each unit, never a frozen byte
+    assert 0 < stats["ssd/weights/bytes_written"] - weights <= steps * prefix_weights
+    assert 0 < stats["ssd/optimizer_states/bytes_written"] <= steps * 2 * 4 * sum(prefix)
+    assert stats["ssd/optimizer_states/bytes_read"] <= steps * 2 * 4 * sum(prefix)
+    assert stats["ssd/gradients/bytes_written"] <= steps * 4 * sum(prefix)
+
+
+def test_the_vertical_order_reads_the_frozen_base_k_times_less_than_the_horizontal(runs):
+    """A window of the vertical order reads each unit for its forward and again for its backward (the units at
+    the turn kept between them), whatever K; the horizontal order does so for every micro-batch."""
+    read, weights = {}, {}
+    for schedule, (strategy, _, state) in runs.items():
+        weights[schedule] = sum(state.region_bytes(TensorKind.WEIGHTS, u) for u in range(state.num_units))
+        read[schedule] = [s.bytes_read.get("weights", 0) for s in strategy.step_telemetry[1:]]
+    assert weights["vertical"] == weights["horizontal"]
+    assert all(weights["vertical"] <= r <= 2 * weights["vertical"] for r in read["vertical"]), read
+    assert all(h >= (K - 0.5) * v for h, v in zip(read["horizontal"], read["vertical"], strict=True)), read
+
+
+def test_both_orders_train_alike(runs):
+    a = {n: p.detach() for n, p in runs["vertical"][1].named_parameters()}
+    b = {n: p.detach() for n, p in runs["horizontal"][1].named_parameters()}
+    assert max_abs_diff(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_a_requires_grad_changed_during_fit_is_refused(tmp_path, change):
+    class Change(L.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == K:  # the second window
+                name = "model.transformer.h.1.attn.qkv.linear.weight" if change == "unfreeze" else \
+                    "model.transformer.h.1.attn.qkv.lora_A"
+                module.get_parameter(name).requires_grad_(change == "unfreeze")
+
+    L.seed_everything(0, verbose=False)
+    trainer = make_trainer(GreedySnakeStrategy(auto=False), K, max_epochs=1, callbacks=[Change()],
+                           default_root_dir=tmp_path)
+    was = "False to True" if change == "unfreeze" else "True to False"
+    with pytest.raises(ValueError, match=rf"parameter 'model\.transformer\.h\.1\.attn\.qkv\.\S+' changed "
+                                         rf"requires_grad from {was} during fit.*Fix: set requires_grad before"):
+        trainer.fit(LoRAModule(), token_loader(4 * K, vocab=VOCAB))
+    assert trainer.global_step == 1
