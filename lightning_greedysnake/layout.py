@@ -273,6 +273,19 @@ class StateLayout:
             return [(lo * isz, lay.nbytes(isz) if hi >= lay.numel else hi * isz)]
         return [(lo * 4, lay.trained_nbytes(4) if hi >= lay.trained_numel else hi * 4)]
 
+    def written_weight_bytes(self, u: int) -> int:
+        """Bytes of unit ``u``'s weights region that its steps write (and re-read as master): the trained
+        prefix, every rank's chunk together; the rest of the region (:meth:`read_only_weight_bytes`) is
+        written once, when the unit's values are placed. 0: nothing of the unit is trained. The one
+        place the planner, the reports and the I/O counters take this split from."""
+        n = self.units[u].trained_numel
+        return sum(b - a for a, b in self.byte_ranges(TensorKind.WEIGHTS, u, 0, n)) if n else 0
+
+    def read_only_weight_bytes(self, u: int) -> int:
+        """Bytes of unit ``u``'s weights region past its trained prefix (frozen parameters and their
+        padding): read with the unit, never written by a step."""
+        return self.region_bytes(TensorKind.WEIGHTS, u) - self.written_weight_bytes(u)
+
     def trained_weight_ranges(self, u: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """Byte ranges of unit ``u``'s compute weights that a step of elements ``[lo, hi)`` changes: each
         run of consecutive trained parameters (the padding between them included), clipped to the range;

@@ -100,6 +100,7 @@ def merge(units: list[UnitCost], layers_per_unit: int) -> list[UnitCost]:
             activation_bytes=sum(u.activation_bytes for u in group),
             on_ssd=frozenset().union(*(u.on_ssd for u in group)),
             on_device=frozenset().union(*(u.on_device for u in group)),
+            trained_weight_bytes=sum(u.written_weight_bytes for u in group),
         ))
     return out
 
@@ -124,9 +125,10 @@ def _ssd(u: UnitCost, kind: str, nbytes: int) -> int:
 
 def optimizer_bytes(u: UnitCost) -> tuple[int, int]:
     """SSD (read, write) bytes of unit ``u``'s optimizer step: master weights and state in, master
-    weights, state and (a trainable unit's) compute weights out, each where its region is on SSD."""
+    weights, state and (a trainable unit's) compute weights out, each where its region is on SSD (of the
+    compute weights, the trained prefix: frozen ones are never written)."""
     reads = _ssd(u, "master_weights", u.master_bytes) + _ssd(u, "optimizer_states", u.state_bytes)
-    writes = reads + (_ssd(u, "weights", u.weight_bytes) if u.params else 0)
+    writes = reads + _ssd(u, "weights", u.written_weight_bytes)
     return reads, writes
 
 
@@ -183,7 +185,7 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     # deferring costs bytes too: the deferred range's gradient goes to SSD and back, and its weights
     # range is read again (as master under 32-true, to refresh the 16-bit copy under bf16-mixed)
     deferred_io = alpha * sum(_ssd(u, "gradients", u.grad_bytes) * (1 / read + 1 / write)
-                              + _ssd(u, "weights", u.weight_bytes) / read for u in rest)
+                              + _ssd(u, "weights", u.written_weight_bytes) / read for u in rest)
     saved = k * (len(units) - 1) * unit_input_bytes if (activations == "ssd" and recompute) else 0
     f_compute = k * sum(u.forward_s for u in units)
     b_compute = k * sum(u.backward_s - (0.0 if recompute else u.recompute_s) for u in units)

@@ -52,6 +52,18 @@ class UnitCost:
     on_device: frozenset[str] = frozenset()
     """The kinds whose region of this unit is resident on the device (compute weights kept on a GPU):
     no SSD bytes, but a step stages their new values on the host on the way there."""
+    trained_weight_bytes: int | None = None
+    """Bytes of the trained prefix of ``weight_bytes``: what a step writes (and re-reads as master), the
+    rest being read-only (frozen parameters: read with the unit, never written back). None: all of
+    ``weight_bytes`` (every parameter trained)."""
+
+    @property
+    def written_weight_bytes(self) -> int:
+        """Compute-weight bytes a step of this unit writes: its trained prefix (0 where nothing is
+        trained)."""
+        if not self.params:
+            return 0
+        return self.weight_bytes if self.trained_weight_bytes is None else self.trained_weight_bytes
 
     def staging(self) -> UnitStaging:
         """What this unit puts through the staging pool (the staging rule's input)."""
@@ -129,8 +141,10 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
     budget has it), leaves the new weights in memory for the next window's first forward: one read
     less. The optimizer reads and writes its state, writes the new compute weights, and under 32-true
     reads the weights as master where they are not in memory; the deferred range of each gradient
-    goes to the gradients tier and back. Each term counts only the units whose region of that kind is on
-    SSD (``UnitCost.on_ssd``).
+    goes to the gradients tier and back. Frozen parameters are read-only: a step writes (and re-reads)
+    only each unit's trained prefix of its weights (``UnitCost.written_weight_bytes``), while every read
+    of a unit's weights for compute reads its whole region. Each term counts only the units whose region
+    of that kind is on SSD (``UnitCost.on_ssd``).
     """
     assert schedule in ("vertical", "horizontal") and k >= 1 and units
     t: dict[str, int] = {}
@@ -152,16 +166,17 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
         add("read/weights", k * (2 * sum(w[:-1]) + w[-1]) - (k - 1) * w[0])
     if slack and units[0].params and not units[0].alpha_weight_bytes and not clip_norm:
         add("read/weights", -w[0])
-    add("write/weights", sum(x for x, u in zip(w, units) if u.params))
+    # a step writes its trained prefix only: the frozen rest of the region is read with the unit, never written
+    w_trained = [u.written_weight_bytes if s else 0 for u, s in zip(units, on["weights"])]
+    add("write/weights", sum(w_trained))
     separate_master = any(u.master_bytes for u in units)
     both("optimizer_states", sum(u.state_bytes for u, s in zip(units, on["optimizer_states"]) if s))
     both("master_weights", sum(u.master_bytes for u, s in zip(units, on["master_weights"]) if s))  # (none: 32-true)
     # a step reads the unit's weights range (as master under 32-true, to refresh the 16-bit copy under
     # bf16-mixed) where it is on SSD, unless the unit is still in memory when its step comes: in either
     # order every unit is (its step follows its last backward), for its backward part; with norm clipping none
-    trainable = [x if u.params else 0 for x, u in zip(w, units)]
     alpha_w = [u.alpha_weight_bytes if s else 0 for u, s in zip(units, on["weights"])]
-    refresh = sum(trainable) if clip_norm else sum(alpha_w)
+    refresh = sum(w_trained) if clip_norm else sum(alpha_w)
     add("read/weights" if separate_master else "read/master_weights", refresh)
     if clip_norm:
         assert schedule == "vertical", "the traffic model covers norm clipping in the vertical order"

@@ -23,6 +23,9 @@ class Counters(L.Callback):
         self.stats = manager.stats.copy()
 
 
+FROZEN = {"frozen": True}
+"""Not an offload setting: the model's MLPs and token embedding frozen (every kind on SSD)."""
+
 SPLIT = {kind: {"host": share, "ssd": 1 - share} for kind, share in
          (("weights", 0.4), ("master_weights", 0.5), ("optimizer_states", 0.4), ("gradients", 0.5))}
 
@@ -39,14 +42,26 @@ SPLIT = {kind: {"host": share, "ssd": 1 - share} for kind, share in
     ("vertical", 3, 0.25, "bf16-mixed", False, SPLIT),  # some units of every kind in RAM
     ("horizontal", 3, 0.5, "32-true", False, SPLIT),
     ("vertical", 3, 0.25, "bf16-mixed", False, {"optimizer_state_dtype": "bfloat16"}),
+    # frozen MLPs (issue 70): a step writes each unit's trained prefix of its weights, reads the whole region
+    ("vertical", 3, 0.5, "32-true", False, FROZEN),
+    ("vertical", 3, 0.5, "bf16-mixed", False, FROZEN),
+    ("vertical", 3, 0.25, "32-true", True, FROZEN),
+    ("horizontal", 3, 0.5, "bf16-mixed", False, FROZEN),
 ])
 def test_predicted_bytes_equal_the_counters(schedule, k, alpha, precision, clip, offload):
     counters = Counters()
     L.seed_everything(0, verbose=False)
+    module = TinyGPTModule(n_layer=3, lr=1e-3)
+    if offload is FROZEN:
+        offload = None
+        for name, p in module.named_parameters():
+            p.requires_grad_(".mlp." not in name and "wte" not in name)
+        frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+        assert frozen * 2 > sum(p.numel() for p in module.parameters())
     trainer = make_trainer(GreedySnakeStrategy(auto=False, schedule=schedule, alpha=alpha, offload=offload), k, max_epochs=1,
                            precision=precision, callbacks=[counters],
                            **({"gradient_clip_val": 0.05} if clip else {}))
-    trainer.fit(TinyGPTModule(n_layer=3, lr=1e-3), token_loader(STEPS * k))
+    trainer.fit(module, token_loader(STEPS * k))
     assert trainer.global_step == STEPS
     units = counters.units
     sizes = {"weights": "weight_bytes", "master_weights": "master_bytes", "optimizer_states": "state_bytes",
@@ -55,6 +70,8 @@ def test_predicted_bytes_equal_the_counters(schedule, k, alpha, precision, clip,
         for kind in SPLIT:
             tiers = {kind in u.on_ssd for u in units if getattr(u, sizes[kind])}
             assert tiers in (set(), {True, False}), kind
+    if module.model.wte.weight.requires_grad is False:  # (FROZEN) the frozen bytes are most of the weights
+        assert 0 < sum(u.written_weight_bytes for u in units) < 0.6 * sum(u.weight_bytes for u in units)
     model = traffic(units, schedule, k, clip_norm=clip)
 
     def on_ssd(kind: str, size: str) -> int:

@@ -70,8 +70,14 @@ def test_the_trained_parameters_are_a_prefix_and_only_it_has_master_gradient_and
     assert state.byte_ranges(TensorKind.WEIGHTS, 0, *state.bounds(0)) == [(0, 4096)]  # the frozen bytes unwritten
     assert state.byte_ranges(TensorKind.GRADIENTS, 0, *state.bounds(0)) == [(0, 8192)]
     assert state.trained_weight_ranges(0, 130, 300) == [(260, 512)]  # clipped to the part
+    # the one split of the weights region the planner, the reports and the I/O counters take
+    assert (state.written_weight_bytes(0), state.read_only_weight_bytes(0)) == (4096, 16384 - 4096)
     frozen = build_unit_layout(1, [("w", (64,), None)])
     assert frozen.trained_numel == 0 and StateLayout((frozen,), 4, 2, False).region_bytes(TensorKind.GRADIENTS, 0) == 0
+    assert StateLayout((frozen,), 4, 2, False).written_weight_bytes(0) == 0
+    whole = StateLayout((build_unit_layout(0, [("a", (100,), 0)]),), 4, 2, False)
+    assert whole.written_weight_bytes(0) == whole.region_bytes(TensorKind.WEIGHTS, 0) == 4096
+    assert whole.read_only_weight_bytes(0) == 0
     with pytest.raises(ValueError, match=r"trained parameter 'c' laid out after a read-only one"):
         build_unit_layout(0, [("a", (100,), 0), ("frozen", (64,), None), ("c", (64,), 0)])
 

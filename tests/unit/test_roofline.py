@@ -41,3 +41,21 @@ def test_reads_and_writes_sum_their_terms():
     t = traffic(UNITS, "horizontal", 3, clip_norm=False)
     assert t.read_bytes == sum(v for n, v in t.terms.items() if n.startswith("read/"))
     assert t.write_bytes == sum(v for n, v in t.terms.items() if n.startswith("write/"))
+
+
+def test_frozen_weights_are_read_with_their_unit_and_never_written():
+    """Issue 70: a unit whose trained prefix is a tenth of its weights (a LoRA block) reads its whole weights
+    region for compute and writes the prefix back; merged units and the warm-step plan's step bytes agree."""
+    import dataclasses
+
+    from lightning_greedysnake.planner.plan import merge, optimizer_bytes
+
+    lora = [dataclasses.replace(u, trained_weight_bytes=4096) for u in UNITS]
+    whole, frozen = traffic(UNITS, "vertical", 4).terms, traffic(lora, "vertical", 4).terms
+    assert frozen["read/weights"] == whole["read/weights"]
+    assert whole["write/weights"] == 4 * 4096 * 10 and frozen["write/weights"] == 4 * 4096
+    assert merge(lora, 2)[0].written_weight_bytes == 2 * 4096 and merge(UNITS, 2)[0].written_weight_bytes == 2 * 40960
+    assert optimizer_bytes(lora[1])[1] - optimizer_bytes(lora[1])[0] == 4096
+    clipped = traffic(lora, "vertical", 4, clip_norm=True).terms  # (32-true: the prefix re-read as master)
+    assert clipped["read/master_weights"] == 4 * 4096
+    assert dataclasses.replace(UNITS[0], params=0).written_weight_bytes == 0

@@ -86,6 +86,9 @@ class SizedStore(Protocol):
     @property
     def layouts(self) -> Sequence[UnitLayout]: ...
 
+    @property
+    def state(self) -> StateLayout: ...
+
     def region_bytes(self, kind: TensorKind, u: int) -> int: ...
 
     def deferred_bytes(self, kind: TensorKind, u: int) -> int:
@@ -118,6 +121,7 @@ def unit_costs(manager: SizedStore, forward_s: list[float] | None = None, backwa
         activation_bytes=(activation_bytes or {}).get(u, 0),
         on_ssd=frozenset(kind.value for kind in REGION_KINDS if manager.on_ssd(kind, u)),
         on_device=frozenset(kind.value for kind in REGION_KINDS if manager.on_device(kind, u)),
+        trained_weight_bytes=manager.state.written_weight_bytes(u),
     ) for u, lay in enumerate(manager.layouts)]
 
 
@@ -141,7 +145,9 @@ class PlannedState:
 
     def deferred_bytes(self, kind: TensorKind, u: int) -> int:
         deferred = self.alpha if u > 0 and self.state.units[u].trainable_numel else 0.0
-        return int(deferred * self.state.region_bytes(kind, u))
+        stepped = (self.state.written_weight_bytes(u) if kind is TensorKind.WEIGHTS  # (the trained prefix)
+                   else self.state.region_bytes(kind, u))
+        return int(deferred * stepped)
 
     def on_ssd(self, kind: TensorKind, u: int) -> bool:
         return self.tiers[kind][u] is Tier.SSD
