@@ -30,6 +30,8 @@ def plain_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, object]:
         state_dict.update(reader.read_tensors(model_file(unit)))
         if optimizer_file(unit) in reader.files:
             per_param.update(optimizer_entries(*reader.read_tensors_and_metadata(optimizer_file(unit))))
+    for alias, name in reader.manifest.get("aliases", {}).items():  # (a tied head: the one tensor, as torch.save)
+        state_dict[alias] = state_dict[name]
     state["state_dict"] = state_dict
     if reader.manifest.get("optimizer"):
         order = reader.manifest["optimizer_params"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -119,6 +119,16 @@ class StreamedOptimizerState(dict):  # type: ignore[type-arg]
         self.reader = reader
 
 
+def parameter_aliases(module: nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """The other names under which ``module``'s state dict holds a parameter it names first in ``names``, each
+    with that first name (GPT-2's head tied to its embedding: ``lm_head.weight`` -> ``transformer.wte.weight``).
+    A checkpoint stores such a parameter once and lists its aliases; a load sets it once, by its first name."""
+    first = {id(p): n for n, p in module.named_parameters()}
+    wanted = set(names)
+    return {n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
+            if first[id(p)] != n and first[id(p)] in wanted}
+
+
 def model_file(u: int) -> str:
     return f"model/unit_{u:05d}.safetensors"
 
@@ -206,6 +216,9 @@ def save_streamed(manager: StateSource, checkpoint: dict[str, Any], path: str | 
     try:
         state_dict = checkpoint.get(STATE_DICT, {})
         small = {n: v for n, v in state_dict.items() if isinstance(v, Tensor)}
+        # (a parameter under a second name, a tied head: stored once, by its unit's name, and listed)
+        aliases = {n: manager.layouts[v.unit].params[v.index].name for n, v in state_dict.items()
+                   if isinstance(v, StreamedTensor) and manager.layouts[v.unit].params[v.index].name != n}
         optimizer_states = checkpoint.get(OPTIMIZER_STATES)
         params: dict[str, dict[str, Any]] = {}
         with_optimizer = optimizer_states is not None and manager.optimizer is not None
@@ -225,7 +238,8 @@ def save_streamed(manager: StateSource, checkpoint: dict[str, Any], path: str | 
             rest[OPTIMIZER_STATES] = [{k: v for k, v in s.items() if k != "state"} for s in optimizer_states]
         writer.write_object(TRAINER_STATE, rest)
         writer.publish({
-            "params": params, "extra": sorted(small), "num_units": manager.num_units, "optimizer": with_optimizer,
+            "params": params, "extra": sorted(small), "aliases": aliases, "num_units": manager.num_units,
+            "optimizer": with_optimizer,
             "layered_prefix": layered_prefix, "precision": precision,
             # the optimizer's parameter order (its state dict keys are positions in it): what it takes
             # to rebuild a plain torch.optim state dict (export --lightning)
@@ -399,7 +413,8 @@ def load_model_into(manager: StateSink, module: torch.nn.Module, state_dict: Map
             slots = manager.layouts[u].params
             if all(s.name in state_dict for s in slots):
                 manager.load_unit_weights(u, [state_dict[s.name] for s in slots])
-        taken = set(unit_names)
+        # (a unit parameter's second name, a tied head, is set with it: never copied into its placeholder)
+        taken = set(unit_names) | set(parameter_aliases(module, unit_names))
         rest = {k: v for k, v in state_dict.items() if k not in taken}
     manager.flush()
     # buffers (and anything else outside the units) load the usual way; the units' parameters are

@@ -207,9 +207,12 @@ class StreamedCheckpoints(CheckpointSeam):
     gathered (rank 0 writes the directory; with partitioned state every rank contributes its chunks)."""
 
     def __init__(self, values: UnitValues, *, rank: int, world: int, layered_prefix: str,
-                 precision: str) -> None:
+                 precision: str, aliases: Mapping[str, str] | None = None) -> None:
         self.values = values
         """The tensor manager's whole units, which checkpoints stream from and into."""
+        self.aliases = dict(aliases or {})
+        """State-dict names of a unit parameter besides its own, each with its own (:func:`~lightning_greedysnake.
+        checkpoint.streamed.parameter_aliases`: GPT-2's frozen head, the embedding's weight)."""
         self.rank, self.world = rank, world
         self.layered_prefix = layered_prefix
         """The layered model's path in the LightningModule with its dot ("" at the top)."""
@@ -227,6 +230,13 @@ class StreamedCheckpoints(CheckpointSeam):
             for i, slot in enumerate(self.values.layouts[u].params):
                 if slot.name in state:
                     state[slot.name] = StreamedTensor(u, i, slot.shape)
+        return self._with_aliases(state)
+
+    def _with_aliases(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with each alias of a unit parameter what its own name holds (not the placeholder's NaN)."""
+        for alias, name in self.aliases.items():
+            if alias in state and name in state:
+                state[alias] = state[name]
         return state
 
     def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -235,7 +245,7 @@ class StreamedCheckpoints(CheckpointSeam):
             for slot, value in zip(self.values.layouts[u].params, master(u), strict=True):
                 if slot.name in state:
                     state[slot.name] = value
-        return state
+        return self._with_aliases(state)
 
     def optimizer_state(self, optimizer: Any, lightning: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         if self.values.optimizer is None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_greedysnake.checkpoint.streamed import parameter_aliases
 from lightning_greedysnake.config import RunConfig
 from lightning_greedysnake.engine import WindowEngine
 from lightning_greedysnake.engine.timing import ComputeTimer, compute_timer_for
@@ -239,7 +240,9 @@ def open_run(ctx: SetupContext, before: BeforeSetup, module: nn.Module, cut: Mod
                           timer=timer, rng=TrainingRng(ctx.device, ctx.report))
     checkpoints = StreamedCheckpoints(manager.values, rank=ctx.global_rank, world=ctx.world_size,
                                       layered_prefix=f"{cut.path}." if cut.path else "",
-                                      precision=str(ctx.precision.precision))
+                                      precision=str(ctx.precision.precision),
+                                      aliases=parameter_aliases(module, [slot.name for lay in manager.values.layouts
+                                                                         for slot in lay.params]))
     return Run(cut, engine, guard, planner, directories, checkpoints=checkpoints, placement=planned.placement,
                telemetry=telemetry, timer=timer,
                hand_back=ctx.broadcast(memory.hand_back))  # (rank 0's: gathering it back is collective)
