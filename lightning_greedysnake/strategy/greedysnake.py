@@ -50,7 +50,7 @@ from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.planner import Choice
 from lightning_greedysnake.precision import GreedySnakePrecision
 from lightning_greedysnake.steps import step_running
-from lightning_greedysnake.strategy import after_fit, checkpoints, checks, progress
+from lightning_greedysnake.strategy import after_fit, checkpoints, checks, progress, readable
 from lightning_greedysnake.strategy.data_parallel import DataParallelStrategy
 from lightning_greedysnake.strategy.inputs import forward_replaced, loss_of, read_ahead, tokens_in
 from lightning_greedysnake.strategy.manager_setup import move_all_but_units
@@ -112,6 +112,8 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """:meth:`register_gradient_hook`'s hooks (registered on the training thread, between steps)."""
         self._failed = False
         self._unusable: after_fit.UnusableUntilLoaded | None = None
+        self._read_guard: readable.ReadGuard | None = None
+        """During a run with the tensor manager: a module's ``state_dict`` refuses outside :meth:`parameters_readable`."""
         """After a teardown that could not give the module its state back: its fail-on-use hooks."""
         self._owner = new_owner()
         """This strategy's mark in its offload directories' lock records (:attr:`SetupContext.owner`)."""
@@ -249,6 +251,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
         clip = checks.clip_policy(trainer, module, self._warn_once) if fitting and uses_manager else ClipPolicy()
         self._run = run = open_run(ctx, before, module, cut, optimizer, clip)
         self.precision_plugin.gradient_owner = run.tensor_manager  # (clipping acts on its buffers)
+        if run.tensor_manager is not None:  # (its parameters are NaN placeholders between uses)
+            self._read_guard = readable.ReadGuard(module, [p for ps in run.tensor_manager.params for p in ps],
+                                                  run.name)
 
     @override
     def model_to_device(self) -> None:
@@ -278,6 +283,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def teardown(self) -> None:
         failed, self._failed = self._failed, False
         run = self._run
+        if self._read_guard is not None:  # (the hand-back gives the parameters their values, or its own refusal)
+            self._read_guard.remove()
+            self._read_guard = None
         try:
             if run is not None and not run.closed:  # (closed: a second teardown, nothing to say again)
                 run.close(lambda manager: self._hand_back(run, manager, failed))
@@ -448,12 +456,38 @@ class GreedySnakeStrategy(DataParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Lightning's state dict for checkpoints; with the tensor manager, placeholders that
         :meth:`save_checkpoint` streams from the tiers (:meth:`full_state_dict` gives real tensors)."""
-        return self._checkpoints.module_state(super().lightning_module_state_dict())
+        with self._own_read():
+            return self._checkpoints.module_state(super().lightning_module_state_dict())
 
     def full_state_dict(self) -> dict[str, Any]:
         """The LightningModule's state dict with every parameter's current value (full precision),
         gathered in memory (collective with partitioned state: every rank calls it)."""
-        return self._checkpoints.full_state(super().lightning_module_state_dict())
+        with self._own_read():
+            return self._checkpoints.full_state(super().lightning_module_state_dict())
+
+    def _own_read(self) -> Any:
+        """The strategy's own state dicts (their placeholders replaced from the tiers) pass the read guard."""
+        return self._read_guard.open() if self._read_guard is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def parameters_readable(self, trainable_only: bool = False) -> Iterator[None]:
+        """During fit, bind the LightningModule's parameters to their current values for the block, so code that
+        reads them directly works: a Callback saving the adapters with PEFT's ``model.save_pretrained(dir)`` or
+        LitGPT's LoRA checkpoint of ``model.state_dict()``. Outside it, a ``state_dict()`` of the model during fit
+        refuses (:class:`~lightning_greedysnake.strategy.readable.PlaceholderRead`): between uses the parameters
+        are NaN placeholders. Enter it between optimizer steps (a Callback's ``on_train_batch_end``,
+        ``on_train_epoch_end``, ``on_save_checkpoint``); pending updates complete first. ``trainable_only``: bind
+        only the trained parameters (a LoRA run's adapters: a few MB, where the frozen base would take its whole
+        size in host memory for the block); the frozen ones stay placeholders. Read only: writes into the
+        parameters in the block are not kept. Without the tensor manager (not set up, every kind on the device,
+        after fit) the parameters are real already: nothing to do."""
+        run = self._run
+        manager = run.tensor_manager if run is not None and not run.closed else None
+        if manager is None:
+            yield
+            return
+        with readable.readable(manager, self._read_guard, trainable_only):
+            yield
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
