@@ -74,7 +74,7 @@ class UnitValues:
         flat = weights.view(self._dtype, lay.numel)
         for slot, value in zip(lay.params, values, strict=True):
             slot_view(flat, slot).copy_(value.detach())
-        arena.put_back(TensorKind.WEIGHTS, u, weights)
+        arena.put_back(TensorKind.WEIGHTS, u, weights, placing=True)
         if arena.state.region_bytes(TensorKind.MASTER_WEIGHTS, u):
             master = arena.stage(TensorKind.MASTER_WEIGHTS, u, read=False)
             mflat = master.view(torch.float32, lay.trained_numel)

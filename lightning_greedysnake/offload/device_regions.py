@@ -88,10 +88,11 @@ class DeviceRegions:
                     self._readers_done[unit] = event
 
     def submit_write(self, unit: int, buf: AlignedBuffer, label: str | None = None,
-                     byte_range: tuple[int, int] | None = None) -> Copy:
+                     byte_range: tuple[int, int] | None = None, placing: bool = False) -> Copy:
         """Copy ``buf``'s bytes ``byte_range`` (default: the whole region) into the same bytes of region
         ``unit`` on the H2D stream. ``buf`` must stay unchanged until the copy is done (its handle
-        tracks the returned copy)."""
+        tracks the returned copy). ``placing``: as :meth:`SSDRegions.submit_write`'s (nothing counts it
+        here: the device copies are counted apart)."""
         device, lo, hi = self._range(unit, buf, byte_range)
         self._finish_reads(unit)  # a D2H copy still reading these bytes finishes first
         with self._lock:

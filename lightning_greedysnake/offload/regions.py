@@ -126,6 +126,9 @@ class RegionMap:
             for kind in REGION_KINDS:
                 copies = self._slots(kind)  # (slot s of unit u: region u + s * n)
                 sizes, tiers = self.state.all_region_bytes(kind), self.unit_tiers[kind]
+                # the weights' frozen parameters (past each unit's trained prefix): their I/O is counted apart
+                read_only_from = ([self.state.written_weight_bytes(u % n) for u in range(n * copies)]
+                                  if kind is TensorKind.WEIGHTS else None)
                 in_ram, on_device = ([size if t is tier else 0 for size, t in zip(sizes, tiers, strict=True)] * copies
                                      for tier in (Tier.HOST, Tier.DEVICE))
                 for d, directory in enumerate(offload_dirs):
@@ -137,7 +140,7 @@ class RegionMap:
                         sparse = self.state.sharded(kind) or (kind is TensorKind.GRADIENTS
                                                               and self.gradients_from is not None)
                         self._ssd.setdefault(kind, {})[d] = SSDRegions(kind.value, here, engines[d], path, self.stats,
-                                                                       sparse=sparse)
+                                                                       sparse=sparse, read_only_from=read_only_from)
                 if sum(in_ram):
                     # only weights and gradients are copied to and from the device straight out of
                     # their host regions: only they are page-locked (the optimizer's stay pageable)

@@ -420,10 +420,13 @@ class StagingArena:
             self.stats.lanes.add("optimizer_wait", t0, time.perf_counter(), label)
 
     def put_back(self, kind: TensorKind, u: int, held: Staged, ranges: list[tuple[int, int]] | None = None, *,
-                 release: bool = True, label: str | None = None, next_slot: bool = False) -> None:
+                 release: bool = True, label: str | None = None, next_slot: bool = False,
+                 placing: bool = False) -> None:
         """Write ``held`` (or its byte ``ranges``) to unit ``u``'s region of ``kind`` (write-behind) and,
         with ``release``, give it back (the buffer returns once written). Host-tier regions were changed
-        in place: nothing to write. ``next_slot``: a speculative step's write, to the slot not in use."""
+        in place: nothing to write. ``next_slot``: a speculative step's write, to the slot not in use;
+        ``placing``: the write places the unit's values (initialization, a checkpoint's load), not
+        training's (the I/O counters keep its frozen bytes apart)."""
         if held.pooled:
             # a device copy still filling the buffer (a gradient coming back) must land before the
             # write reads it
@@ -432,7 +435,7 @@ class StagingArena:
             assert not isinstance(regions, HostRegions)
             index = self.slots.index(kind, u, next_slot)
             for r in ranges if ranges is not None else [None]:  # type: ignore[list-item]
-                held.track_write(regions.submit_write(index, held.buf, label, r))
+                held.track_write(regions.submit_write(index, held.buf, label, r, placing=placing))
         if release:
             held.release()
 

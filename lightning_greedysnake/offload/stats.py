@@ -19,6 +19,18 @@ class IOCounter:
 
 
 @dataclass
+class ReadOnlyCounter:
+    """The bytes of a kind's transfers that fell in its regions' read-only part (issue 70: the frozen
+    parameters past each unit's trained prefix of its weights), measured per transfer."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    """Written by training (a step, a write-back): 0 unless a frozen byte was written."""
+    placed_bytes: int = 0
+    """Written by placing whole units' values (the initial placement, a checkpoint's load)."""
+
+
+@dataclass
 class RequestCounter:
     """The requests the disk was asked for (one ``preadv``/``pwritev`` each), in one direction."""
 
@@ -81,6 +93,31 @@ class IOStats:
         self.lanes = LaneClock()
         self._requests: dict[str, RequestCounter] = defaultdict(RequestCounter)
         self._job_cpu_seconds = 0.0
+        self._read_only: dict[tuple[str, str], ReadOnlyCounter] = {}
+        """Per (kind, tier) whose regions have a read-only part (:meth:`track_read_only`)."""
+
+    def track_read_only(self, kind: str, tier: str) -> None:
+        """``kind``'s regions on ``tier`` have a read-only part: count what their transfers move of it (its
+        counters exist from now on, zero until something moves)."""
+        with self._lock:
+            self._read_only.setdefault((kind, tier), ReadOnlyCounter())
+
+    def record_read_only(self, kind: str, tier: str, op: str, nbytes: int, placing: bool = False) -> None:
+        """``nbytes`` of one completed transfer fell in the read-only part of ``kind``'s region;
+        ``placing``: a write that placed a whole unit's values (not training's)."""
+        with self._lock:
+            c = self._read_only.setdefault((kind, tier), ReadOnlyCounter())
+            if op == "read":
+                c.read_bytes += nbytes
+            elif placing:
+                c.placed_bytes += nbytes
+            else:
+                c.written_bytes += nbytes
+
+    def read_only(self) -> dict[tuple[str, str], ReadOnlyCounter]:
+        """Per (kind, tier) with a read-only part: what its transfers moved of it so far."""
+        with self._lock:
+            return {k: ReadOnlyCounter(**vars(c)) for k, c in self._read_only.items()}
 
     def record_request(self, op: str, start: float, end: float, nbytes: int) -> None:
         """One request the disk completed (the I/O engine's ``on_request``, on an I/O thread)."""
@@ -131,6 +168,7 @@ class IOStats:
             out._directories.update({k: set(v) for k, v in self._directories.items()})
             out._requests.update({op: RequestCounter(**vars(r)) for op, r in self._requests.items()})
             out._job_cpu_seconds = self._job_cpu_seconds
+            out._read_only.update({k: ReadOnlyCounter(**vars(c)) for k, c in self._read_only.items()})
         out.lanes = self.lanes
         return out
 
@@ -168,6 +206,10 @@ class IOStats:
         for (kind, tier), c in sorted(self.snapshot().items()):
             for name, value in vars(c).items():
                 out[f"{tier}/{kind}/{name}"] = value
+        # frozen weights: read, never written (``read_only_read_bytes``...: not summed with the ``bytes_read``s)
+        for (kind, tier), r in sorted(self.read_only().items()):
+            for name, value in vars(r).items():
+                out[f"{tier}/{kind}/read_only_{name}"] = value
         directories = self.by_directory()
         if len(directories) > 1:  # several offload paths: each one's traffic
             for directory, (read, written) in sorted(directories.items()):

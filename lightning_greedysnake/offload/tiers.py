@@ -70,10 +70,15 @@ class SSDRegions:
     tier = "ssd"
 
     def __init__(self, kind: str, region_bytes: list[int], engine: IOEngine, path: Path, stats: IOStats,
-                 sparse: bool = False) -> None:
+                 sparse: bool = False, read_only_from: list[int] | None = None) -> None:
         """``sparse``: only parts of each region are ever written (a rank's chunks of partitioned state):
-        the file is not preallocated."""
+        the file is not preallocated. ``read_only_from``: per region, where its read-only part starts (the
+        weights' frozen parameters, past the trained prefix; the region's size: none): the bytes of every
+        transfer that fall in it are counted apart (:meth:`IOStats.record_read_only`)."""
         self.kind = kind
+        self._read_only_from = read_only_from
+        if read_only_from is not None and any(a < b for a, b in zip(read_only_from, region_bytes, strict=True)):
+            stats.track_read_only(kind, self.tier)
         self.layout = build_file_layout(region_bytes)
         self.path = path
         self._engine = engine
@@ -92,9 +97,12 @@ class SSDRegions:
         return self._submit("read", unit, buf, label, byte_range)
 
     def submit_write(
-        self, unit: int, buf: AlignedBuffer, label: str | None = None, byte_range: tuple[int, int] | None = None
+        self, unit: int, buf: AlignedBuffer, label: str | None = None, byte_range: tuple[int, int] | None = None,
+        placing: bool = False,
     ) -> Future[None]:
-        return self._submit("write", unit, buf, label, byte_range)
+        """``placing``: the write places a whole unit's values (initialization, a checkpoint's load), not
+        training's: its read-only bytes are counted as placed."""
+        return self._submit("write", unit, buf, label, byte_range, placing)
 
     def wait_all(self) -> None:
         """Block until every operation submitted so far has completed; raises the first failed write (a
@@ -108,12 +116,14 @@ class SSDRegions:
                 op.done.exception()
 
     def _submit(
-        self, op: str, unit: int, buf: AlignedBuffer, label: str | None, byte_range: tuple[int, int] | None
+        self, op: str, unit: int, buf: AlignedBuffer, label: str | None, byte_range: tuple[int, int] | None,
+        placing: bool = False,
     ) -> Future[None]:
         size = self.layout.sizes[unit]
         lo, hi = byte_range if byte_range is not None else (0, size)
         assert 0 <= lo <= hi <= size and buf.nbytes >= hi, (lo, hi, size, buf.nbytes)
         nbytes = hi - lo
+        read_only = max(0, hi - max(lo, self._read_only_from[unit])) if self._read_only_from is not None else 0
         write = op == "write"
         done: Future[None] = Future()
         with self._lock:
@@ -146,6 +156,8 @@ class SSDRegions:
                 if error is None:
                     self._stats.record(kind, self.tier, op, nbytes, time.perf_counter() - t0, t0,
                                        directory=str(self.path.parent))
+                    if read_only:  # (under the region's own kind, whatever the label)
+                        self._stats.record_read_only(self.kind, self.tier, op, read_only, placing)
                     done.set_result(None)
                 else:
                     done.set_exception(error)

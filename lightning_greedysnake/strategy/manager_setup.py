@@ -25,7 +25,7 @@ from lightning_greedysnake.planner.plan import ALPHAS
 from lightning_greedysnake.schedule import ScheduleKind
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
-from lightning_greedysnake.strategy.report import kinds_without_bytes
+from lightning_greedysnake.strategy.report import frozen_note, kinds_without_bytes
 from lightning_greedysnake.strategy.setup_context import SetupContext, SetupPlan
 from lightning_greedysnake.tensor_manager import TieredTensorStore
 
@@ -188,6 +188,9 @@ def open_tensor_manager(ctx: SetupContext, manager: TieredTensorStore, directory
             directory.record(manager.files)  # (greedysnake's mark on its own files, in the lock records)
         else:
             manager.open(None)
+        frozen = frozen_note(manager.placement)
+        if frozen is not None:
+            ctx.report(frozen)
         if meta_model is not None:
             materialize(manager, meta_model, units, ctx.broadcast_parameters)
         else:

@@ -56,7 +56,8 @@ def end_of_fit(manager: TieredTensorStore | None, trainer: Any, failed: bool, sa
 def fit_summary(manager: TieredTensorStore, steps: int, world_size: int = 1) -> str:
     """The end-of-fit summary, once the tensor manager closed (its counters final, the hand-back's reads
     in them): a line per kind of tensor with its tier (and, on SSD, its offload directories) and the bytes
-    read and written there (with a device tier, the host <-> device copies of all kinds), then the SSD
+    read and written there (with a device tier, the host <-> device copies of all kinds; under the
+    weights, the part of those bytes that fell in frozen parameters, written only when placed), then the SSD
     traffic in all and per optimizer step. The numbers are ``manager.stats``'s
     (``GreedySnakeStrategy.io_stats()``); host and device tiers are used in place."""
     stats = manager.stats
@@ -67,6 +68,7 @@ def fit_summary(manager: TieredTensorStore, steps: int, world_size: int = 1) -> 
     whose = f", rank 0's share of {world_size} processes" if world_size > 1 else ""
     lines = [f"greedysnake: what moved where in this fit ({steps} optimizer step{'' if steps == 1 else 's'}"
              f"{back}{whose}):"]
+    read_only = stats.read_only()
     read_total = written_total = 0
     for kind in kinds:
         placed = _placed(manager, kind)
@@ -87,6 +89,11 @@ def fit_summary(manager: TieredTensorStore, steps: int, world_size: int = 1) -> 
                 where = f"{where} (the weights' region: {MASTER_COPY})"
             lines.append(f"  {kind:<17} {human_bytes(c.bytes_read)} read, {human_bytes(c.bytes_written)} written, "
                          f"{where}")
+            frozen = read_only.get((kind, tier))
+            if frozen is not None:  # (measured per transfer: the bytes past each unit's trained prefix)
+                laid = f", {human_bytes(frozen.placed_bytes)} when placed" if frozen.placed_bytes else ""
+                lines.append(f"    of which read-only (frozen): {human_bytes(frozen.read_bytes)} read, "
+                             f"{human_bytes(frozen.written_bytes)} written by training{laid}")
             if tier == Tier.SSD.value:
                 read_total += c.bytes_read
                 written_total += c.bytes_written

@@ -5,8 +5,11 @@ in the same words, from :func:`kinds_without_bytes`). A disk's speeds are writte
 
 from __future__ import annotations
 
+from collections import Counter
+
 from lightning_greedysnake.config import REGION_KINDS, TensorKind, Tier
 from lightning_greedysnake.layout import StateLayout
+from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.offload.regions import RegionPlacement
 
 GLOSSARY = "docs/concepts/glossary.md"
@@ -47,3 +50,28 @@ def kinds_without_bytes(regions: RegionPlacement, on_ssd: bool = False) -> dict[
             out[kind.value] = ("ssd, nothing written there: in the vertical order only a gradient's deferred "
                                "(alpha) part waits on its tier, and this run defers none")
     return out
+
+
+TIER_WORDS = {Tier.SSD: "on SSD", Tier.HOST: "in RAM", Tier.DEVICE: "on the device"}
+
+
+def frozen_note(regions: RegionPlacement) -> str | None:
+    """What the start-of-run report says of the read-only parameters (frozen, or not in the optimizer: a
+    LoRA base), where there are any: how many, the bytes of the weights they take (past each unit's trained
+    prefix, :meth:`~lightning_greedysnake.layout.StateLayout.read_only_weight_bytes`) and the tiers those
+    are on; they get no gradient, optimizer state or master weights, and a step never writes them."""
+    state = regions.state
+    names: dict[str, int] = {}
+    for lay in state.units:  # (a frozen parameter several units lay out, a tied embedding: counted once)
+        names.update((slot.name, slot.numel) for slot in lay.params if slot.group is None)
+    if not names:
+        return None
+    where: Counter[Tier] = Counter()
+    for u, tier in enumerate(regions.unit_tiers[TensorKind.WEIGHTS]):
+        where[tier] += state.read_only_weight_bytes(u)
+    total, trained = sum(names.values()), sum(lay.trainable_numel for lay in state.units)
+    places = ", ".join(f"{human_bytes(n)} {TIER_WORDS.get(tier, tier.value)}"
+                       for tier, n in sorted(where.items(), key=lambda kv: -kv[1]) if n)
+    return (f"greedysnake: frozen (read-only) parameters: {total:,} of {total + trained:,} "
+            f"({total / (total + trained):.1%}), in the weights: {places or '0 B'}; read with their unit, never "
+            f"written back, no gradient, optimizer state or master weights kept for them")

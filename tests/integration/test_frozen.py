@@ -6,6 +6,7 @@ micro-batch. Measured with ``io_stats()``/``step_telemetry``, the bytes the SSD 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, TensorKind
+from lightning_greedysnake.offload.preflight import human_bytes
 from tests.helpers import make_trainer, max_abs_diff, token_loader
 
 litgpt = pytest.importorskip("litgpt")
@@ -52,17 +54,45 @@ class Layout(L.Callback):
         self.state = trainer.strategy.tensor_manager.state
 
 
+SAID: dict[str, list[str]] = {}
+"""Each order's run: what it logged."""
+
+
+class Said(logging.Handler):
+    """Every message logged while it is attached (the start-of-run report, the end-of-fit summary)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def fit(schedule: str) -> tuple[GreedySnakeStrategy, LoRAModule, Any]:
     L.seed_everything(0, verbose=False)
-    module, layout = LoRAModule(), Layout()
+    module, layout, said = LoRAModule(), Layout(), Said()
     strategy = GreedySnakeStrategy(auto=False, schedule=schedule, offload=OffloadConfig.everywhere("ssd"))
-    make_trainer(strategy, K, max_epochs=1, callbacks=[layout]).fit(module, token_loader(4 * K, vocab=VOCAB))
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.addHandler(said)
+    root.setLevel(logging.INFO)
+    try:
+        make_trainer(strategy, K, max_epochs=1, callbacks=[layout]).fit(module, token_loader(4 * K, vocab=VOCAB))
+    finally:
+        root.removeHandler(said)
+        root.setLevel(level)
+    SAID[schedule] = said.messages
     return strategy, module, layout.state
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[GreedySnakeStrategy, LoRAModule, Any]]:
     return {schedule: fit(schedule) for schedule in ("vertical", "horizontal")}
+
+
+@pytest.fixture(scope="module")
+def said(runs) -> list[str]:  # noqa: ANN001 - the vertical run's log
+    return SAID["vertical"]
 
 
 def test_frozen_weights_are_never_written_and_only_trained_parameters_have_state_and_gradients(runs):
@@ -88,6 +118,40 @@ def test_frozen_weights_are_never_written_and_only_trained_parameters_have_state
     assert 0 < stats["ssd/optimizer_states/bytes_written"] <= steps * 2 * 4 * sum(prefix)
     assert stats["ssd/optimizer_states/bytes_read"] <= steps * 2 * 4 * sum(prefix)
     assert stats["ssd/gradients/bytes_written"] <= steps * 4 * sum(prefix)
+
+
+def test_the_start_of_run_report_says_how_many_parameters_are_frozen_and_where_they_went(runs, said):
+    _, module, state = runs["vertical"]
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    total = sum(p.numel() for p in module.parameters())
+    read_only = sum(state.read_only_weight_bytes(u) for u in range(state.num_units))
+    assert 0 < read_only < sum(state.region_bytes(TensorKind.WEIGHTS, u) for u in range(state.num_units))
+    lines = [m for m in said if m.startswith("greedysnake: frozen (read-only) parameters:")]
+    assert lines == [f"greedysnake: frozen (read-only) parameters: {frozen:,} of {total:,} ({frozen / total:.1%}), "
+                     f"in the weights: {human_bytes(read_only)} on SSD; read with their unit, never written back, "
+                     "no gradient, optimizer state or master weights kept for them"], said
+
+
+def test_the_end_of_fit_summary_shows_the_frozen_weights_read_and_none_written(runs, said):
+    """Measured per transfer (the bytes of each weights read and write past the unit's trained prefix): every
+    window reads each unit's frozen base at least once, the end reads it back into the module, and only the
+    initial placement wrote it."""
+    strategy, _, state = runs["vertical"]
+    steps = len(strategy.step_telemetry)
+    read_only = sum(state.read_only_weight_bytes(u) for u in range(state.num_units))
+    stats = strategy.io_stats()
+    read, written = stats["ssd/weights/read_only_read_bytes"], stats["ssd/weights/read_only_written_bytes"]
+    placed = stats["ssd/weights/read_only_placed_bytes"]
+    assert written == 0 and placed == read_only
+    assert (steps + 1) * read_only <= read <= (2 * steps + 1) * read_only and read < stats["ssd/weights/bytes_read"]
+    summary = [m for m in said if "what moved where" in m]
+    assert len(summary) == 1, said
+    lines = summary[0].splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[0] == "weights")
+    assert lines[at + 1] == (f"    of which read-only (frozen): {human_bytes(read)} read, 0 B written by training, "
+                             f"{human_bytes(placed)} when placed")
+    # (the read-only bytes are not counted twice in the totals the summary and the loggers add up)
+    assert not any(k.endswith("bytes_read") and "read_only" in k for k in stats)
 
 
 def test_the_vertical_order_reads_the_frozen_base_k_times_less_than_the_horizontal(runs):
