@@ -103,3 +103,46 @@ def test_finetune_litgpt_example(tmp_path):
     assert "placement" in result.stdout and "trained 4 optimizer steps" in result.stdout
     model = GPT(Config.from_file(tmp_path / "litgpt" / "model_config.yaml"))
     model.load_state_dict(torch.load(tmp_path / "litgpt" / "lit_model.pth", weights_only=True), strict=True)
+
+
+LORA_QUICK = ["trainer.max_steps=4", "trainer.accumulate_grad_batches=2", "trainer.enable_progress_bar=false",
+              "data.max_bytes=200000", "data.batch_size=2", "block_size=64"]
+
+
+@pytest.mark.parametrize("family", ["litgpt", "peft"])
+def test_finetune_lora_example(tmp_path, family):
+    """Both families train (the loss goes down) with the base frozen, and the adapters are saved each family's
+    way holding the LoRA tensors only: LitGPT's lit_model.pth.lora (every trainable tensor of the model its
+    model_config.yaml builds, nothing else), PEFT's save_pretrained directory (fp32 lora_ tensors)."""
+    pytest.importorskip("litgpt" if family == "litgpt" else "peft")
+    import torch
+
+    command = [sys.executable, str(ROOT / "examples" / "finetune_lora.py"), f"family={family}", *LORA_QUICK,
+               f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    counts = re.search(r"LoRA .*: ([0-9,]+) trainable parameters .*, ([0-9,]+) frozen \((\w+), read-only\)",
+                       result.stdout)
+    assert counts, result.stdout[-3000:]
+    trainable, frozen = (int(counts[i].replace(",", "")) for i in (1, 2))
+    assert 0 < trainable < frozen
+    assert counts[3] == ("float32" if family == "litgpt" else "bfloat16")
+    loss = re.search(r"trained 4 optimizer steps: train loss ([0-9.]+) .* -> ([0-9.]+)", result.stdout)
+    assert loss and float(loss[2]) < float(loss[1]), result.stdout[-3000:]
+    out = tmp_path / "adapters"
+    if family == "litgpt":
+        from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+        saved = torch.load(out / "lit_model.pth.lora", weights_only=True)["model"]
+        model = GPT(Config.from_file(out / "model_config.yaml"))
+        mark_only_lora_as_trainable(model)
+        assert set(saved) == {n for n, p in model.named_parameters() if p.requires_grad}
+        assert all("lora_" in n for n in saved) and sum(t.numel() for t in saved.values()) == trainable
+        assert not model.load_state_dict(saved, strict=False).unexpected_keys
+    else:
+        from safetensors.torch import load_file
+
+        saved = load_file(out / "adapter_model.safetensors")
+        assert (out / "adapter_config.json").is_file()
+        assert saved and all("lora_" in n and t.dtype == torch.float32 for n, t in saved.items()), list(saved)
+        assert sum(t.numel() for t in saved.values()) == trainable
