@@ -82,7 +82,7 @@ def litgpt_lora(cfg: DictConfig) -> tuple[torch.nn.Module, Any]:
         raise ValueError(f"lora.targets has {unknown} for family=litgpt. Fix: names among {list(TARGETS)}.")
     fields = dict(lora_r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                   **{f"lora_{t}": t in lora.targets for t in TARGETS})
-    overrides = OmegaConf.to_container(cfg.litgpt.overrides, resolve=True) or {}
+    overrides = OmegaConf.to_container(cfg.litgpt.overrides, resolve=True) if cfg.litgpt.overrides else {}
     checkpoint_dir = cfg.litgpt.checkpoint_dir
     if checkpoint_dir is not None:
         config = Config.from_file(Path(checkpoint_dir) / "model_config.yaml", **overrides, **fields)
@@ -92,7 +92,11 @@ def litgpt_lora(cfg: DictConfig) -> tuple[torch.nn.Module, Any]:
     model.max_seq_length = cfg.block_size  # (sizes the rope cache)
     if checkpoint_dir is not None:  # the base's weights; the adapters keep their init (B = 0: the base's output)
         state = torch.load(Path(checkpoint_dir) / "lit_model.pth", mmap=True, weights_only=True)
-        model.load_state_dict(state, strict=False)
+        result = model.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if "lora_" not in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"{checkpoint_dir}/lit_model.pth does not fit its model_config.yaml: missing {missing[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]}. Fix: a directory `litgpt download` wrote.")
     mark_only_lora_as_trainable(model)
     return model, config
 
