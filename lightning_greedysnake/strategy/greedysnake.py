@@ -112,9 +112,9 @@ class GreedySnakeStrategy(DataParallelStrategy):
         """:meth:`register_gradient_hook`'s hooks (registered on the training thread, between steps)."""
         self._failed = False
         self._unusable: after_fit.UnusableUntilLoaded | None = None
+        """After a teardown that could not give the module its state back: its fail-on-use hooks."""
         self._read_guard: readable.ReadGuard | None = None
         """During a run with the tensor manager: a module's ``state_dict`` refuses outside :meth:`parameters_readable`."""
-        """After a teardown that could not give the module its state back: its fail-on-use hooks."""
         self._owner = new_owner()
         """This strategy's mark in its offload directories' lock records (:attr:`SetupContext.owner`)."""
 
@@ -479,14 +479,17 @@ class GreedySnakeStrategy(DataParallelStrategy):
         ``on_train_epoch_end``, ``on_save_checkpoint``); pending updates complete first. ``trainable_only``: bind
         only the trained parameters (a LoRA run's adapters: a few MB, where the frozen base would take its whole
         size in host memory for the block); the frozen ones stay placeholders. Read only: writes into the
-        parameters in the block are not kept. Without the tensor manager (not set up, every kind on the device,
+        parameters in the block are not kept. With partitioned state (``shard_state``) every rank enters it (it
+        gathers the units). Without the tensor manager (not set up, every kind on the device,
         after fit) the parameters are real already: nothing to do."""
         run = self._run
         manager = run.tensor_manager if run is not None and not run.closed else None
         if manager is None:
             yield
             return
-        with readable.readable(manager, self._read_guard, trainable_only):
+        values = manager.values
+        view = ShardedStateView(values, self.global_rank, self.world_size) if values.shard else values
+        with readable.readable(manager, view, self._read_guard, trainable_only):
             yield
 
     @override

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from torch import Tensor, nn
 
 from lightning_greedysnake.tensor_manager import TieredTensorStore
+from lightning_greedysnake.unit_state import UnitReader
 
 
 class PlaceholderRead(RuntimeError):
@@ -62,11 +63,14 @@ class ReadGuard:
 
 
 @contextlib.contextmanager
-def readable(manager: TieredTensorStore, guard: ReadGuard | None, trainable_only: bool) -> Iterator[None]:
+def readable(manager: TieredTensorStore, reader: UnitReader, guard: ReadGuard | None, trainable_only: bool
+             ) -> Iterator[None]:
     """Every unit parameter (``trainable_only``: every trained one) bound to a new tensor holding its current value
     in its own dtype for the block (pending optimizer steps completed first), and the guard open; what they were
     bound to before comes back after it. Read only: what the block writes into them is not kept. Whole units are
-    read one at a time; what stays bound is the whole model's weights (``trainable_only``: the trained ones)."""
+    read one at a time (by ``reader``: ``manager.values``, or a gather of every rank's chunks, collective, with
+    partitioned state), the base with them: ``trainable_only`` saves memory, not reading. What stays bound for the
+    block is the whole model's weights (``trainable_only``: the trained ones)."""
     values, weights = manager.values, manager.weights
     held = [u for u in range(values.num_units) if weights.is_held(u)]
     if held:
@@ -80,7 +84,7 @@ def readable(manager: TieredTensorStore, guard: ReadGuard | None, trainable_only
             slots = values.layouts[u].params
             if trainable_only and all(slot.group is None for slot in slots):
                 continue
-            current = values.unit_master_weights(u)
+            current = reader.unit_master_weights(u)
             for p, slot, value, dtype in zip(values.params[u], slots, current, weights.dtypes[u], strict=True):
                 if trainable_only and slot.group is None:
                     continue

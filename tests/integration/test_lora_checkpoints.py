@@ -196,6 +196,7 @@ class SaveAdapters(L.Callback):
             self.saved.append(self.save(module, directory))
         with pytest.raises(PlaceholderRead):  # (placeholders again after the block)
             module.model.state_dict()
+        assert all(torch.isnan(p).all() for n, p in module.named_parameters() if "lora_" in n)
 
 
 @pytest.mark.parametrize("model, trainable_only", [("peft_llama_bf16_base", True), ("peft_gpt2_bf16_base_tied_head",
