@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, TensorKind
 from lightning_greedysnake.offload.preflight import human_bytes
+from lightning_greedysnake.planner import traffic
+from lightning_greedysnake.strategy.planning.placement import planned_costs
 from tests.helpers import make_trainer, max_abs_diff, token_loader
 
 litgpt = pytest.importorskip("litgpt")
@@ -152,6 +154,20 @@ def test_the_end_of_fit_summary_shows_the_frozen_weights_read_and_none_written(r
                              f"{human_bytes(placed)} when placed")
     # (the read-only bytes are not counted twice in the totals the summary and the loggers add up)
     assert not any(k.endswith("bytes_read") and "read_only" in k for k in stats)
+
+
+def test_the_plan_counts_the_frozen_weights_as_read_only(runs):
+    """The planner's unit costs of the LoRA layout, every kind on SSD: a step writes the trained prefix of the
+    weights (about 2% of them here) and reads them whole; the fit's measured weight writes are that, per step,
+    beside the initial placement."""
+    strategy, _, state = runs["vertical"]
+    costs = planned_costs(state, OffloadConfig.everywhere("ssd"), 0.0, False)
+    terms = traffic(costs, "vertical", K).terms
+    weights = sum(state.region_bytes(TensorKind.WEIGHTS, u) for u in range(state.num_units))
+    prefix = sum(state.written_weight_bytes(u) for u in range(state.num_units))
+    assert terms["write/weights"] == prefix and prefix * 20 < weights <= terms["read/weights"]
+    steps = len(strategy.step_telemetry)
+    assert strategy.io_stats()["ssd/weights/bytes_written"] == weights + steps * terms["write/weights"]
 
 
 def test_the_vertical_order_reads_the_frozen_base_k_times_less_than_the_horizontal(runs):
