@@ -93,7 +93,8 @@ def runs() -> dict[str, tuple[GreedySnakeStrategy, LoRAModule, Any]]:
 
 
 @pytest.fixture(scope="module")
-def said(runs) -> list[str]:  # noqa: ANN001 - the vertical run's log
+def said(runs: dict[str, Any]) -> list[str]:
+    """The vertical run's log."""
     return SAID["vertical"]
 
 
@@ -129,9 +130,9 @@ def test_the_start_of_run_report_says_how_many_parameters_are_frozen_and_where_t
     read_only = sum(state.read_only_weight_bytes(u) for u in range(state.num_units))
     assert 0 < read_only < sum(state.region_bytes(TensorKind.WEIGHTS, u) for u in range(state.num_units))
     lines = [m for m in said if m.startswith("greedysnake: frozen (read-only) parameters:")]
-    assert lines == [f"greedysnake: frozen (read-only) parameters: {frozen:,} of {total:,} ({frozen / total:.1%}), "
-                     f"in the weights: {human_bytes(read_only)} on SSD; read with their unit, never written back, "
-                     "no gradient, optimizer state or master weights kept for them"], said
+    assert lines == [(f"greedysnake: frozen (read-only) parameters: {frozen:,} of {total:,} ({frozen / total:.1%}), "
+                      f"in the weights: {human_bytes(read_only)} on SSD; read with their unit, never written back, "
+                      "no gradient, optimizer state or master weights kept for them")], said
 
 
 def test_the_end_of_fit_summary_shows_the_frozen_weights_read_and_none_written(runs, said):
