@@ -422,14 +422,16 @@ class UnitStepper:
         if self.state.shard is None:
             return
         assert self.collectives is not None, "partitioned state needs a weights gatherer"
-        held = self._staging.stage(TensorKind.WEIGHTS, unit, read=True)
+        # the trained prefix only: the read-only rest of the region is the same on every rank, never written
+        prefix = self.state.byte_ranges(TensorKind.WEIGHTS, unit, 0, self.state.units[unit].trained_numel)
+        held = self._staging.stage(TensorKind.WEIGHTS, unit, read=True, ranges=prefix)
         try:
-            flat = held.view(self.compute_dtype, self.state.units[unit].numel)
+            flat = held.view(self.compute_dtype, self.state.units[unit].trained_numel)
             self.collectives.gather_weights(flat, [self.state.bounds(unit, r) for r in range(self.state.shard[1])])
         except BaseException:
             held.release()
             raise
-        self._staging.put_back(TensorKind.WEIGHTS, unit, held)
+        self._staging.put_back(TensorKind.WEIGHTS, unit, held, prefix)
 
     # -- lifetime (training thread) ---------------------------------------------------------------------------
     def drain(self) -> None:

@@ -43,6 +43,7 @@ CHILD = textwrap.dedent("""
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--huge", type=int, default=None)
+    parser.add_argument("--freeze", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = json.loads(args.settings)
@@ -62,6 +63,9 @@ CHILD = textwrap.dedent("""
             return loss
 
     module = Module(lr=3e-3, dropout=0.0)
+    for name, p in module.named_parameters():
+        if args.freeze and args.freeze in name:
+            p.requires_grad_(False)
 
     class Record(UnitGradients):
         resident_grads = []
@@ -115,7 +119,8 @@ CHILD = textwrap.dedent("""
         with open(args.out + ".json", "w") as f:
             json.dump({"world": record.world, "ranks": record.ranks, "step": trainer.global_step,
                        "dirs": record.dirs, "sum": record.sum, "from_zero": record.from_zero,
-                       "metric": record.metric, "disk": record.disk, "skipped": record.skipped}, f)
+                       "metric": record.metric, "disk": record.disk, "skipped": record.skipped,
+                       "io": trainer.strategy.io_stats() if args.strategy == "greedysnake" else {}}, f)
     # Under pytest, about one run in twenty of gloo processes aborted in interpreter finalization after
     # everything had finished ("terminate called without an active exception"), with the process groups
     # already destroyed; leave without finalization, as the results are written.
@@ -128,7 +133,7 @@ CHILD = textwrap.dedent("""
 
 def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2, ckpt: str | None = None,
          settings: dict | None = None, clip: float | None = None, root: Path | None = None,
-         precision: str = "32-true", huge: int | None = None) -> dict:
+         precision: str = "32-true", huge: int | None = None, freeze: str = "") -> dict:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = tmp_path / f"{name}.pt"
@@ -141,6 +146,8 @@ def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2
         cmd += ["--clip", str(clip)]
     if huge is not None:
         cmd += ["--huge", str(huge)]
+    if freeze:
+        cmd += ["--freeze", freeze]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
@@ -149,14 +156,15 @@ def _run(tmp_path: Path, name: str, strategy: str, devices: int, epochs: int = 2
     return {"params": torch.load(out, weights_only=True), "grads": grads, **info}
 
 
-_DDP: dict[float | None, dict] = {}
+_DDP: dict[tuple[float | None, str], dict] = {}
 
 
-def _ddp(tmp_path_factory: pytest.TempPathFactory, clip: float | None) -> dict:
-    """DDP's run, the reference, which depends only on the norm clipping: once per session and ``clip``."""
-    if clip not in _DDP:
-        _DDP[clip] = _run(tmp_path_factory.mktemp("ddp"), "ddp", "ddp", 2, clip=clip)
-    return _DDP[clip]
+def _ddp(tmp_path_factory: pytest.TempPathFactory, clip: float | None, freeze: str = "") -> dict:
+    """DDP's run, the reference, which depends only on the norm clipping and the frozen parameters: once per
+    session and ``(clip, freeze)``."""
+    if (clip, freeze) not in _DDP:
+        _DDP[clip, freeze] = _run(tmp_path_factory.mktemp("ddp"), "ddp", "ddp", 2, clip=clip, freeze=freeze)
+    return _DDP[clip, freeze]
 
 
 def _device_reduce_scatters(settings: dict, clip: float | None) -> bool:
@@ -207,6 +215,20 @@ def test_two_processes_equal_ddp(tmp_path, tmp_path_factory, settings, clip):
         assert max_abs_diff(g, r) <= 1e-5, step
     if "path" in settings.get("offload", {}):
         assert got["dirs"] == ["offload_0", "offload_1"]
+
+
+def test_partitioned_state_with_frozen_parameters_equals_ddp_and_never_writes_them(tmp_path, tmp_path_factory):
+    """Issue 70 with partitioned state: each rank steps its chunk of the trained prefix and gathers the others';
+    the frozen MLPs are read-only on every rank (no frozen byte written after placement)."""
+    ddp = _ddp(tmp_path_factory, None, freeze="mlp")
+    got = _run(tmp_path, "gs", "greedysnake", 2, freeze="mlp")
+    assert got["step"] == ddp["step"]
+    assert max_abs_diff(got["params"], ddp["params"]) <= 1e-5
+    assert got["io"]["ssd/weights/read_only_read_bytes"] > 0
+    assert got["io"]["ssd/weights/read_only_written_bytes"] == 0
+    for step, (g, r) in enumerate(zip(got["grads"], ddp["grads"], strict=True)):
+        assert g.keys() == r.keys() and not any("mlp" in n for n in g), step
+        assert max_abs_diff(g, r) <= 1e-5, step
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
