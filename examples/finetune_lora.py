@@ -1,7 +1,7 @@
 """LoRA fine-tuning with greedysnake: LitGPT's LoRA or Hugging Face PEFT's, on the byte corpus (no download).
 
     pip install -e ".[litgpt]"                  # family=litgpt;  family=peft: pip install -e ".[hf]" "peft>=0.13"
-    python examples/finetune_lora.py                                 # litgpt.lora.GPT, tiny Llama-shaped, CPU
+    python examples/finetune_lora.py                                 # litgpt.lora.GPT, tiny Llama-shaped, CPU (~2 min)
     python examples/finetune_lora.py family=peft                     # transformers Llama + get_peft_model, bf16 base
     python examples/finetune_lora.py lora.r=16 lora.alpha=32 lora.targets=[query,value]
     python examples/finetune_lora.py litgpt.checkpoint_dir=checkpoints/meta-llama/Llama-3.2-1B \\
