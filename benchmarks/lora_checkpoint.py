@@ -138,7 +138,10 @@ def main() -> None:
         print("greedysnake's checkpoint directory: " + ", ".join(
             f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(gs["full_parts_bytes"].items())))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    command = "python benchmarks/lora_checkpoint.py " + " ".join(sys.argv[1:])
+    rows = [{"system": name, **results[name]} for name in ("greedysnake_ssd", "lightning_auto")]
+    args.out.write_text(json.dumps({"command": command.strip(), "model": results["model"], "rows": rows},
+                                   indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.out}")
 
 

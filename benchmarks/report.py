@@ -383,6 +383,16 @@ SECTIONS: tuple[Section, ...] = (
                                            "relayout), measured side by side before it was removed: the run "
                                            "keeps the unit size it started with.")),
     ),
+    Section(
+        "LoRA: a frozen base",
+        "LitGPT's LoRA model (`litgpt.lora.GPT`, `mark_only_lora_as_trainable`): the base frozen, read-only under "
+        "greedysnake (read with its unit, never written, no gradient or optimizer state), the adapters trained "
+        "with AdamW. What a checkpoint of such a run costs: Lightning's full checkpoint (the unchanged base "
+        "with every save) against the adapters alone (LitGPT's `lit_model.pth.lora`), each save's seconds and "
+        "bytes.",
+        (Result("lora_checkpoint", "A full checkpoint against the adapters only, fp32, every kind on SSD under "
+                                   "greedysnake, medians of three saves."),),
+    ),
 )
 
 _HIDDEN = {"package", "runs", "seq", "round", "units", "plan", "placement", "first_step_note", "log_tail"}
