@@ -115,8 +115,7 @@ def peft_lora(cfg: DictConfig) -> torch.nn.Module:
     base = base.to(dtype)
     targets = [m for t in cfg.lora.targets for m in HF_MODULES.get(t, [t])]
     lora = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                           target_modules=targets)  # (no task_type: PeftModelForCausalLM's forward passes
-    # inputs_embeds=None & co. to the model, which greedysnake's Hugging Face adapter refuses as inputs it cannot split)
+                           target_modules=targets, task_type="CAUSAL_LM")
     model = peft.get_peft_model(base, lora)
     for p in model.parameters():  # the adapters in fp32 (greedysnake steps trained parameters on fp32 masters)
         if p.requires_grad:

@@ -72,6 +72,9 @@ def hf_chain(model: nn.Module) -> LayerChain:
             kwargs = {"input_ids": args[0], **kwargs}
             if len(args) > 1:
                 raise TypeError("pass the Hugging Face model's inputs other than input_ids by keyword")
+        # (PEFT's PeftModelForCausalLM passes inputs_embeds=None, output_attentions=None, ...: unset, they ask
+        # for nothing else)
+        kwargs = {k: v for k, v in kwargs.items() if k in _ACCEPTED or (v is not None and v is not False)}
         unknown = sorted(set(kwargs) - _ACCEPTED)
         if unknown or kwargs.get("use_cache"):
             raise TypeError(

@@ -35,7 +35,9 @@ class PeftModule(L.LightningModule):
             config = transformers.AutoConfig.for_model("gpt2", **GPT2)
             targets = ["c_attn", "c_proj"]
         base = transformers.AutoModelForCausalLM.from_config(config).to(base_dtype)
-        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+        # task_type: as PEFT's docs set it up (a PeftModelForCausalLM, whose forward passes inputs_embeds=None,
+        # output_attentions=None, ... on to the model)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM",
                                fan_in_fan_out=family == "gpt2")
         self.model = peft.get_peft_model(base, lora)
         for p in self.model.parameters():  # (the adapters in fp32, as PEFT's autocast_adapter_dtype leaves them)
