@@ -226,16 +226,18 @@ class MLP(L.LightningModule):
 
 class Contract(GradRecorder):
     """Also: the contract the run was built with (None: no tensor manager) and each unit's element range
-    this rank steps, with the unit's size."""
+    this rank steps, with the size of the unit's trained prefix and how many parameters it trains."""
 
     contract = None
-    chunks: list[tuple[int, int, int]] = []
+    chunks: list[tuple[int, int, int, int]] = []
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         super().on_train_start(trainer, module)
         manager = getattr(trainer.strategy, "tensor_manager", None)
         self.contract = manager.contract if manager is not None else None
-        self.chunks = ([(*manager.state.bounds(u), manager.state.units[u].numel) for u in range(manager.num_units)]
+        self.chunks = ([(*manager.state.bounds(u), manager.state.units[u].trained_numel,
+                         sum(slot.group is not None for slot in manager.state.units[u].params))
+                        for u in range(manager.num_units)]
                        if manager is not None else [])
 
 
@@ -477,7 +479,10 @@ def test_partitioned_state_over_two_processes_is_exact_for_every_optimizer(tmp_p
             assert max_abs_diff(g, {n: v for n, v in r.items() if n in g}) <= 1e-5, (name, step)
         cut.append(gs["chunks"])
     for name, chunks in zip(names, cut, strict=True):  # (rank 0's chunk of each unit; rank 1 steps the rest)
-        assert any(0 < hi < numel for lo, hi, numel in chunks), f"{name}: some unit must be split between the ranks"
+        if name == "Muon":  # (each unit trains one matrix, the frozen rest after it: no cut inside its prefix)
+            assert all(trained <= 1 and hi in (0, n) for lo, hi, n, trained in chunks), chunks
+            continue
+        assert any(0 < hi < n for lo, hi, n, _ in chunks), f"{name}: some unit must be split between the ranks"
 
 
 @pytest.mark.parametrize("optimizer", ["Adafactor", "Muon", "CountingSGD", "po-Lamb", "po-MADGRAD", "po-SOAP"])
