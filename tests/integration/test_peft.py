@@ -6,6 +6,7 @@ and on GPT-2 with its frozen head tied to its frozen embedding (issue 70)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import lightning as L
@@ -61,6 +62,12 @@ def fit(strategy: Any, base_dtype: torch.dtype = torch.float32, precision: str =
     return {n: p.detach().clone() for n, p in module.named_parameters()}, grads, module
 
 
+@functools.cache
+def reference(base_dtype: torch.dtype, precision: str, family: str = "llama") -> Any:
+    """``strategy="auto"``'s run, once per setup (every path compares with the same one)."""
+    return fit("auto", base_dtype, precision, family)
+
+
 def assert_lora_exact(got: Any, ref: Any, module: Any) -> None:
     (got, got_grads), (ref, ref_grads) = got, ref
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
@@ -79,7 +86,7 @@ def assert_lora_exact(got: Any, ref: Any, module: Any) -> None:
 @pytest.mark.parametrize("base_dtype, precision", [(torch.float32, "32-true"), (torch.bfloat16, "32-true"),
                                                    (torch.bfloat16, "bf16-mixed")])
 def test_peft_lora_trains_as_lightning_does(path, base_dtype, precision):
-    ref, ref_grads, module = fit("auto", base_dtype, precision)
+    ref, ref_grads, module = reference(base_dtype, precision)
     got, got_grads, _ = fit(PATHS[path](), base_dtype, precision)
     assert_lora_exact((got, got_grads), (ref, ref_grads), module)
 
@@ -88,7 +95,7 @@ def test_peft_lora_trains_as_lightning_does(path, base_dtype, precision):
 def test_peft_lora_on_gpt2_with_its_frozen_tied_embedding_trains_as_lightning_does(path):
     """The head is the embedding's frozen weight, used by the first unit and the last: accepted (read-only,
     each keeps an equal copy), not refused as tied weights across units."""
-    ref, ref_grads, module = fit("auto", torch.bfloat16, family="gpt2")
+    ref, ref_grads, module = reference(torch.bfloat16, "32-true", "gpt2")
     assert module.model.base_model.model.lm_head.weight is module.model.base_model.model.transformer.wte.weight
     got, got_grads, _ = fit(PATHS[path](), torch.bfloat16, family="gpt2")
     assert_lora_exact((got, got_grads), (ref, ref_grads), module)
