@@ -11,8 +11,6 @@ from typing import Any
 
 import lightning as L
 import pytest
-import torch
-import torch.nn.functional as F
 
 from lightning_greedysnake import GreedySnakeStrategy
 from lightning_greedysnake.config import OffloadConfig, TensorKind
@@ -23,30 +21,15 @@ from tests.helpers import make_trainer, max_abs_diff, token_loader
 
 litgpt = pytest.importorskip("litgpt")
 
-from litgpt.lora import GPT, Config, mark_only_lora_as_trainable  # noqa: E402
+from tests.integration.test_litgpt_lora import VOCAB  # noqa: E402
+from tests.integration.test_litgpt_lora import LoRAModule as LitGPTLoRA  # noqa: E402
 
-VOCAB, K = 64, 3
+K = 3
 
 
-class LoRAModule(L.LightningModule):
+def LoRAModule() -> L.LightningModule:  # noqa: N802  (a model class's stand-in)
     """The issue's model: n_embd 128, 4 layers, r=4 on query, value and projection (about 1% trainable)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        config = Config.from_name("Llama-3.2-1B", n_layer=4, n_embd=128, n_head=4, n_query_groups=4, head_size=32,
-                                  intermediate_size=256, vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=16,
-                                  lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_value=True,
-                                  lora_projection=True)
-        self.model = GPT(config)
-        mark_only_lora_as_trainable(self.model)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        logits = self.model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3)
+    return LitGPTLoRA(n_layer=4, n_embd=128, n_head=4, n_query_groups=4, head_size=32, intermediate_size=256)
 
 
 class Layout(L.Callback):

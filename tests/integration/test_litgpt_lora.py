@@ -24,13 +24,18 @@ from tests.integration.test_optimizer_contract import PATHS  # noqa: E402  (the 
 VOCAB = 64
 
 
+SMALL = dict(n_layer=3, n_embd=32, n_head=4, n_query_groups=2, head_size=8, intermediate_size=64)
+
+
 class LoRAModule(L.LightningModule):
-    def __init__(self, base_dtype: torch.dtype = torch.float32) -> None:
+    """LitGPT's LoRA GPT, r=4 on query, value and projection, the rest frozen; ``size``: the config's shape
+    (default :data:`SMALL`)."""
+
+    def __init__(self, base_dtype: torch.dtype = torch.float32, **size: int) -> None:
         super().__init__()
-        config = Config.from_name("Llama-3.2-1B", n_layer=3, n_embd=32, n_head=4, n_query_groups=2, head_size=8,
-                                  intermediate_size=64, vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=16,
-                                  lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_value=True,
-                                  lora_projection=True)
+        config = Config.from_name("Llama-3.2-1B", **(size or SMALL), vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                                  block_size=16, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True,
+                                  lora_value=True, lora_projection=True)
         self.model = GPT(config)
         mark_only_lora_as_trainable(self.model)
         for p in self.model.parameters():  # (the base in its dtype, the adapters in fp32)
