@@ -188,7 +188,9 @@ class OffloadConfig:
     units. ``None`` (unset): planned at setup (``auto=True``), or ``ssd`` with ``auto=False``."""
     activations: Tier | None = None
     """Where the saved activations live: each unit's input per micro-batch, kept from its forward for
-    the recomputing backward (``host``, ``ssd`` or ``device``; the setting was called ``checkpoints``).
+    the recomputing backward (``host``, ``ssd`` or ``device``; the setting was called ``checkpoints``); with
+    ``recompute=False`` and ``ssd``, the kept graphs' saved tensors (written in the forward, read back for the
+    unit's backward).
     ``None`` (unset): with ``auto=True`` decided at the first save (``host`` while a window's activations
     fit 1/8 of the host budget, else ``ssd``); with ``auto=False`` ``host``."""
 
@@ -386,8 +388,11 @@ class GreedySnakeConfig:
     ``False`` keeps every unit's autograd graph (its activations, for all K micro-batches) from the
     forward until the unit's backward instead: no recompute, about a quarter less compute, and K times
     one model's activations in memory. The weights still leave memory between uses (views of them that
-    autograd saves are kept as references). ``None`` (unset): ``True``, and with ``auto=True`` the
-    warm-step plan keeps the graphs where they fit the host budget."""
+    autograd saves are kept as references). With ``offload.activations=ssd`` the graphs' saved tensors
+    go to SSD between the forward and the backward (a blob per unit and micro-batch, read back one op ahead,
+    in their own layout: exact), and only each unit's input stays in memory. ``None`` (unset): ``True``, and
+    with ``auto=True`` the warm-step plan keeps the graphs where that is faster and fits the host budget (in
+    memory, or on SSD where the saved activations went there)."""
 
     layered_module: str | None = None
     """Dotted name of the submodule that is the layered model (``""`` for the LightningModule itself).

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\nGreedySnakeStrategy(alpha={choice.alpha}, lag={choice.lag}, layers_per_unit={choice.layers_per_unit}, "
         f"recompute={choice.recompute}, offload={{"
-        + (f"'activations': '{choice.activations}', " if choice.recompute else "")
+        + (f"'activations': '{choice.activations}', " if choice.activations != "none" else "")
         + f"'buffer_budget_bytes': {choice.buffer_budget_bytes}}})"
     )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
@@ -28,7 +29,7 @@ from typing import Any, ContextManager
 import torch
 from torch import Tensor
 
-from lightning_greedysnake.config import RunConfig
+from lightning_greedysnake.config import RunConfig, Tier
 from lightning_greedysnake.models import LayerChain, Unit
 from lightning_greedysnake.offload import TensorStore
 from lightning_greedysnake.engine.buffers import BufferWriters
@@ -58,7 +59,10 @@ class _Window:
     cursor: int = 0
     rng: dict[tuple[int, int], GeneratorState] = field(default_factory=dict)
     """recompute: the state F u.m's forward started from, which B u.m's recomputation replays."""
-    graphs: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = field(default_factory=dict)
+    graphs: dict[tuple[int, int], tuple[Tensor | None, Tensor, KeptGraph]] = field(default_factory=dict)
+    """recompute=False: each unit's graph per micro-batch, from its forward to its backward: (the unit's input
+    leaf, its output, the hooks that packed its saved tensors: with saved activations on SSD, the bytes of
+    those are the store's saved activation of (unit, micro-batch) meanwhile)."""
     kept_inputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     """recompute=False: each unit's input per micro-batch, as the autograd leaf the next unit's graph
     starts from (the store's saved activations are copies, without the graph)."""
@@ -152,28 +156,112 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
 
-def _weight_refs(unit: Unit) -> ContextManager[Any]:
-    """Saved-tensor hooks for a unit's forward whose graph is kept until its backward.
+@dataclass(frozen=True)
+class _Part:
+    """A saved tensor moved into its graph's blob: where its bytes lie there, and how it was viewed."""
+
+    offset: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+BLOB_ALIGN = 64
+"""Each saved tensor's bytes start on this boundary in its graph's blob (any dtype's itemsize divides it)."""
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive places of its storage from its offset (contiguous,
+    or a permutation of that: a transpose), so its bytes move as one span and come back to the same view."""
+    if (type(t) not in (Tensor, torch.nn.Parameter) or t.layout is not torch.strided or t.device.type == "meta"
+            or t.numel() == 0 or t.is_conj() or t.is_neg()):
+        return False  # (a subclass, a lazy conjugate or negation: kept as it is)
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class KeptGraph:
+    """Saved-tensor hooks for a unit's forward whose graph is kept until its backward (``recompute=False``).
 
     Autograd saves views of the weights (``weight.t()`` for a matmul); those would pin the weights'
     buffer, which the tensor manager hands to the next unit once this one is released. Instead each
     such view is packed as a reference and rebuilt at backward from the parameter's current data,
     which by then holds the same values again (the unit is re-acquired before its backward, and its
-    weights are not stepped before their backward is done)."""
-    params = unit.parameters()
-    weights = _WeightViews(params)
+    weights are not stepped before their backward is done).
 
-    def pack(t: Tensor) -> Any:
-        ref = weights.ref(t)
-        return t if ref is None else ref
+    ``offload`` (saved activations on SSD): every other saved tensor that lies densely in its storage
+    (on the compute device) is kept only until the forward ends, when :meth:`seal` copies their bytes into one
+    flat blob (each at a :data:`BLOB_ALIGN` boundary, a tensor saved twice once), which the engine hands
+    to the store as the unit's saved activation for the micro-batch: written to SSD and read back, one op
+    ahead, for the backward, where :meth:`unpack` views each tensor in the blob loaded (:attr:`blob`) with
+    its own shape and strides: the same bytes in the same layout, so the backward computes exactly as on
+    the graph held in memory. Ownership: the list of saved tensors is the forward's (training thread)
+    until :meth:`seal`; the blob is the store's from ``save_activation`` to ``drop_activation``."""
 
-    def unpack(packed: Any) -> Tensor:
-        if not isinstance(packed, _WeightRef):
+    def __init__(self, unit: Unit, offload_on: torch.device | None) -> None:
+        """``offload_on``: the compute device, whose saved tensors go into the blob (None: nothing offloaded)."""
+        self._params = unit.parameters()
+        self._weights = _WeightViews(self._params)
+        self._device = offload_on
+        self._saved: list[Tensor] = []
+        """The tensors going into the blob, in the order of their parts (the forward's, until :meth:`seal`)."""
+        self._index: dict[tuple[Any, ...], int] = {}
+        self._parts: list[_Part] = []
+        self.blob: Tensor | None = None
+        """Offloaded: the bytes :meth:`seal` made, as loaded back for the backward (None meanwhile)."""
+
+    def hooks(self) -> ContextManager[Any]:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    @property
+    def has_blob(self) -> bool:
+        """Whether :meth:`seal` made a blob (the backward loads it back first)."""
+        return bool(self._parts)
+
+    def pack(self, t: Tensor) -> Any:
+        ref = self._weights.ref(t)
+        if ref is not None:
+            return ref
+        # (kept as it is: not offloading; not dense; on another device, a host scalar beside a device graph)
+        if self._device is None or t.device.type != self._device.type or not _dense(t):
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        index = self._index.setdefault(key, len(self._saved))
+        if index == len(self._saved):  # (a tensor saved twice goes in once)
+            self._saved.append(t)
+        return index
+
+    def seal(self) -> Tensor | None:
+        """The forward is done: its saved tensors' bytes as one blob (None where none was to move), the tensors
+        themselves let go."""
+        if not self._saved:
+            return None
+        offset = 0
+        for t in self._saved:
+            self._parts.append(_Part(offset, t.dtype, tuple(t.shape), tuple(t.stride())))
+            offset += -(-t.numel() * t.element_size() // BLOB_ALIGN) * BLOB_ALIGN
+        blob = torch.empty(offset, dtype=torch.uint8, device=self._device)
+        for t, part in zip(self._saved, self._parts, strict=True):
+            # its elements' span in storage order (``_dense``), byte for byte
+            blob[part.offset:part.offset + t.numel() * t.element_size()].view(t.dtype).copy_(
+                t.as_strided((t.numel(),), (1,), t.storage_offset()))
+        self._saved, self._index = [], {}
+        return blob
+
+    def unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, _WeightRef):
+            d = self._params[packed.param].data
+            return d.as_strided(packed.size, packed.stride, d.storage_offset() + packed.offset)
+        if not isinstance(packed, int):
             return packed
-        d = params[packed.param].data
-        return d.as_strided(packed.size, packed.stride, d.storage_offset() + packed.offset)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        part, blob = self._parts[packed], self.blob
+        assert blob is not None, "a kept graph's saved tensors were read before its blob was loaded"
+        span = blob[part.offset:part.offset + math.prod(part.size) * part.dtype.itemsize].view(part.dtype)
+        return span.as_strided(part.size, part.stride, span.storage_offset())
 
 
 def _check_hidden(value: Any, where: str) -> Tensor:
@@ -415,23 +503,36 @@ class WindowEngine:
         self._ensure_unit(u)
         recompute = self.config.recompute
         # Recompute mode: no graph now, backward rebuilds it. Otherwise keep the graph until B u.m, with
-        # its saved views of the unit's weights held as references (the weights leave memory meanwhile).
+        # its saved views of the unit's weights held as references (the weights leave memory meanwhile)
+        # and, with saved activations on SSD, its other saved tensors there (KeptGraph).
         grad_mode = torch.no_grad() if recompute else torch.enable_grad()
-        hooks = contextlib.nullcontext() if recompute else _weight_refs(unit)
+        graph = None if recompute else KeptGraph(unit, self.device if self._graphs_offloaded else None)
+        hooks = contextlib.nullcontext() if graph is None else graph.hooks()
         with w.streams.forward_of(m), self.buffer_writers.first_forward(u, w.plan):
             if recompute:
                 w.rng[(u, m)] = GeneratorState.capture(self.device)
             with grad_mode, hooks, self.forward_context():
                 hidden, leaf = self._unit_input(u, mb, m, for_grad=not recompute)
                 out = self._blocks(unit, hidden, mb.ctx)
-        if recompute:
+        if graph is None:
             self.store.save_activation(u + 1, m, out)
             if u > 0 and (u, m) not in w.kept_inputs:
                 # read back again for backward: an offloading store frees it now (just in time)
                 self.store.release_activation(u, m)
         else:
-            w.graphs[(u, m)] = (leaf, out)
+            blob = graph.seal()
+            if blob is not None:
+                # the unit's saved activation for m is its graph's bytes while the graph waits for B u.m (its
+                # input stays kept beside it, as the next unit's input leaf); released at once: read back for B u.m
+                self.store.save_activation(u, m, blob)
+                self.store.release_activation(u, m)
+            w.graphs[(u, m)] = (leaf, out, graph)
             w.kept_inputs[(u + 1, m)] = out.detach().requires_grad_(out.is_floating_point())
+
+    @property
+    def _graphs_offloaded(self) -> bool:
+        """recompute=False with saved activations on SSD: each kept graph's saved tensors go there."""
+        return not self.config.recompute and self.config.offload.activations is Tier.SSD
 
     def _unit_input(self, u: int, mb: _Microbatch, m: int | None = None, for_grad: bool = True,
                     keep_ctx: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -462,14 +563,19 @@ class WindowEngine:
         grad = mb.act_grad
         if grad is None:  # nothing flows back from this micro-batch: zero gradient, nothing to do
             w.rng.pop((u, m), None)
-            w.graphs.pop((u, m), None)
+            graph = w.graphs.pop((u, m), None)
+            if graph is not None and graph[2].has_blob:
+                self.store.drop_activation(u, m)
             if u > 0:
                 self._drop_input(u, m)
             return
         unit = self.units[u]
         self._ensure_unit(u)
+        graph: KeptGraph | None = None
         if (u, m) in w.graphs:
-            leaf, out = w.graphs.pop((u, m))
+            leaf, out, graph = w.graphs.pop((u, m))
+            if graph.has_blob:
+                graph.blob = self.store.load_activation(u, m)
         else:
             counter = SavedBytes(unit.parameters()) if u not in self.activation_bytes else None
             measure = counter.hooks() if counter is not None else contextlib.nullcontext()
@@ -481,6 +587,9 @@ class WindowEngine:
                 self.activation_bytes[u] = counter.nbytes
         if out.requires_grad:
             torch.autograd.backward(out, grad)
+        if graph is not None and graph.blob is not None:
+            graph.blob = None
+            self.store.drop_activation(u, m)
         mb.act_grad = leaf.grad if leaf is not None else None
         if u > 0:
             self._drop_input(u, m)
@@ -509,7 +618,7 @@ class WindowEngine:
         if w is None or w.cursor + 1 >= len(w.plan.ops):
             return
         nxt = w.plan.ops[w.cursor + 1]
-        if nxt.kind is not OpKind.OPTIMIZER and nxt.unit > 0:
+        if nxt.kind is not OpKind.OPTIMIZER and (nxt.unit > 0 or self._graphs_offloaded):
             self.store.prefetch_activation(nxt.unit, nxt.microbatch)
 
     def _hint_next_unit(self) -> None:

@@ -26,8 +26,10 @@ about as fast as the two one after the other (``benchmarks/disk_mix.py``; a seco
 the optimizer's compute with its I/O, not one disk's reads with its writes).
 
 Keeping the autograd graphs (``recompute=False``) takes each unit's recompute out of the backward
-phase and its saved activation traffic out of both, and costs every unit's graph for all K micro-batches in
-host memory, from the forward until the unit's backward: it is chosen when that fits the budget.
+phase, and costs every unit's graph for all K micro-batches from the forward until the unit's backward:
+in host memory (``activations`` "none": no saved activation traffic), or, where saved activations are on SSD,
+their saved tensors there (written in the forward, read back for the backward: more bytes than the units'
+inputs alone, only those inputs held): chosen when it is faster and fits the budget.
 
 The window's last optimizer step (the first unit's: last in the backward, first in the next forward)
 has nothing left to hide behind when the optimizer runs in the background: its compute, and its reads
@@ -162,7 +164,8 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     """(forward phase, backward phase) seconds of one vertical step. ``double_buffered``: the staging
     budget holds a second optimizer working set, so one unit's state reads overlap the previous unit's
     compute instead of following it (the disk still serves every read and write in turn).
-    ``recompute=False``: graphs kept, no recompute, no activations. ``read_ahead``: the window's last
+    ``recompute=False``: graphs kept, no recompute; ``activations`` ``ssd``: their saved tensors written to SSD in
+    the forward and read back for the backward, else held. ``read_ahead``: the window's last
     step reads ahead (see :func:`window_tail`, counted in the backward)."""
     read, write = machine.read_bytes_per_s, machine.write_bytes_per_s
     rate = machine.optimizer_elements_per_s if lag else machine.inline_rate
@@ -186,7 +189,8 @@ def score(units: list[UnitCost], machine: Machine, k: int, alpha: float, lag: in
     # range is read again (as master under 32-true, to refresh the 16-bit copy under bf16-mixed)
     deferred_io = alpha * sum(_ssd(u, "gradients", u.grad_bytes) * (1 / read + 1 / write)
                               + _ssd(u, "weights", u.written_weight_bytes) / read for u in rest)
-    saved = k * (len(units) - 1) * unit_input_bytes if (activations == "ssd" and recompute) else 0
+    saved = ((k * (len(units) - 1) * unit_input_bytes if recompute else k * sum(u.activation_bytes for u in units[:-1]))
+             if activations == "ssd" else 0)
     f_compute = k * sum(u.forward_s for u in units)
     b_compute = k * sum(u.backward_s - (0.0 if recompute else u.recompute_s) for u in units)
     if lag == 0:
@@ -235,7 +239,8 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
     measured = all(u.activation_bytes > 0 for u in units[:-1])
     options = [(True, c) for c in activation_placements] if True in recompute else []
     if False in recompute and measured:
-        options.append((False, "none"))
+        # kept graphs held in memory ("none": no saved activation besides them), or their saved tensors on SSD
+        options += [(False, "none")] + [(False, "ssd")] * ("ssd" in activation_placements)
     best: Choice | None = None
     smallest = None
     merged = merge(units, 1)  # (the last unit fused: it recomputes nothing)
@@ -248,8 +253,11 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
             for recomputing, activations in options:
                 if recomputing:
                     host_ckpt = held * (len(merged) - 1) * unit_input_bytes if activations == "host" else 0
-                else:  # every unit's graph for every micro-batch alive, but the fused last unit's
+                elif activations == "none":  # every unit's graph for every micro-batch alive, but the fused last unit's
                     host_ckpt = held * sum(u.activation_bytes for u in merged[:-1])
+                else:  # those graphs' saved tensors on SSD: their inputs still held, two graphs' bytes staged
+                    host_ckpt = (held * (len(merged) - 1) * unit_input_bytes
+                                 + 2 * max((u.activation_bytes for u in merged[:-1]), default=0))
                 host = staging + host_ckpt
                 smallest = host if smallest is None else min(smallest, host)
                 if host > host_budget_bytes:

@@ -232,14 +232,37 @@ def test_graphs_that_do_not_fit_mean_recompute():
     assert choice.recompute and choice.host_bytes <= budget
 
 
+def test_graphs_too_large_for_memory_go_to_ssd_where_compute_binds():
+    """Graphs larger than the budget, saved activations on SSD: where compute binds (a fast disk) the graphs'
+    saved tensors go to SSD (no recompute; more bytes, hidden), where the disk binds the units recompute from
+    their inputs (fewer bytes). Its memory: every unit's input kept for every micro-batch, two graphs staged."""
+    units = _with_graphs(layers(), activation_bytes=64 * MB)
+    budget = staging_bytes(units, 2) + 4 * 7 * MB + 2 * 64 * MB + 10 * MB  # graphs on SSD fit, in memory not
+    fast = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB, activation_placements=("ssd",))
+    assert not fast.recompute and fast.activations == "ssd"
+    assert fast.host_bytes - fast.buffer_budget_bytes == 4 * 7 * MB + 2 * 64 * MB
+    recompute_s = sum(u.recompute_s for u in units)
+    moved = 4 * 7 * 64 * MB / 1e13  # written in the forward, read for the backward (counted on its path)
+    assert fast.step_s == pytest.approx(4 * (sum(u.forward_s + u.backward_s for u in units) - recompute_s)
+                                        + moved, rel=1e-3)
+    slow_disk = Machine(read_bytes_per_s=1e8, write_bytes_per_s=1e8, optimizer_elements_per_s=1e12)
+    slow = plan(units, slow_disk, k=4, host_budget_bytes=budget, unit_input_bytes=MB, activation_placements=("ssd",))
+    assert slow.recompute and slow.activations == "ssd"
+    # and only where saved activations are on SSD
+    held = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB, activation_placements=("host",))
+    assert held.recompute
+
+
 def test_the_horizontal_order_holds_one_microbatchs_graphs():
     """Horizontally one micro-batch's graphs are alive at a time: a budget that holds them, not K's, keeps
     the graphs there and recomputes vertically."""
     units = _with_graphs(layers(), activation_bytes=64 * MB)
     graphs = sum(u.activation_bytes for u in units[:-1])
     budget = staging_bytes(units, 2) + 2 * graphs  # one micro-batch's graphs fit, four do not
-    vertical = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB)
-    horizontal = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB, schedule="horizontal")
+    # (saved activations in host memory: on SSD the vertical order would keep its graphs' saved tensors there)
+    vertical = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB, activation_placements=("host",))
+    horizontal = plan(units, FAST, k=4, host_budget_bytes=budget, unit_input_bytes=MB, schedule="horizontal",
+                      activation_placements=("host",))
     assert vertical.recompute and not horizontal.recompute
     assert horizontal.host_bytes - horizontal.buffer_budget_bytes == graphs  # staging aside: one micro-batch's
 

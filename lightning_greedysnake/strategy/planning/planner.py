@@ -256,8 +256,11 @@ class Planner:
         if machine is None:  # (this rank could not measure; rank 0 could: its choice stands)
             machine = self.machine = Machine(math.inf, math.inf, math.inf)
         staging = explicit_budget if explicit_budget is not None else choice.buffer_budget_bytes
+        # (kept graphs with their saved tensors on SSD: the saved activations' tier, SSD already, says so to the engine)
+        kept_on_ssd = {"activations": Tier.SSD} if not choice.recompute and choice.activations == "ssd" else {}
         config = dataclasses.replace(config, alpha=choice.alpha, lag=choice.lag, recompute=choice.recompute,
-                                     offload=dataclasses.replace(config.offload, buffer_budget_bytes=staging))
+                                     offload=dataclasses.replace(config.offload, buffer_budget_bytes=staging,
+                                                                 **kept_on_ssd))
         bound = predict(costs, machine, config.schedule.value, k).bound
         inline = (f", {machine.inline_rate / 1e6:.0f} M on the training thread"
                   if machine.inline_optimizer_elements_per_s else "")
