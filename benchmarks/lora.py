@@ -576,6 +576,8 @@ def run(args: argparse.Namespace) -> None:
         systems.remove("deepspeed")
     rows: list[dict[str, Any]] = []
     offload_root = args.offload_dir
+    if offload_root is not None:
+        Path(offload_root).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=offload_root, prefix="lora_") as tmp:
         args.offload_dir = tmp  # (the children's)
         # the disk's O_DIRECT speed in the offload directory, the best of three (--quick: once, a small probe)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_greedysnake.config import OffloadConfig, TensorKind
+from lightning_greedysnake.config import OffloadConfig, TensorKind, Tier
 from lightning_greedysnake.io import IOConfig, IOEngine, default_engine
 from lightning_greedysnake.io.heap import trim_heap
 from lightning_greedysnake.layout import (
@@ -357,11 +357,16 @@ class TieredTensorStore:
         self.arena.flush()
 
     def reconfigure(self, alpha: float, lag: int, offload: OffloadConfig) -> None:
-        """Change alpha, lag and the staging budget (``offload.buffer_budget_bytes``: nothing else of
-        ``offload`` may change) between steps (the planner's choice): drains every pending step, re-splits
-        each unit's optimizer keeping its state, resizes the lane and the pool."""
+        """Change alpha, lag and the staging budget (``offload.buffer_budget_bytes``) between steps (the
+        planner's choice): drains every pending step, re-splits each unit's optimizer keeping its state,
+        resizes the lane and the pool. Nothing else of ``offload`` may change but ``activations`` to ``ssd``
+        (kept graphs' saved tensors there: from the next window on)."""
         assert offload.buffer_budget_bytes is not None, "a plan names its staging budget"
-        assert dataclasses.replace(offload, buffer_budget_bytes=self.config.buffer_budget_bytes) == self.config
+        same = dataclasses.replace(offload, buffer_budget_bytes=self.config.buffer_budget_bytes,
+                                   activations=self.config.activations)
+        assert same == self.config, "the plan changes only the staging budget and the saved activations' tier"
+        if offload.activations is Tier.SSD:
+            self.activations.to_ssd()
         self.drain()
         self.stepper.reconfigure(alpha, lag)
         self.arena.budget.set_budget(offload.buffer_budget_bytes, lag)

@@ -162,6 +162,17 @@ class ActivationStore:
                 self._scratches.append(SSDScratch(TensorKind.ACTIVATIONS.value, engine, path, self._stats))
             self._window_counts = [0] * len(self._scratches)
 
+    def to_ssd(self) -> None:
+        """Between windows: saved activations go to SSD from the next window on (the warm-step plan's kept
+        graphs on SSD), in this run's offload directories."""
+        if self.tier is Tier.SSD:
+            return
+        dirs, engines = self._offload
+        assert dirs and not self._host and not self._copied, "to SSD between windows, with an offload directory"
+        self._plan = None  # (decided)
+        self.tier = Tier.SSD
+        self.open(dirs, engines)
+
     def open_files(self) -> list[OffloadFile]:
         return [scratch.file for scratch in self._scratches]
 

@@ -223,14 +223,15 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
          alphas: tuple[float, ...] = ALPHAS, lags: tuple[int, ...] = (0, 1, 2),
          activation_placements: tuple[str, ...] = ("host", "ssd"),
          recompute: tuple[bool, ...] = (True, False), prefetch_units: int = 1, layers_per_unit: int = 1,
-         schedule: str = "vertical") -> Choice:
+         schedule: str = "vertical", graphs_on_ssd: bool | None = None) -> Choice:
     """The fastest configuration whose host memory fits ``host_budget_bytes`` (ties: less memory), for
     ``units`` as given (the unit size is :mod:`~lightning_greedysnake.planner.unit_size`'s to choose).
 
     ``units``: per-unit costs (``layers_per_unit`` blocks each: :func:`merge` them; the last one is the
     fused unit); ``unit_input_bytes``: one unit input of one micro-batch;
     ``prefetch_units``: the weights prefetches the staging budget holds room for (``offload.prefetch_units``).
-    Keeping the graphs is considered only where every recomputed unit's activation bytes were measured.
+    Keeping the graphs is considered only where every recomputed unit's activation bytes were measured;
+    ``graphs_on_ssd``: whether their saved tensors may go to SSD (None: where saved activations may).
     ``schedule``: the window's order. Horizontally one micro-batch's activations or graphs are alive at a
     time, not K's; the step time is scored as vertical's (the order setup picks horizontal only where nothing
     is on SSD, so the two differ only in how much of the optimizer the backward hides).
@@ -240,7 +241,8 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
     options = [(True, c) for c in activation_placements] if True in recompute else []
     if False in recompute and measured:
         # kept graphs held in memory ("none": no saved activation besides them), or their saved tensors on SSD
-        options += [(False, "none")] + [(False, "ssd")] * ("ssd" in activation_placements)
+        on_ssd = "ssd" in activation_placements if graphs_on_ssd is None else graphs_on_ssd
+        options += [(False, "none")] + [(False, "ssd")] * on_ssd
     best: Choice | None = None
     smallest = None
     merged = merge(units, 1)  # (the last unit fused: it recomputes nothing)

@@ -173,6 +173,42 @@ def test_auto_can_switch_to_kept_graphs_mid_run_exactly():
     assert max_abs_diff(switched, fit([])) <= 1e-6
 
 
+def test_a_plan_for_kept_graphs_on_ssd_moves_the_saved_activations_there_exactly(monkeypatch, caplog):
+    """The warm-step plan's choice of kept graphs on SSD (where compute binds and the graphs do not fit in
+    memory: forced here, the tiny model's graphs fit) with the saved activations in host memory until then
+    (unset, and a window's fit their share): from the next window on they go to SSD, each graph's saved
+    tensors with them, and the run lands where recomputing all along lands (dropout on: the same masks)."""
+    from lightning_greedysnake.strategy.planning import planner as planning
+
+    def kept_on_ssd(*args, **kwargs):
+        assert kwargs["graphs_on_ssd"] and kwargs["activation_placements"] == ("host",)
+        return dataclasses.replace(plan(*args, **kwargs), recompute=False, activations="ssd")
+
+    plan = planning.plan
+    monkeypatch.setattr(planning, "plan", kept_on_ssd)
+
+    class Seen(L.Callback):
+        def on_train_end(self, trainer, module):
+            self.tier = trainer.strategy.tensor_manager.activations.tier
+            self.stats = trainer.strategy.io_stats()
+            self.config = trainer.strategy._run.engine.config
+
+    def fit(strategy: GreedySnakeStrategy, callbacks: list) -> dict:
+        L.seed_everything(0, verbose=False)
+        module = TinyGPTModule(n_layer=3, lr=3e-3, dropout=0.2)
+        make_trainer(strategy, 3, max_epochs=2, callbacks=callbacks).fit(module, token_loader(12))
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    seen = Seen()
+    with caplog.at_level("INFO"):
+        got = fit(GreedySnakeStrategy(offload=ALL_SSD), [seen])
+    assert "saved activations in host memory" in caplog.text  # (at the first save, before the plan)
+    assert not seen.config.recompute and seen.config.offload.activations is Tier.SSD and seen.tier is Tier.SSD
+    assert seen.stats["ssd/activations/bytes_written"] > 0
+    # (1e-5: the plan changed alpha and lag too, which reorder fp32 sums; the masks are the same draws)
+    assert max_abs_diff(got, fit(GreedySnakeStrategy(auto=False, offload=ALL_SSD), [])) <= 1e-5
+
+
 def test_larger_units_predicted_faster_are_suggested_for_the_next_run_and_the_units_stay(monkeypatch, caplog):
     """The files are laid out by the unit size: where the warm-step plan finds larger units faster, the
     report names the ``layers_per_unit`` to set; this run keeps its units. Stand-ins: setup's choice is

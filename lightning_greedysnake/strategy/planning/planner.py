@@ -242,6 +242,9 @@ class Planner:
             "lags": lags or (config.lag,),
             "recompute": (True, False) if "recompute" in unset else (config.recompute,),
             "activation_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",),
+            # kept graphs' saved tensors may go to SSD where saved activations are there, or may go (left to plan)
+            "graphs_on_ssd": manager.activations.tier is Tier.SSD or (
+                bool(manager.offload_dirs) and "offload.activations" in unset and manager.activations.tier is Tier.HOST),
             "prefetch_units": manager.config.prefetch_units, "schedule": config.schedule.value}
         try:
             choice: Choice | str = disks if machine is None else plan(
@@ -256,7 +259,7 @@ class Planner:
         if machine is None:  # (this rank could not measure; rank 0 could: its choice stands)
             machine = self.machine = Machine(math.inf, math.inf, math.inf)
         staging = explicit_budget if explicit_budget is not None else choice.buffer_budget_bytes
-        # (kept graphs with their saved tensors on SSD: the saved activations' tier, SSD already, says so to the engine)
+        # (kept graphs with their saved tensors on SSD: the saved activations' tier says so to the engine and the store)
         kept_on_ssd = {"activations": Tier.SSD} if not choice.recompute and choice.activations == "ssd" else {}
         config = dataclasses.replace(config, alpha=choice.alpha, lag=choice.lag, recompute=choice.recompute,
                                      offload=dataclasses.replace(config.offload, buffer_budget_bytes=staging,
