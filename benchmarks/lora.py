@@ -336,7 +336,8 @@ def run_greedysnake(args: argparse.Namespace, config: Any) -> dict[str, Any]:
 
     strategy = GreedySnakeStrategy(offload_dir=Path(args.offload_dir) / "greedysnake",
                                    auto_host_budget_bytes=int(args.host_budget_gb * 2**30),
-                                   offload={"weights": "ssd", "return_weights": False})
+                                   offload={"weights": "ssd", "return_weights": False},
+                                   layers_per_unit=args.layers_per_unit or None)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision(args),
                         max_steps=args.steps, accumulate_grad_batches=args.k, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -524,6 +525,8 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--ds-prefetch", type=int, default=0,
                         help="DeepSpeed's stage3_prefetch_bucket_size in blocks (0: off; see run_deepspeed)")
+    parser.add_argument("--layers-per-unit", type=int, default=0,
+                        help="greedysnake's layers_per_unit (0: unset, setup chooses)")
     parser.add_argument("--timeout-min", type=float, default=60.0, help="per system")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, about a minute: a smoke run")
     parser.add_argument("--offload-dir", default=None, help="the SSD directory (default: a temp dir)")
@@ -588,7 +591,7 @@ def run(args: argparse.Namespace) -> None:
         args.offload_dir = offload_root
         machine = machine_record(args)
         args.offload_dir = tmp
-        child_flags = ["k", "seq", "steps", "lora_r", "width", "compute_windows", "host_budget_gb", "n_layer", "ds_prefetch",
+        child_flags = ["k", "seq", "steps", "lora_r", "width", "compute_windows", "host_budget_gb", "n_layer", "ds_prefetch", "layers_per_unit",
                        "resolved_base_dtype", "offload_dir"]
         for system in systems:
             t0 = time.monotonic()

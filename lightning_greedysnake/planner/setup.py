@@ -102,12 +102,14 @@ class Scores(NamedTuple):
 class Placed(NamedTuple):
     """One candidate placed: the first window's lag, the placement (None: nothing planned) and its units
     placed so; ``refused_staging_bytes``: its staging, where that alone exceeds the budget (placed then
-    is nothing)."""
+    is nothing); ``crowded``: its staging leaves less than the saved activations' share of the budget (no
+    candidate where another size leaves it)."""
 
     lag: int
     plan: PlacementPlan | None
     units: list[UnitCost]
     refused_staging_bytes: int | None = None
+    crowded: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ def place(inputs: SetupInputs, sized: Sized) -> Placed:
     plan = plan_placement(costs, sized.kept, inputs.planned, budget, staging(lag) + budget // ACTIVATION_SHARE,
                           inputs.schedule, inputs.k, clip_norm=inputs.clip_norm and vertical,
                           device_room=sized.device_room)
-    return Placed(lag, plan, plan.units)
+    return Placed(lag, plan, plan.units, crowded=staging(lag) + budget // ACTIVATION_SHARE > budget)
 
 
 def plan_setup(inputs: SetupInputs, probes: Probes) -> SetupChoice:
@@ -165,6 +167,8 @@ def plan_setup(inputs: SetupInputs, probes: Probes) -> SetupChoice:
     where the disk cannot be measured (``fallback`` says why)."""
     placed = {lpu: place(inputs, sized) for lpu, sized in inputs.sizes.items()}
     fits = {lpu: p for lpu, p in placed.items() if p.refused_staging_bytes is None}
+    # (a size whose staging crowds out the saved activations' share is a candidate only where every one does)
+    fits = {lpu: p for lpu, p in fits.items() if not p.crowded} or fits
     k, vertical = inputs.k, inputs.schedule == "vertical"
     lpu, scores, fallback = min(inputs.sizes), None, None
     if len(inputs.sizes) > 1 and fits:
@@ -192,7 +196,7 @@ def plan_setup(inputs: SetupInputs, probes: Probes) -> SetupChoice:
                 lpu = choose_unit_size(plans)
                 scores = Scores(plans, machines, {s: t.read_bytes + t.write_bytes for s, t in moved.items()},
                                 probes.where if moving else "")
-    lag, plan, units, refused = placed[lpu]
+    lag, plan, units, refused, _ = placed[lpu]
     in_ram = not any(u.on_ssd for u in units)
     schedule = "horizontal" if inputs.schedule_planned and in_ram else inputs.schedule
     return SetupChoice(lpu, lag, plan, schedule, scores, fallback, refused)

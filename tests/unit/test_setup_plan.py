@@ -58,13 +58,26 @@ def test_a_disk_that_cannot_be_measured_leaves_the_smallest_size_and_says_why():
 
 def test_a_size_whose_staging_exceeds_the_budget_is_refused_and_no_candidate():
     need = {lpu: staging_bytes(merge(layers(), lpu), 2) for lpu in (1, 2)}
-    budget = (need[1] + need[2]) // 2  # one layer a unit fits, two do not
+    budget = (need[1] + need[2]) // 2 * 8 // 7  # one layer a unit fits, two do not (an eighth: activations)
     probes = Probed(disk(latency_s=5e-3), 1e9)
     choice = plan_setup(inputs(planned=KINDS, budget=budget), probes)
     assert max(probes.asked[0]) == LAYER  # (one layer's requests: the larger sizes' are not asked for)
     assert choice.refused_staging_bytes is None and choice.layers_per_unit == 1 and sorted(choice.scores.plans) == [1]
-    refused = plan_setup(inputs(sizes=(2,), planned=KINDS, budget=budget), Probed(None, 1e9))
+    refused = plan_setup(inputs(sizes=(2,), planned=KINDS, budget=(need[1] + need[2]) // 2), Probed(None, 1e9))
     assert (refused.refused_staging_bytes, refused.lag, refused.layers_per_unit) == (need[2], 2, 2)
+
+
+def test_a_size_whose_staging_crowds_out_the_saved_activations_is_no_candidate_beside_one_that_leaves_room():
+    """Two layers a unit fit the budget by their staging alone but leave less than the saved activations'
+    eighth (which the warm-step plan then needs, for them or for kept graphs): one layer a unit is chosen,
+    though the disk favours larger requests; where every size crowds it out, they are still scored."""
+    need = {lpu: staging_bytes(merge(layers(), lpu), 2) for lpu in (1, 2)}
+    budget = need[2] * 15 // 14  # two fit by staging, not beside an eighth; one does
+    assert need[2] <= budget < need[2] + budget // 8 and need[1] + budget // 8 <= budget
+    choice = plan_setup(inputs(planned=KINDS, budget=budget), Probed(disk(latency_s=5e-3), 1e9))
+    assert choice.refused_staging_bytes is None and choice.layers_per_unit == 1 and sorted(choice.scores.plans) == [1]
+    crowded = plan_setup(inputs(sizes=(2,), planned=KINDS, budget=budget), Probed(disk(latency_s=5e-3), 1e9))
+    assert crowded.refused_staging_bytes is None and crowded.layers_per_unit == 2
 
 
 @pytest.mark.parametrize("share", [0.4, 0.7])
