@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from lightning_greedysnake.planner.roofline import Machine, UnitCost
 from lightning_greedysnake.planner.staging import staging_budget
+from lightning_greedysnake.schedule import window_facts
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ def plan(units: list[UnitCost], machine: Machine, k: int, host_budget_bytes: int
     time, not K's; the step time is scored as vertical's (the order setup picks horizontal only where nothing
     is on SSD, so the two differ only in how much of the optimizer the backward hides).
     """
-    held = 1 if schedule == "horizontal" else k  # micro-batches whose activations or graphs are alive at once
+    held = window_facts(schedule, len(units), k).live_microbatches  # (whose activations or graphs are alive at once)
     measured = all(u.activation_bytes > 0 for u in units[:-1])
     options = [(True, c) for c in activation_placements] if True in recompute else []
     if False in recompute and measured:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from lightning_greedysnake.kinds import REGION_KIND_NAMES
 from lightning_greedysnake.planner.staging import UnitStaging, unit_staging
+from lightning_greedysnake.schedule import window_facts
 
 ON_SSD = frozenset(REGION_KIND_NAMES)
 """Every kind with a per-unit region: ZeRO-Infinity's placement, the default."""
@@ -133,10 +134,11 @@ class Prediction:
 def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = False, slack: bool = True) -> Traffic:
     """SSD bytes of one steady-state step (after the first, whose optimizer state is not read yet).
 
-    Vertical: every unit's weights are read for its forward and again for its backward (the fused last
-    unit once). Horizontal: per micro-batch; unit 0 stays in memory from one micro-batch's backward into
-    the next forward, and partial gradients go out and back between micro-batches (the last micro-batch's
-    backward completes each one and hands it to its step). In both, unit 0's step ends the window and, when it is whole (nothing deferred, no global norm
+    What the order costs comes from its ops (:func:`~lightning_greedysnake.schedule.window_facts`): each unit's
+    weights are read once per load (vertical: for its forward and again for its backward, the fused last unit
+    once; horizontal: per micro-batch, unit 0 staying in memory from one micro-batch's backward into the next
+    forward), and a partial gradient goes out and back each time it is left incomplete (horizontal: between
+    micro-batches; the last micro-batch's backward completes each one and hands it to its step). In both, unit 0's step ends the window and, when it is whole (nothing deferred, no global norm
     to wait for), in one process, with ``slack`` in the staging budget over its minimum (the automatic
     budget has it), leaves the new weights in memory for the next window's first forward: one read
     less. The optimizer reads and writes its state, writes the new compute weights, and under 32-true
@@ -146,7 +148,11 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
     of a unit's weights for compute reads its whole region. Each term counts only the units whose region
     of that kind is on SSD (``UnitCost.on_ssd``).
     """
-    assert schedule in ("vertical", "horizontal") and k >= 1 and units
+    assert k >= 1 and units
+    facts = window_facts(schedule, len(units), k)
+    # norm clipping makes every gradient wait, modelled where the order completes each at once (with partial
+    # sums waiting anyway, the setting's own traffic is not modelled: counted as without it)
+    clip_norm = clip_norm and facts.completes_gradients_at_once
     t: dict[str, int] = {}
 
     def add(name: str, nbytes: int) -> None:
@@ -160,10 +166,7 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
     on = {kind: [kind in u.on_ssd for u in units] for kind in ON_SSD}
     w = [u.weight_bytes if s else 0 for u, s in zip(units, on["weights"])]
     g = [u.grad_bytes if u.params and s else 0 for u, s in zip(units, on["gradients"])]
-    if schedule == "vertical":
-        add("read/weights", 2 * sum(w[:-1]) + w[-1])
-    else:
-        add("read/weights", k * (2 * sum(w[:-1]) + w[-1]) - (k - 1) * w[0])
+    add("read/weights", sum(loads * nbytes for loads, nbytes in zip(facts.weight_loads, w)))
     if slack and units[0].params and not units[0].alpha_weight_bytes and not clip_norm:
         add("read/weights", -w[0])
     # a step writes its trained prefix only: the frozen rest of the region is read with the unit, never written
@@ -179,13 +182,11 @@ def traffic(units: list[UnitCost], schedule: str, k: int, *, clip_norm: bool = F
     refresh = sum(w_trained) if clip_norm else sum(alpha_w)
     add("read/weights" if separate_master else "read/master_weights", refresh)
     if clip_norm:
-        assert schedule == "vertical", "the traffic model covers norm clipping in the vertical order"
         # every gradient waits on SSD for the global norm
         both("gradients", sum(g))
     else:
-        if schedule == "horizontal":
-            # partial sums out and back between micro-batches: the last one's backward completes them
-            both("gradients", (k - 1) * sum(g))
+        # partial sums out and back while incomplete: the last backward-side op completes them
+        both("gradients", sum(spills * nbytes for spills, nbytes in zip(facts.gradient_spills, g)))
         both("gradients", sum(u.alpha_grad_bytes for u, s in zip(units, on["gradients"]) if s))
     reads = sum(v for name, v in t.items() if name.startswith("read/"))
     writes = sum(v for name, v in t.items() if name.startswith("write/"))

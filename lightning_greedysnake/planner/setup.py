@@ -154,9 +154,8 @@ def place(inputs: SetupInputs, sized: Sized) -> Placed:
                     if staging(lag) + budget // ACTIVATION_SHARE <= budget), 0)
     if staging(lag) > budget:
         return Placed(lag, None, costs, staging(lag))
-    vertical = inputs.schedule == "vertical"
     plan = plan_placement(costs, sized.kept, inputs.planned, budget, staging(lag) + budget // ACTIVATION_SHARE,
-                          inputs.schedule, inputs.k, clip_norm=inputs.clip_norm and vertical,
+                          inputs.schedule, inputs.k, clip_norm=inputs.clip_norm,
                           device_room=sized.device_room)
     return Placed(lag, plan, plan.units, crowded=staging(lag) + budget // ACTIVATION_SHARE > budget)
 
@@ -169,10 +168,10 @@ def plan_setup(inputs: SetupInputs, probes: Probes) -> SetupChoice:
     fits = {lpu: p for lpu, p in placed.items() if p.refused_staging_bytes is None}
     # (a size whose staging crowds out the saved activations' share is a candidate only where every one does)
     fits = {lpu: p for lpu, p in fits.items() if not p.crowded} or fits
-    k, vertical = inputs.k, inputs.schedule == "vertical"
+    k = inputs.k
     lpu, scores, fallback = min(inputs.sizes), None, None
     if len(inputs.sizes) > 1 and fits:
-        moved = {lpu: traffic(p.units, inputs.schedule, k, clip_norm=inputs.clip_norm and vertical)
+        moved = {lpu: traffic(p.units, inputs.schedule, k, clip_norm=inputs.clip_norm)
                  for lpu, p in fits.items()}
         moving = any(t.read_bytes + t.write_bytes for t in moved.values())  # (else nothing to measure)
         try:

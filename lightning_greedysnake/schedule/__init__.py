@@ -6,11 +6,15 @@ from lightning_greedysnake.schedule.plan import (
     Plan,
     PlanError,
     ScheduleKind,
+    WindowFacts,
     build_horizontal_plan,
     build_plan,
     build_vertical_plan,
     check_plan,
+    gradient_spills,
+    live_microbatches,
     weight_loads_per_window,
+    window_facts,
 )
 
 __all__ = [
@@ -19,9 +23,13 @@ __all__ = [
     "Plan",
     "PlanError",
     "ScheduleKind",
+    "WindowFacts",
     "build_horizontal_plan",
     "build_plan",
     "build_vertical_plan",
     "check_plan",
+    "gradient_spills",
+    "live_microbatches",
     "weight_loads_per_window",
+    "window_facts",
 ]

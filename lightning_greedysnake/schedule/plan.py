@@ -25,6 +25,7 @@ turn the micro-batch that finished one unit starts the next, so its activation i
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 
@@ -143,7 +144,8 @@ def check_plan(plan: Plan) -> None:
     - every (unit, micro-batch) pair has exactly one forward-side op (F, or L for the last unit) and, below
       the last unit, exactly one B;
     - F u.m comes after F u-1.m; L m after F U-2.m; B U-2.m after L m; B u.m after B u+1.m;
-    - every unit has exactly one O, after all of its unit's backward-side ops (L for the last unit, B else).
+    - every unit has exactly one O, after all of its unit's backward-side ops (L for the last unit, B else);
+    - the fused ops run in micro-batch order.
     """
     last = plan.num_units - 1
     position: dict[tuple[OpKind, int, int | None], int] = {}
@@ -177,6 +179,9 @@ def check_plan(plan: Plan) -> None:
         fused = at(OpKind.FUSED, last, m)
         if last > 0 and fused < at(OpKind.FORWARD, last - 1, m):
             raise PlanError(f"L{last}.{m} runs before F{last - 1}.{m}")
+    fused = [op.microbatch for op in plan.ops if op.kind is OpKind.FUSED]
+    if fused != sorted(fused):  # (each is one training_step, which Lightning calls in micro-batch order)
+        raise PlanError(f"fused ops out of micro-batch order: {fused}")
     for u in range(plan.num_units):
         o = at(OpKind.OPTIMIZER, u, None)
         kind = OpKind.FUSED if u == last else OpKind.BACKWARD
@@ -201,3 +206,62 @@ def weight_loads_per_window(plan: Plan) -> dict[int, int]:
             loads[op.unit] += 1
         previous_unit = op.unit
     return loads
+
+
+def gradient_spills(plan: Plan) -> dict[int, int]:
+    """How many times each unit's gradient is left incomplete: between two of its backward-side ops (B, or
+    L for the last unit) another forward or backward op runs, so the partial sum must wait on its tier.
+    Vertical: 0 (a unit's backward ops run back to back, then its O); horizontal: one fewer than the
+    micro-batches."""
+    runs = {u: 0 for u in range(plan.num_units)}
+    previous: Op | None = None
+    for op in plan.ops:
+        if op.kind is OpKind.OPTIMIZER:
+            continue
+        backward_side = op.kind in (OpKind.BACKWARD, OpKind.FUSED)
+        if backward_side and not (previous is not None and previous.unit == op.unit
+                                  and previous.kind in (OpKind.BACKWARD, OpKind.FUSED)):
+            runs[op.unit] += 1
+        previous = op
+    return {u: max(0, n - 1) for u, n in runs.items()}
+
+
+def live_microbatches(plan: Plan) -> int:
+    """The most micro-batches one unit holds an input (or, keeping graphs, a graph) for at once: from its
+    forward until its backward. Vertical: all of them; horizontal: one."""
+    live = {u: 0 for u in range(plan.num_units)}
+    most = 0
+    for op in plan.ops:
+        if op.kind is OpKind.FORWARD:
+            live[op.unit] += 1
+            most = max(most, live[op.unit])
+        elif op.kind is OpKind.BACKWARD:
+            live[op.unit] -= 1
+    return most
+
+
+@dataclass(frozen=True)
+class WindowFacts:
+    """What a window's order means for the costs, derived from its ops (the planner's and the tensor
+    manager's, never a schedule's name)."""
+
+    weight_loads: tuple[int, ...]
+    """Per unit, the times its weights are brought in (:func:`weight_loads_per_window`)."""
+    gradient_spills: tuple[int, ...]
+    """Per unit, the times its partial gradient waits on its tier (:func:`gradient_spills`)."""
+    live_microbatches: int
+    """:func:`live_microbatches`."""
+
+    @property
+    def completes_gradients_at_once(self) -> bool:
+        """Whether every unit's gradient is complete when its unit is released: none waits partial."""
+        return not any(self.gradient_spills)
+
+
+@functools.cache
+def window_facts(schedule: ScheduleKind | str, num_units: int, num_microbatches: int) -> WindowFacts:
+    """:class:`WindowFacts` of ``schedule``'s window (built once per shape)."""
+    plan = build_plan(schedule, num_units, num_microbatches)
+    loads, spills = weight_loads_per_window(plan), gradient_spills(plan)
+    return WindowFacts(tuple(loads[u] for u in range(num_units)), tuple(spills[u] for u in range(num_units)),
+                       live_microbatches(plan))

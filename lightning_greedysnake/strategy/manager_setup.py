@@ -22,7 +22,7 @@ from lightning_greedysnake.offload.preflight import human_bytes
 from lightning_greedysnake.optim import ClipPolicy
 from lightning_greedysnake.optim.contract import OptimizerContract
 from lightning_greedysnake.planner.plan import ALPHAS
-from lightning_greedysnake.schedule import ScheduleKind
+from lightning_greedysnake.schedule import window_facts
 from lightning_greedysnake.strategy.lightning_api import record_module_device
 from lightning_greedysnake.strategy.offload_dir import OffloadDirectories
 from lightning_greedysnake.strategy.report import frozen_note, kinds_without_bytes
@@ -140,7 +140,8 @@ def deferred_gradients_only(ctx: SetupContext, config: RunConfig, clip: ClipPoli
     order completes each unit's gradient before releasing the unit, and without clipping by the global norm
     its step takes it at once (the user's alpha, or the largest the warm-step plan may choose); None where
     whole gradients wait (the horizontal order, deferred clipping)."""
-    if config.schedule is not ScheduleKind.VERTICAL or clip.defer:
+    # (the order's own character: whether it leaves gradients partial, where it has two units and micro-batches)
+    if not window_facts(config.schedule, 2, 2).completes_gradients_at_once or clip.defer:
         return None
     planned = ctx.settings.auto and "alpha" in ctx.settings.unset()
     return max(ALPHAS) if planned else config.alpha

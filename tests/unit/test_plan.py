@@ -10,7 +10,10 @@ from lightning_greedysnake.schedule import (
     build_plan,
     build_vertical_plan,
     check_plan,
+    gradient_spills,
+    live_microbatches,
     weight_loads_per_window,
+    window_facts,
 )
 
 GOLDEN = {
@@ -106,6 +109,41 @@ def test_checker_catches_missing_and_duplicate_ops():
         check_plan(Plan(ScheduleKind.HORIZONTAL, 2, 2, tuple(ops[1:])))
     with pytest.raises(PlanError, match="twice"):
         check_plan(Plan(ScheduleKind.HORIZONTAL, 2, 2, tuple(ops + ops[:1])))
+
+
+def test_checker_catches_fused_ops_out_of_micro_batch_order():
+    """Each fused op is one training_step, which Lightning calls in micro-batch order: an order that runs them
+    otherwise is a builder's bug (the engine would wait for a training_step that never comes)."""
+    ops = list(build_vertical_plan(1, 3).ops)
+    ops[0], ops[1] = ops[1], ops[0]
+    with pytest.raises(PlanError, match="micro-batch order"):
+        check_plan(Plan(ScheduleKind.VERTICAL, 1, 3, tuple(ops)))
+
+
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+@pytest.mark.parametrize("units", [1, 2, 5])
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_what_an_order_costs_is_derived_from_its_ops(schedule, units, k):
+    """What the planner and the tensor manager rely on, from the op list (never the schedule's name): the
+    weight loads, how often a partial gradient waits, and how many micro-batches' inputs (or graphs) a unit
+    holds at once, as each builder documents them; identical op lists give identical facts."""
+    plan = build_plan(schedule, units, k)
+    facts = window_facts(schedule, units, k)
+    loads = weight_loads_per_window(plan)
+    assert facts.weight_loads == tuple(loads[u] for u in range(units))
+    last = units - 1
+    if schedule == "vertical" or units == 1 or k == 1:
+        # (one unit or one micro-batch: both orders are the same ops)
+        assert facts.weight_loads == (*[2] * last, 1) and facts.completes_gradients_at_once
+        assert facts.live_microbatches == (k if units > 1 else 0)
+    else:
+        assert facts.weight_loads == (k + 1, *[2 * k] * (last - 1), k)
+        assert facts.gradient_spills == (k - 1,) * units and not facts.completes_gradients_at_once
+        assert facts.live_microbatches == 1
+    if units == 1 or k == 1:
+        other = "horizontal" if schedule == "vertical" else "vertical"
+        assert build_plan(other, units, k).ops == plan.ops and window_facts(other, units, k) == facts
+    assert gradient_spills(plan) == dict(enumerate(facts.gradient_spills)) and live_microbatches(plan) == facts.live_microbatches
 
 
 @pytest.mark.parametrize("bad", [(0, 2), (2, 0), (-1, 1)])

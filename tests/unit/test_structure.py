@@ -109,12 +109,13 @@ def test_the_stepper_and_the_tensor_manager_do_not_import_each_other():
 def test_the_planner_reads_no_settings_and_no_tier():
     """``planner/`` is the probes and the arithmetic: the strategy's planning gathers the measurements, the
     model's sizes and the settings and hands them down (setup's plan in one call); nothing of ``planner/``
-    reads them back. It imports nothing of the package but itself, the kinds' names and, for the disk probe,
-    the I/O engine."""
+    reads them back. It imports nothing of the package but itself, the kinds' names, the schedules (pure op
+    lists: what an order costs is derived from its ops, never from its name) and, for the disk probe, the
+    I/O engine."""
     graph = _graph()
     planner = {m for m in graph if m.startswith("lightning_greedysnake.planner")}
     reached = {t for m in planner for t in graph[m]} - planner
-    assert reached <= {"lightning_greedysnake.kinds", "lightning_greedysnake.io"}, reached
+    assert reached <= {"lightning_greedysnake.kinds", "lightning_greedysnake.io", "lightning_greedysnake.schedule"}, reached
     assert "lightning_greedysnake.planner.setup" in planner  # (the check sees the planner's modules)
 
 

@@ -293,7 +293,7 @@ class Planner:
         said = "setup's probe" if measured.disk_measured else "probed now"
         bandwidth = measured.disk(requests(costs, manager.state.num_slots))
         schedule = config.schedule.value
-        moved = traffic(costs, schedule, self.ctx.accumulate, clip_norm=manager.clip.defer and schedule == "vertical")
+        moved = traffic(costs, schedule, self.ctx.accumulate, clip_norm=manager.clip.defer)
         machine = dataclasses.replace(machine_at(costs, moved, bandwidth, lane, manager.state.num_slots),
                                       inline_optimizer_elements_per_s=inline, shared_cores=measured.shared)
         return machine, f"disk ({measured.where}): {machine.disk}, {said}"
