@@ -209,6 +209,27 @@ def test_a_plan_for_kept_graphs_on_ssd_moves_the_saved_activations_there_exactly
     assert max_abs_diff(got, fit(GreedySnakeStrategy(auto=False, offload=ALL_SSD), [])) <= 1e-5
 
 
+def test_kept_graphs_go_to_ssd_only_where_the_disk_was_measured(monkeypatch, tmp_path):
+    """With every kind in host memory the disk is never measured (the plan's machine has unbounded bandwidth):
+    SSD would look free, and kept graphs there would win every tie on memory. They are not offered; with every
+    kind on SSD (the disk measured) they are."""
+    from lightning_greedysnake.strategy.planning import planner as planning
+
+    offered: list[bool] = []
+
+    def record(*args, **kwargs):
+        offered.append(kwargs["graphs_on_ssd"])
+        return plan(*args, **kwargs)
+
+    plan = planning.plan
+    monkeypatch.setattr(planning, "plan", record)
+    # (an offload directory given, as benchmarks/compare.py gives one: nothing placed on it)
+    _fit(GreedySnakeStrategy(offload_dir=tmp_path, offload={kind: "host" for kind in ALL_SSD}))
+    in_ram, offered[:] = list(offered), []
+    _fit(GreedySnakeStrategy(offload=ALL_SSD))
+    assert in_ram and not any(in_ram) and offered and all(offered)  # (every plan the run made)
+
+
 def test_larger_units_predicted_faster_are_suggested_for_the_next_run_and_the_units_stay(monkeypatch, caplog):
     """The files are laid out by the unit size: where the warm-step plan finds larger units faster, the
     report names the ``layers_per_unit`` to set; this run keeps its units. Stand-ins: setup's choice is

@@ -242,9 +242,11 @@ class Planner:
             "lags": lags or (config.lag,),
             "recompute": (True, False) if "recompute" in unset else (config.recompute,),
             "activation_placements": ("ssd" if manager.activations.tier is Tier.SSD else "host",),
-            # kept graphs' saved tensors may go to SSD where saved activations are there, or may go (left to plan)
-            "graphs_on_ssd": manager.activations.tier is Tier.SSD or (
-                bool(manager.offload_dirs) and "offload.activations" in unset and manager.activations.tier is Tier.HOST),
+            # kept graphs' saved tensors may go to SSD where saved activations are there, or may go (left to plan),
+            # and the disk was measured (with nothing else on SSD it was not: an unmeasured disk would look free)
+            "graphs_on_ssd": machine is not None and math.isfinite(machine.read_bytes_per_s) and (
+                manager.activations.tier is Tier.SSD or (bool(manager.offload_dirs) and "offload.activations" in unset
+                                                          and manager.activations.tier is Tier.HOST)),
             "prefetch_units": manager.config.prefetch_units, "schedule": config.schedule.value}
         try:
             choice: Choice | str = disks if machine is None else plan(
