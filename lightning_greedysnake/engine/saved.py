@@ -112,7 +112,7 @@ class KeptGraph:
     which by then holds the same values again (the unit is re-acquired before its backward, and its
     weights are not stepped before their backward is done).
 
-    ``offload`` (saved activations on SSD): every other saved tensor that lies densely in its storage
+    ``offload_on`` (saved activations on SSD: the compute device): every other saved tensor that lies densely in its storage
     (on the compute device) is kept only until the forward ends, when :meth:`seal` copies their bytes into one
     flat blob (each at a :data:`BLOB_ALIGN` boundary, a tensor saved twice once), which the engine hands
     to the store as the unit's saved activation for the micro-batch: written to SSD and read back, one op
